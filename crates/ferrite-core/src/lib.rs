@@ -1,0 +1,12 @@
+//! ferrite-core: requests, the V1 scheduler, the KV block pool, output processing and the
+//! engine loop. Nothing here knows about tensors; the model runner sits behind [`engine::Executor`].
+
+pub mod block_pool;
+pub mod detokenizer;
+pub mod engine;
+pub mod kv_cache_manager;
+pub mod output;
+pub mod request;
+pub mod sampling;
+pub mod scheduler;
+pub mod stop;

@@ -1,0 +1,42 @@
+//! What the engine streams back for each request, and what the runner returns for a step.
+
+use crate::request::{FinishReason, RequestId};
+use std::collections::HashMap;
+
+/// A token's log-probability and its top alternatives (most likely first).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    pub token_id: u32,
+    pub logprob: f32,
+    /// 1-based rank of `token_id` in the distribution.
+    pub rank: usize,
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SampledToken {
+    pub token_id: u32,
+    pub logprobs: Option<TokenLogprob>,
+}
+
+/// The runner's answer to one [`crate::scheduler::SchedulerOutput`].
+#[derive(Clone, Debug, Default)]
+pub struct StepOutput {
+    pub sampled: HashMap<RequestId, SampledToken>,
+    /// Logprobs of the prompt tokens computed this step, in prompt order.
+    pub prompt_logprobs: HashMap<RequestId, Vec<TokenLogprob>>,
+}
+
+/// One streamed piece of a request's result.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RequestOutput {
+    /// Text that became final this step (stop strings and broken UTF-8 held back).
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub logprobs: Vec<TokenLogprob>,
+    /// Sent once, with the first output: entry 0 (the first prompt token) is always `None`.
+    pub prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
+    pub finish_reason: Option<FinishReason>,
+    pub num_prompt_tokens: usize,
+    pub num_output_tokens: usize,
+}

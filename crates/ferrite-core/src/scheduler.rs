@@ -1,0 +1,386 @@
+//! V1-style scheduler: one token budget per step shared by decodes and prefill chunks,
+//! FCFS admission against free KV blocks, preemption by recompute when blocks run out.
+
+use crate::block_pool::BlockId;
+use crate::kv_cache_manager::KvCacheManager;
+use crate::request::{FinishReason, Request, RequestId, RequestStatus};
+use crate::sampling::SamplingParams;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    pub max_num_batched_tokens: usize,
+    pub max_num_seqs: usize,
+    pub max_model_len: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
+/// What the sampler needs for a row that produces a token this step.
+#[derive(Clone, Debug)]
+pub struct SampleSpec {
+    pub params: Arc<SamplingParams>,
+    /// Index of the token about to be generated. With a seed, the draw depends only on
+    /// `(seed, output_index)`, so it is reproducible whatever else shares the step.
+    pub output_index: usize,
+    /// Tokens that must not be sampled yet (EOS and stop ids before `min_tokens`).
+    pub banned_token_ids: Vec<u32>,
+    /// Prompt and output so far, present only when penalties are set.
+    pub penalty_context: Option<(Vec<u32>, Vec<u32>)>,
+}
+
+/// Prompt logprobs to compute for some rows of a prefill chunk.
+#[derive(Clone, Debug)]
+pub struct PromptLogprobSpec {
+    /// Offset of the first row (within this request's chunk) that predicts a prompt token.
+    pub first_row: usize,
+    /// The prompt token each such row predicts.
+    pub targets: Vec<u32>,
+    pub num_alternatives: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct ScheduledRequest {
+    pub req_id: RequestId,
+    /// Tokens fed this step: a prefill chunk or the last sampled token.
+    pub token_ids: Vec<u32>,
+    /// Position of `token_ids[0]`: the number of tokens already in the KV cache.
+    pub start_pos: usize,
+    pub block_table: Vec<BlockId>,
+    /// Present when the step reaches the last known token, so a new token is sampled.
+    pub sample: Option<SampleSpec>,
+    pub prompt_logprobs: Option<PromptLogprobSpec>,
+}
+
+impl ScheduledRequest {
+    /// K/V length after this step.
+    pub fn seq_len(&self) -> usize {
+        self.start_pos + self.token_ids.len()
+    }
+}
+
+/// The only contract between the scheduler and the model runner.
+#[derive(Clone, Debug, Default)]
+pub struct SchedulerOutput {
+    pub requests: Vec<ScheduledRequest>,
+    pub num_batched_tokens: usize,
+    pub preempted: Vec<RequestId>,
+}
+
+impl SchedulerOutput {
+    pub fn is_empty(&self) -> bool {
+        self.requests.is_empty()
+    }
+}
+
+/// A request's change after a step, for the output processor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestUpdate {
+    pub req_id: RequestId,
+    pub new_token: Option<u32>,
+    pub finished: Option<FinishReason>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum AdmissionError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error(
+        "this model's maximum context length is {max_model_len} tokens; the request has \
+         {prompt} prompt tokens and asks for {requested} more ({total} in all)"
+    )]
+    TooLong {
+        max_model_len: usize,
+        prompt: usize,
+        requested: usize,
+        total: usize,
+    },
+    #[error(
+        "the request needs {needed} KV blocks but the whole pool has {available}; \
+         raise --gpu-memory-utilization or --kv-cache-memory"
+    )]
+    TooManyBlocks { needed: usize, available: usize },
+}
+
+pub struct Scheduler {
+    config: SchedulerConfig,
+    kv: KvCacheManager,
+    requests: HashMap<RequestId, Request>,
+    waiting: VecDeque<RequestId>,
+    running: Vec<RequestId>,
+    num_preemptions: u64,
+    /// Per request: rows before this position already had prompt logprobs computed.
+    prompt_logprobs_done: HashMap<RequestId, usize>,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Self {
+        assert!(config.max_num_batched_tokens > 0 && config.max_num_seqs > 0);
+        let kv = KvCacheManager::new(config.num_blocks, config.block_size);
+        Self {
+            config,
+            kv,
+            requests: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            num_preemptions: 0,
+            prompt_logprobs_done: HashMap::new(),
+        }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Resolves the output cap and refuses requests that could never be served.
+    pub fn check_admissible(
+        &self,
+        prompt_len: usize,
+        params: &SamplingParams,
+    ) -> Result<usize, AdmissionError> {
+        if prompt_len == 0 {
+            return Err(AdmissionError::EmptyPrompt);
+        }
+        let max_len = self.config.max_model_len;
+        let requested = params
+            .max_tokens
+            .map(|m| m.max(1) as usize)
+            .unwrap_or_else(|| max_len.saturating_sub(prompt_len).max(1));
+        let total = prompt_len + requested;
+        if total > max_len {
+            return Err(AdmissionError::TooLong {
+                max_model_len: max_len,
+                prompt: prompt_len,
+                requested,
+                total,
+            });
+        }
+        let needed = self.kv.blocks_for_tokens(total);
+        if needed > self.kv.num_blocks() {
+            return Err(AdmissionError::TooManyBlocks {
+                needed,
+                available: self.kv.num_blocks(),
+            });
+        }
+        Ok(requested)
+    }
+
+    pub fn add_request(&mut self, req: Request) {
+        let id = req.id;
+        assert!(
+            self.requests.insert(id, req).is_none(),
+            "request {id} added twice"
+        );
+        self.waiting.push_back(id);
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    pub fn num_preemptions(&self) -> u64 {
+        self.num_preemptions
+    }
+
+    pub fn kv_usage(&self) -> f64 {
+        self.kv.usage()
+    }
+
+    pub fn num_free_blocks(&self) -> usize {
+        self.kv.num_free_blocks()
+    }
+
+    pub fn request(&self, id: RequestId) -> Option<&Request> {
+        self.requests.get(&id)
+    }
+
+    pub fn running_ids(&self) -> &[RequestId] {
+        &self.running
+    }
+
+    pub fn waiting_ids(&self) -> impl Iterator<Item = &RequestId> {
+        self.waiting.iter()
+    }
+
+    /// Builds the next step. Running requests first (decodes and unfinished prefills, in
+    /// admission order), then waiting requests FCFS while budget, seats and blocks allow.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut planned: Vec<(RequestId, usize)> = Vec::new();
+        let mut preempted = Vec::new();
+
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let req = &self.requests[&id];
+            let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
+            let target = req.num_computed_tokens + num_new;
+            let mut scheduled = true;
+            while !self.kv.allocate_slots(id, target) {
+                // Preempt the newest running request; if that is this one, it waits.
+                let victim = self.running.pop().expect("running is not empty");
+                self.preempt(victim);
+                preempted.push(victim);
+                if victim == id {
+                    scheduled = false;
+                    break;
+                }
+            }
+            if !scheduled {
+                break;
+            }
+            planned.push((id, num_new));
+            budget -= num_new;
+            i += 1;
+        }
+
+        // vLLM V1 admits nothing new in a step that had to preempt.
+        if preempted.is_empty() {
+            while let Some(&id) = self.waiting.front() {
+                if budget == 0 || self.running.len() >= self.config.max_num_seqs {
+                    break;
+                }
+                let req = &self.requests[&id];
+                let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
+                if !self.kv.allocate_slots(id, req.num_computed_tokens + num_new) {
+                    break; // FCFS: the head of the queue waits for blocks, nobody overtakes it
+                }
+                self.waiting.pop_front();
+                self.requests.get_mut(&id).unwrap().status = RequestStatus::Running;
+                self.running.push(id);
+                planned.push((id, num_new));
+                budget -= num_new;
+            }
+        }
+
+        let requests = planned
+            .into_iter()
+            .map(|(id, n)| self.scheduled_request(id, n))
+            .collect();
+        SchedulerOutput {
+            requests,
+            num_batched_tokens: self.config.max_num_batched_tokens - budget,
+            preempted,
+        }
+    }
+
+    fn scheduled_request(&mut self, id: RequestId, num_new: usize) -> ScheduledRequest {
+        let req = &self.requests[&id];
+        let start = req.num_computed_tokens;
+        let token_ids: Vec<u32> = (start..start + num_new).map(|i| req.token_at(i)).collect();
+        let sample = (start + num_new == req.num_tokens()).then(|| {
+            let p = &req.params;
+            let banned = if req.output_token_ids.len() < p.min_tokens() {
+                let mut b = p.stop_token_ids.clone();
+                if !p.ignore_eos {
+                    b.extend(req.eos_token_ids.iter().copied());
+                }
+                b
+            } else {
+                Vec::new()
+            };
+            SampleSpec {
+                params: p.clone(),
+                output_index: req.output_token_ids.len(),
+                banned_token_ids: banned,
+                penalty_context: p
+                    .has_penalties()
+                    .then(|| (req.prompt_token_ids.clone(), req.output_token_ids.clone())),
+            }
+        });
+        let prompt_logprobs = req.params.prompt_logprobs.and_then(|k| {
+            let prompt_len = req.num_prompt_tokens();
+            let done = self.prompt_logprobs_done.get(&id).copied().unwrap_or(0);
+            let first = start.max(done);
+            let end = (start + num_new).min(prompt_len.saturating_sub(1));
+            (first < end).then(|| PromptLogprobSpec {
+                first_row: first - start,
+                targets: req.prompt_token_ids[first + 1..end + 1].to_vec(),
+                num_alternatives: k as usize,
+            })
+        });
+        if let Some(spec) = &prompt_logprobs {
+            self.prompt_logprobs_done
+                .insert(id, start + spec.first_row + spec.targets.len());
+        }
+        ScheduledRequest {
+            req_id: id,
+            token_ids,
+            start_pos: start,
+            block_table: self.kv.block_table(id).to_vec(),
+            sample,
+            prompt_logprobs,
+        }
+    }
+
+    fn preempt(&mut self, id: RequestId) {
+        self.kv.free(id);
+        let req = self.requests.get_mut(&id).unwrap();
+        req.status = RequestStatus::Preempted;
+        req.num_computed_tokens = 0;
+        req.num_preemptions += 1;
+        self.num_preemptions += 1;
+        self.waiting.push_front(id);
+    }
+
+    /// Applies a step's results: advances progress, appends sampled tokens, finishes
+    /// requests that hit EOS, a stop id or a length limit.
+    pub fn update(
+        &mut self,
+        output: &SchedulerOutput,
+        sampled: &HashMap<RequestId, u32>,
+    ) -> Vec<RequestUpdate> {
+        let mut updates = Vec::with_capacity(output.requests.len());
+        for s in &output.requests {
+            let Some(req) = self.requests.get_mut(&s.req_id) else {
+                continue; // finished by an abort while the step ran
+            };
+            req.num_computed_tokens += s.token_ids.len();
+            let new_token = sampled.get(&s.req_id).copied();
+            let mut finished = None;
+            if let Some(t) = new_token {
+                req.output_token_ids.push(t);
+                finished = req.check_stop(self.config.max_model_len);
+            }
+            updates.push(RequestUpdate {
+                req_id: s.req_id,
+                new_token,
+                finished,
+            });
+            if let Some(reason) = finished {
+                self.finish(s.req_id, reason);
+            }
+        }
+        updates
+    }
+
+    /// Ends a request (stop string, abort, or a stop condition) and frees its blocks.
+    /// Returns the request if it was still known.
+    pub fn finish(&mut self, id: RequestId, reason: FinishReason) -> Option<Request> {
+        let mut req = self.requests.remove(&id)?;
+        req.status = RequestStatus::Finished(reason);
+        self.kv.free(id);
+        self.running.retain(|&r| r != id);
+        self.waiting.retain(|&r| r != id);
+        self.prompt_logprobs_done.remove(&id);
+        Some(req)
+    }
+
+    /// Blocks owned by live requests (for leak checks).
+    pub fn num_blocks_in_use(&self) -> usize {
+        self.kv.num_blocks() - self.kv.num_free_blocks()
+    }
+
+    pub fn block_table(&self, id: RequestId) -> &[BlockId] {
+        self.kv.block_table(id)
+    }
+}

@@ -1,0 +1,84 @@
+//! Chat templates (Jinja, as Hugging Face writes them) rendered with minijinja and its
+//! Python-compatibility methods (`.strip()`, `.items()`, ...).
+
+use anyhow::{anyhow, Result};
+use minijinja::{Environment, ErrorKind, Value};
+use serde::Serialize;
+
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+fn raise_exception(msg: String) -> Result<Value, minijinja::Error> {
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+}
+
+impl ChatTemplate {
+    pub fn new(source: &str, bos_token: String, eos_token: String) -> Result<Self> {
+        let mut env = Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.add_template_owned("chat", source.to_string())
+            .map_err(|e| anyhow!("invalid chat template: {e}"))?;
+        Ok(Self {
+            env,
+            bos_token,
+            eos_token,
+        })
+    }
+
+    /// Renders `messages` (any serializable list) with extra template variables.
+    pub fn render<M: Serialize>(
+        &self,
+        messages: &M,
+        add_generation_prompt: bool,
+        extra: Value,
+    ) -> Result<String> {
+        let tmpl = self.env.get_template("chat")?;
+        let ctx = minijinja::context! {
+            messages => Value::from_serialize(messages),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.clone(),
+            eos_token => self.eos_token.clone(),
+            ..extra
+        };
+        tmpl.render(ctx)
+            .map_err(|e| anyhow!("chat template failed: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_hf_style_template_with_python_methods() {
+        let src = "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'].strip() }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
+        let t = ChatTemplate::new(src, "<s>".into(), "</s>".into()).unwrap();
+        let msgs = vec![ChatMessage {
+            role: "user".into(),
+            content: "  hi  ".into(),
+        }];
+        let out = t.render(&msgs, true, Value::UNDEFINED).unwrap();
+        assert_eq!(out, "<|user|>hi\n<|assistant|>");
+    }
+
+    #[test]
+    fn raise_exception_becomes_an_error() {
+        let t = ChatTemplate::new("{{ raise_exception('no system role') }}", "".into(), "".into())
+            .unwrap();
+        let e = t.render(&Vec::<ChatMessage>::new(), true, Value::UNDEFINED).unwrap_err();
+        assert!(e.to_string().contains("no system role"));
+    }
+}

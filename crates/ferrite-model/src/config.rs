@@ -1,0 +1,94 @@
+//! Model hyper-parameters read from GGUF metadata, for the Llama family.
+
+use crate::gguf::GgufFile;
+use anyhow::{bail, Result};
+
+/// How rotary embedding pairs dimensions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs (2i, 2i+1): llama.cpp's converter permutes Llama Q/K weights for this.
+    Interleaved,
+    /// Halves (i, i + d/2): GPT-NeoX style, used as-is by Qwen2 GGUFs.
+    Neox,
+}
+
+#[derive(Clone, Debug)]
+pub struct ModelConfig {
+    pub architecture: String,
+    pub num_layers: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub rope_dim: usize,
+    pub rope_style: RopeStyle,
+    pub context_length: usize,
+    pub sliding_window: Option<usize>,
+}
+
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2"];
+
+impl ModelConfig {
+    pub fn from_gguf(g: &GgufFile) -> Result<Self> {
+        let arch = g.string("general.architecture")?;
+        if !SUPPORTED_ARCHITECTURES.contains(&arch.as_str()) {
+            bail!(
+                "unsupported model architecture `{arch}` in {} (supported: {})",
+                g.path.display(),
+                SUPPORTED_ARCHITECTURES.join(", ")
+            );
+        }
+        let key = |k: &str| format!("{arch}.{k}");
+        let hidden_size = g.usize(&key("embedding_length"))?;
+        let num_heads = g.usize(&key("attention.head_count"))?;
+        let num_kv_heads = g
+            .opt_u64(&key("attention.head_count_kv"))
+            .map_or(num_heads, |v| v as usize);
+        if num_heads % num_kv_heads != 0 {
+            bail!("{num_heads} attention heads are not a multiple of {num_kv_heads} KV heads");
+        }
+        let head_dim = g
+            .opt_u64(&key("attention.key_length"))
+            .map_or(hidden_size / num_heads, |v| v as usize);
+        let vocab_size = g
+            .opt_u64(&key("vocab_size"))
+            .map(|v| v as usize)
+            .or_else(|| g.string_array("tokenizer.ggml.tokens").ok().map(|t| t.len()))
+            .unwrap_or(0);
+        Ok(Self {
+            num_layers: g.usize(&key("block_count"))?,
+            hidden_size,
+            intermediate_size: g.usize(&key("feed_forward_length"))?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size,
+            rms_norm_eps: g
+                .opt_f32(&key("attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-5),
+            rope_theta: g.opt_f32(&key("rope.freq_base")).unwrap_or(10_000.0),
+            rope_dim: g
+                .opt_u64(&key("rope.dimension_count"))
+                .map_or(head_dim, |v| v as usize),
+            rope_style: if arch == "qwen2" {
+                RopeStyle::Neox
+            } else {
+                RopeStyle::Interleaved
+            },
+            context_length: g.usize(&key("context_length")).unwrap_or(4096),
+            sliding_window: g
+                .opt_u64(&key("attention.sliding_window"))
+                .map(|v| v as usize),
+            architecture: arch,
+        })
+    }
+
+    /// K and V bytes of one token across all layers, at `elem_bytes` per element.
+    pub fn kv_bytes_per_token(&self, elem_bytes: usize) -> usize {
+        2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_bytes
+    }
+}

@@ -1,0 +1,137 @@
+//! A GGUF file: metadata accessors and tensor loading through candle's quantized tensors.
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::quantized::{gguf_file, QTensor};
+use candle_core::Device;
+use std::fs::File;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+
+pub struct GgufFile {
+    pub path: PathBuf,
+    pub content: gguf_file::Content,
+    reader: BufReader<File>,
+}
+
+impl GgufFile {
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        let mut reader = BufReader::new(file);
+        let content = gguf_file::Content::read(&mut reader)
+            .map_err(|e| anyhow!("{} is not a readable GGUF file: {e}", path.display()))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            content,
+            reader,
+        })
+    }
+
+    pub fn get(&self, key: &str) -> Option<&gguf_file::Value> {
+        self.content.metadata.get(key)
+    }
+
+    pub fn string(&self, key: &str) -> Result<String> {
+        self.get(key)
+            .ok_or_else(|| anyhow!("GGUF metadata `{key}` is missing"))?
+            .to_string()
+            .map(|s| s.clone())
+            .map_err(|e| anyhow!("GGUF metadata `{key}`: {e}"))
+    }
+
+    pub fn opt_string(&self, key: &str) -> Option<String> {
+        self.get(key).and_then(|v| v.to_string().ok().cloned())
+    }
+
+    /// Any integer type, as GGUF writers differ in which one they use.
+    pub fn opt_u64(&self, key: &str) -> Option<u64> {
+        use gguf_file::Value::*;
+        Some(match self.get(key)? {
+            U8(v) => *v as u64,
+            I8(v) => *v as u64,
+            U16(v) => *v as u64,
+            I16(v) => *v as u64,
+            U32(v) => *v as u64,
+            I32(v) => *v as u64,
+            U64(v) => *v,
+            I64(v) => *v as u64,
+            _ => return None,
+        })
+    }
+
+    pub fn usize(&self, key: &str) -> Result<usize> {
+        self.opt_u64(key)
+            .map(|v| v as usize)
+            .ok_or_else(|| anyhow!("GGUF metadata `{key}` is missing or not an integer"))
+    }
+
+    pub fn opt_f32(&self, key: &str) -> Option<f32> {
+        use gguf_file::Value::*;
+        match self.get(key)? {
+            F32(v) => Some(*v),
+            F64(v) => Some(*v as f32),
+            _ => None,
+        }
+    }
+
+    pub fn opt_bool(&self, key: &str) -> Option<bool> {
+        self.get(key).and_then(|v| v.to_bool().ok())
+    }
+
+    pub fn string_array(&self, key: &str) -> Result<Vec<String>> {
+        let arr = self
+            .get(key)
+            .ok_or_else(|| anyhow!("GGUF metadata `{key}` is missing"))?
+            .to_vec()
+            .map_err(|e| anyhow!("GGUF metadata `{key}`: {e}"))?;
+        arr.iter()
+            .map(|v| {
+                v.to_string()
+                    .cloned()
+                    .map_err(|e| anyhow!("`{key}`: {e}"))
+            })
+            .collect()
+    }
+
+    pub fn f32_array(&self, key: &str) -> Option<Vec<f32>> {
+        let arr = self.get(key)?.to_vec().ok()?;
+        arr.iter().map(|v| v.to_f32().ok()).collect()
+    }
+
+    pub fn u64_array(&self, key: &str) -> Option<Vec<u64>> {
+        use gguf_file::Value::*;
+        let arr = self.get(key)?.to_vec().ok()?;
+        arr.iter()
+            .map(|v| match v {
+                I32(x) => Some(*x as u64),
+                U32(x) => Some(*x as u64),
+                I64(x) => Some(*x as u64),
+                U64(x) => Some(*x),
+                U8(x) => Some(*x as u64),
+                I8(x) => Some(*x as u64),
+                _ => None,
+            })
+            .collect()
+    }
+
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
+
+    pub fn tensor(&mut self, name: &str, device: &Device) -> Result<QTensor> {
+        if !self.has_tensor(name) {
+            bail!("{}: tensor `{name}` is missing", self.path.display());
+        }
+        self.content
+            .tensor(&mut self.reader, name, device)
+            .map_err(|e| anyhow!("{}: cannot read `{name}`: {e}", self.path.display()))
+    }
+
+    /// Bytes of all tensor data as stored.
+    pub fn tensor_bytes(&self) -> usize {
+        self.content
+            .tensor_infos
+            .values()
+            .map(|t| t.shape.elem_count() / t.ggml_dtype.block_size() * t.ggml_dtype.type_size())
+            .sum()
+    }
+}

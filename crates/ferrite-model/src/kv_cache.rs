@@ -1,0 +1,78 @@
+//! The paged KV cache: one K and one V buffer per layer, `[num_blocks, block_size, kv_heads,
+//! head_dim]`, allocated once at start-up and never resized.
+
+use rayon::prelude::*;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheShape {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl CacheShape {
+    /// Elements of one token's K (or V) row.
+    pub fn row(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    pub fn elems_per_layer(&self) -> usize {
+        self.num_blocks * self.block_size * self.row()
+    }
+}
+
+pub struct LayerCache {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+pub struct KvCache {
+    pub shape: CacheShape,
+    pub layers: Vec<LayerCache>,
+}
+
+impl KvCache {
+    pub fn new(shape: CacheShape, num_layers: usize) -> Self {
+        let n = shape.elems_per_layer();
+        let layers = (0..num_layers)
+            .map(|_| LayerCache {
+                k: vec![0.0; n],
+                v: vec![0.0; n],
+            })
+            .collect();
+        Self { shape, layers }
+    }
+
+    pub fn bytes_per_block(shape_block: usize, row: usize, num_layers: usize) -> usize {
+        2 * num_layers * shape_block * row * std::mem::size_of::<f32>()
+    }
+}
+
+/// Writes each new token's K/V row (`[T, kv_heads * head_dim]`) into its slot.
+pub fn write_kv(layer: &mut LayerCache, k: &[f32], v: &[f32], slot_mapping: &[u32], row: usize) {
+    let (kc, vc) = (&mut layer.k, &mut layer.v);
+    rayon::join(
+        || scatter(kc, k, slot_mapping, row),
+        || scatter(vc, v, slot_mapping, row),
+    );
+}
+
+fn scatter(cache: &mut [f32], src: &[f32], slots: &[u32], row: usize) {
+    for (t, &slot) in slots.iter().enumerate() {
+        let s = slot as usize * row;
+        cache[s..s + row].copy_from_slice(&src[t * row..(t + 1) * row]);
+    }
+}
+
+/// Zeroes nothing and touches every page, so the pool's memory is resident from the start
+/// and RSS does not grow with load.
+pub fn prefault(cache: &mut KvCache) {
+    cache.layers.par_iter_mut().for_each(|l| {
+        for buf in [&mut l.k, &mut l.v] {
+            for chunk in buf.chunks_mut(1024) {
+                chunk[0] = 0.0;
+            }
+        }
+    });
+}

@@ -1,0 +1,17 @@
+//! ferrite-model: weights and tokenizer from GGUF, the packed Llama-family forward pass,
+//! the paged KV cache and attention, the memory budget, the sampler and the model runner.
+
+pub mod attention;
+pub mod chat_template;
+pub mod config;
+pub mod gguf;
+pub mod kv_cache;
+pub mod linear;
+pub mod loader;
+pub mod llama;
+pub mod memory;
+pub mod ops;
+pub mod runner;
+pub mod sampler;
+pub mod step;
+pub mod tokenizer;

@@ -1,0 +1,231 @@
+//! The Llama family (SmolLM, Llama 2/3, Mistral, Qwen2 with its QKV bias) as one packed
+//! forward pass: every token-wise layer runs on `[T, hidden]`; attention is the paged
+//! varlen op; the LM head runs only on the rows in `logits_indices`.
+
+use crate::attention::{paged_attention, AttentionMeta, AttentionParams};
+use crate::config::ModelConfig;
+use crate::gguf::GgufFile;
+use crate::kv_cache::{write_kv, KvCache};
+use crate::linear::{Linear, WeightFormat};
+use crate::ops::{add_in_place, rms_norm, silu_mul, RopeTable};
+use crate::step::PackedStep;
+use anyhow::{bail, Result};
+use candle_core::quantized::QTensor;
+use candle_core::Device;
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    /// Q|K|V rows fused when their types match, else three separate projections.
+    qkv: Vec<Linear>,
+    qkv_bias: Option<Vec<f32>>,
+    o: Linear,
+    ffn_norm: Vec<f32>,
+    gate_up: Vec<Linear>,
+    down: Linear,
+}
+
+pub struct LlamaModel {
+    pub config: ModelConfig,
+    embedding: Vec<f32>,
+    layers: Vec<Layer>,
+    final_norm: Vec<f32>,
+    lm_head: Linear,
+    rope: RopeTable,
+    weight_bytes: usize,
+}
+
+fn f32_vec(t: QTensor) -> Result<Vec<f32>> {
+    Ok(t.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?)
+}
+
+/// Projections that read the same input: one fused matmul when possible.
+fn projections(parts: Vec<QTensor>, format: WeightFormat) -> Result<Vec<Linear>> {
+    let refs: Vec<&QTensor> = parts.iter().collect();
+    if Linear::can_fuse(&refs) {
+        Ok(vec![Linear::fused(parts, format)?])
+    } else {
+        parts.into_iter().map(|p| Linear::new(p, format)).collect()
+    }
+}
+
+impl LlamaModel {
+    /// Loads every tensor; `progress` is told after each layer.
+    pub fn load(
+        gguf: &mut GgufFile,
+        format: WeightFormat,
+        max_positions: usize,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<Self> {
+        let config = ModelConfig::from_gguf(gguf)?;
+        let dev = Device::Cpu;
+        let embd = gguf.tensor("token_embd.weight", &dev)?;
+        let (vocab, hidden) = embd.shape().dims2()?;
+        if hidden != config.hidden_size {
+            bail!("token_embd is {hidden} wide, metadata says {}", config.hidden_size);
+        }
+        let lm_head_q = if gguf.has_tensor("output.weight") {
+            gguf.tensor("output.weight", &dev)?
+        } else {
+            // Tied embeddings: the LM head reuses the embedding matrix.
+            gguf.tensor("token_embd.weight", &dev)?
+        };
+        let embedding = f32_vec(embd)?;
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for i in 0..config.num_layers {
+            let mut t = |n: &str| gguf.tensor(&format!("blk.{i}.{n}"), &dev);
+            let q = t("attn_q.weight")?;
+            let k = t("attn_k.weight")?;
+            let v = t("attn_v.weight")?;
+            let qkv_bias = match t("attn_q.bias") {
+                Ok(qb) => {
+                    let mut b = f32_vec(qb)?;
+                    b.extend(f32_vec(t("attn_k.bias")?)?);
+                    b.extend(f32_vec(t("attn_v.bias")?)?);
+                    Some(b)
+                }
+                Err(_) => None,
+            };
+            layers.push(Layer {
+                attn_norm: f32_vec(t("attn_norm.weight")?)?,
+                qkv: projections(vec![q, k, v], format)?,
+                qkv_bias,
+                o: Linear::new(t("attn_output.weight")?, format)?,
+                ffn_norm: f32_vec(t("ffn_norm.weight")?)?,
+                gate_up: projections(vec![t("ffn_gate.weight")?, t("ffn_up.weight")?], format)?,
+                down: Linear::new(t("ffn_down.weight")?, format)?,
+            });
+            progress(i + 1, config.num_layers);
+        }
+        let final_norm = f32_vec(gguf.tensor("output_norm.weight", &dev)?)?;
+        let lm_head = Linear::new(lm_head_q, format)?;
+        let rope = RopeTable::new(
+            config.rope_dim,
+            config.rope_theta,
+            max_positions,
+            config.rope_style,
+        );
+        let mut weight_bytes = embedding.len() * 4 + final_norm.len() * 4 + lm_head.bytes();
+        for l in &layers {
+            weight_bytes += l.qkv.iter().chain(&l.gate_up).map(Linear::bytes).sum::<usize>()
+                + l.o.bytes()
+                + l.down.bytes()
+                + (l.attn_norm.len() + l.ffn_norm.len()) * 4
+                + l.qkv_bias.as_ref().map_or(0, |b| b.len() * 4);
+        }
+        let mut config = config;
+        config.vocab_size = vocab;
+        Ok(Self {
+            config,
+            embedding,
+            layers,
+            final_norm,
+            lm_head,
+            rope,
+            weight_bytes,
+        })
+    }
+
+    /// Bytes the weights occupy in memory.
+    pub fn max_positions(&self) -> usize {
+        self.rope.max_positions()
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    /// Runs the packed step; returns `[logits_indices.len(), vocab]` logits, row-major.
+    pub fn forward(&self, step: &PackedStep, cache: &mut KvCache) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let t = step.num_tokens();
+        let (h, d) = (c.hidden_size, c.head_dim);
+        let (q_w, kv_w) = (c.num_heads * d, c.num_kv_heads * d);
+        if let Some(&p) = step.positions.iter().max() {
+            if p as usize >= self.rope.max_positions() {
+                bail!("position {p} is beyond the model's {} positions", self.rope.max_positions());
+            }
+        }
+        let mut x = vec![0f32; t * h];
+        for (row, &id) in x.chunks_mut(h).zip(&step.input_ids) {
+            if id as usize >= c.vocab_size {
+                bail!("token id {id} is outside the vocabulary of {}", c.vocab_size);
+            }
+            row.copy_from_slice(&self.embedding[id as usize * h..][..h]);
+        }
+        let meta = AttentionMeta {
+            cu_seqlens_q: &step.cu_seqlens_q,
+            seq_lens_k: &step.seq_lens_k,
+            block_tables: &step.block_tables,
+            max_blocks: step.max_blocks,
+            block_size: cache.shape.block_size,
+        };
+        let params = AttentionParams {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            sliding_window: c.sliding_window,
+            softcap: None,
+        };
+        let mut normed = vec![0f32; t * h];
+        let mut attn = vec![0f32; t * q_w];
+        let mut act = vec![0f32; t * c.intermediate_size];
+        for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
+            let mut qkv = concat_outputs(&layer.qkv, &normed, t)?;
+            if let Some(b) = &layer.qkv_bias {
+                qkv.chunks_mut(b.len())
+                    .for_each(|r| r.iter_mut().zip(b).for_each(|(v, b)| *v += b));
+            }
+            let (mut q, mut k, v) = split_qkv(&qkv, t, q_w, kv_w);
+            self.rope.apply(&mut q, &step.positions, c.num_heads, d);
+            self.rope.apply(&mut k, &step.positions, c.num_kv_heads, d);
+            write_kv(lc, &k, &v, &step.slot_mapping, kv_w);
+            paged_attention(&q, &lc.k, &lc.v, &meta, &params, &mut attn);
+            add_in_place(&mut x, &layer.o.forward(&attn, t)?);
+
+            rms_norm(&x, &layer.ffn_norm, c.rms_norm_eps, &mut normed);
+            let gate_up = concat_outputs(&layer.gate_up, &normed, t)?;
+            silu_mul(&gate_up, c.intermediate_size, &mut act);
+            add_in_place(&mut x, &layer.down.forward(&act, t)?);
+        }
+        let rows = step.logits_indices.len();
+        let mut sel = vec![0f32; rows * h];
+        for (dst, &i) in sel.chunks_mut(h).zip(&step.logits_indices) {
+            dst.copy_from_slice(&x[i as usize * h..][..h]);
+        }
+        let mut sel_normed = vec![0f32; rows * h];
+        rms_norm(&sel, &self.final_norm, c.rms_norm_eps, &mut sel_normed);
+        self.lm_head.forward(&sel_normed, rows)
+    }
+}
+
+/// Runs projections on the same input and lays their outputs side by side per row.
+fn concat_outputs(parts: &[Linear], x: &[f32], t: usize) -> Result<Vec<f32>> {
+    if let [one] = parts {
+        return one.forward(x, t);
+    }
+    let outs: Vec<Vec<f32>> = parts.iter().map(|p| p.forward(x, t)).collect::<Result<_>>()?;
+    let width: usize = parts.iter().map(Linear::out_features).sum();
+    let mut y = Vec::with_capacity(t * width);
+    for r in 0..t {
+        for (o, p) in outs.iter().zip(parts) {
+            let n = p.out_features();
+            y.extend_from_slice(&o[r * n..(r + 1) * n]);
+        }
+    }
+    Ok(y)
+}
+
+fn split_qkv(qkv: &[f32], t: usize, q_w: usize, kv_w: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let w = q_w + 2 * kv_w;
+    let mut q = Vec::with_capacity(t * q_w);
+    let mut k = Vec::with_capacity(t * kv_w);
+    let mut v = Vec::with_capacity(t * kv_w);
+    for r in qkv.chunks(w) {
+        q.extend_from_slice(&r[..q_w]);
+        k.extend_from_slice(&r[q_w..q_w + kv_w]);
+        v.extend_from_slice(&r[q_w + kv_w..]);
+    }
+    (q, k, v)
+}

@@ -1,0 +1,145 @@
+//! Start-up: load weights and tokenizer, profile the activation peak, size the KV pool,
+//! and hand back a runner and the scheduler's configuration.
+
+use crate::config::ModelConfig;
+use crate::gguf::GgufFile;
+use crate::kv_cache::{prefault, CacheShape, KvCache};
+use crate::linear::WeightFormat;
+use crate::llama::LlamaModel;
+use crate::memory::{self, MemoryPlan, PlanInputs};
+use crate::runner::ModelRunner;
+use crate::step::PackedStep;
+use crate::tokenizer::ModelTokenizer;
+use anyhow::{bail, Result};
+use ferrite_core::scheduler::SchedulerConfig;
+use std::path::PathBuf;
+
+/// Engine settings, named after vLLM's flags.
+#[derive(Clone, Debug)]
+pub struct EngineArgs {
+    pub model: PathBuf,
+    pub max_model_len: Option<usize>,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub block_size: usize,
+    pub gpu_memory_utilization: f64,
+    pub kv_cache_memory: Option<u64>,
+    pub seed: Option<u64>,
+    pub weight_format: WeightFormat,
+}
+
+/// On the CPU the "device" is the whole machine's RAM, shared with everything else.
+pub const DEFAULT_CPU_MEMORY_UTILIZATION: f64 = 0.25;
+
+impl EngineArgs {
+    pub fn new(model: impl Into<PathBuf>) -> Self {
+        Self {
+            model: model.into(),
+            max_model_len: None,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 512,
+            block_size: 16,
+            gpu_memory_utilization: DEFAULT_CPU_MEMORY_UTILIZATION,
+            kv_cache_memory: None,
+            seed: None,
+            weight_format: WeightFormat::Native,
+        }
+    }
+}
+
+pub struct LoadedEngine {
+    pub runner: ModelRunner,
+    pub tokenizer: ModelTokenizer,
+    pub scheduler: SchedulerConfig,
+    pub plan: MemoryPlan,
+    pub config: ModelConfig,
+}
+
+/// Loads everything. `progress(done, total)` follows weight loading.
+pub fn load(args: &EngineArgs, progress: impl FnMut(usize, usize)) -> Result<LoadedEngine> {
+    if args.block_size == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
+        bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be positive");
+    }
+    let mut gguf = GgufFile::open(&args.model)?;
+    let config = ModelConfig::from_gguf(&gguf)?;
+    let tokenizer = ModelTokenizer::load(&gguf)?;
+    let max_model_len = args.max_model_len.unwrap_or(config.context_length);
+    if max_model_len == 0 {
+        bail!("--max-model-len must be positive");
+    }
+    if max_model_len > config.context_length {
+        tracing::warn!(
+            "--max-model-len {max_model_len} exceeds the model's trained context of {}",
+            config.context_length
+        );
+    }
+    let model = LlamaModel::load(&mut gguf, args.weight_format, max_model_len, progress)?;
+    let activation_bytes = profile_activations(&model, args.max_num_batched_tokens, args.block_size)?;
+    let row = config.num_kv_heads * config.head_dim;
+    let bytes_per_block = KvCache::bytes_per_block(args.block_size, row, config.num_layers) as u64;
+    let plan = memory::plan(&PlanInputs {
+        device_bytes: memory::physical_memory_bytes()?,
+        utilization: args.gpu_memory_utilization,
+        kv_cache_memory: args.kv_cache_memory,
+        weight_bytes: model.weight_bytes() as u64,
+        activation_bytes,
+        bytes_per_block,
+        block_size: args.block_size,
+        max_model_len,
+        max_num_seqs: args.max_num_seqs,
+    })?;
+    let shape = CacheShape {
+        num_blocks: plan.num_blocks,
+        block_size: args.block_size,
+        num_kv_heads: config.num_kv_heads,
+        head_dim: config.head_dim,
+    };
+    let mut cache = KvCache::new(shape, config.num_layers);
+    prefault(&mut cache);
+    let scheduler = SchedulerConfig {
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_num_seqs: args.max_num_seqs,
+        max_model_len,
+        block_size: args.block_size,
+        num_blocks: plan.num_blocks,
+    };
+    Ok(LoadedEngine {
+        runner: ModelRunner::new(model, cache, args.seed),
+        tokenizer,
+        scheduler,
+        plan,
+        config,
+    })
+}
+
+/// Peak extra memory of one step at the full token budget, measured by running it.
+fn profile_activations(model: &LlamaModel, tokens: usize, block_size: usize) -> Result<u64> {
+    let c = &model.config;
+    let tokens = tokens.min(model.max_positions());
+    let blocks = tokens.div_ceil(block_size);
+    let shape = CacheShape {
+        num_blocks: blocks,
+        block_size,
+        num_kv_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+    };
+    let mut scratch = KvCache::new(shape, c.num_layers);
+    prefault(&mut scratch);
+    let mut step = PackedStep::default();
+    let ids: Vec<u32> = (0..tokens as u32).map(|i| i % c.vocab_size as u32).collect();
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    step.push(&ids, 0, &table, block_size);
+    step.logits_indices.push(tokens as u32 - 1);
+    step.finish();
+    let before = memory::rss_bytes();
+    let measured = memory::reset_peak_rss();
+    model.forward(&step, &mut scratch)?;
+    let peak = memory::peak_rss_bytes();
+    Ok(if measured && peak > before {
+        peak - before
+    } else {
+        // Without a resettable peak counter, estimate from the buffers a step allocates.
+        let h = c.hidden_size.max(c.num_heads * c.head_dim);
+        (tokens * (6 * h + 3 * c.intermediate_size) * 4 + c.vocab_size * 4) as u64
+    })
+}

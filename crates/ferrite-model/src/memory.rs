@@ -1,0 +1,231 @@
+//! The memory budget: device memory x utilization, minus weights and the profiled activation
+//! peak, gives the KV pool, sized once at start-up.
+
+use anyhow::{bail, Context, Result};
+use std::fmt;
+
+/// Physical RAM, or the cgroup limit when that is lower (containers).
+pub fn physical_memory_bytes() -> Result<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
+    let kb: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("MemTotal missing from /proc/meminfo")?;
+    let mut total = kb * 1024;
+    if let Ok(limit) = std::fs::read_to_string("/sys/fs/cgroup/memory.max") {
+        if let Ok(l) = limit.trim().parse::<u64>() {
+            total = total.min(l);
+        }
+    }
+    Ok(total)
+}
+
+fn status_kb(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix(field))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// Resident set size now.
+pub fn rss_bytes() -> u64 {
+    status_kb("VmRSS:") * 1024
+}
+
+/// Peak resident set size since start or the last [`reset_peak_rss`].
+pub fn peak_rss_bytes() -> u64 {
+    status_kb("VmHWM:") * 1024
+}
+
+/// Resets the kernel's peak-RSS mark so a profiling run measures only itself.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+#[derive(Clone, Debug)]
+pub struct MemoryPlan {
+    pub device_bytes: u64,
+    pub utilization: f64,
+    pub budget_bytes: u64,
+    pub weight_bytes: u64,
+    pub activation_bytes: u64,
+    pub kv_bytes: u64,
+    pub bytes_per_block: u64,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub max_model_len: usize,
+    /// True when `--kv-cache-memory` set the pool directly.
+    pub explicit_kv: bool,
+    /// True when the pool was capped at what `max_num_seqs` full-length requests can use.
+    pub capped: bool,
+}
+
+pub struct PlanInputs {
+    pub device_bytes: u64,
+    pub utilization: f64,
+    pub kv_cache_memory: Option<u64>,
+    pub weight_bytes: u64,
+    pub activation_bytes: u64,
+    pub bytes_per_block: u64,
+    pub block_size: usize,
+    pub max_model_len: usize,
+    pub max_num_seqs: usize,
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+pub fn plan(i: &PlanInputs) -> Result<MemoryPlan> {
+    if !(i.utilization > 0.0 && i.utilization <= 1.0) {
+        bail!("--gpu-memory-utilization must be in (0, 1], got {}", i.utilization);
+    }
+    let budget = (i.device_bytes as f64 * i.utilization) as u64;
+    let kv_bytes = match i.kv_cache_memory {
+        Some(b) => b,
+        None => {
+            let used = i.weight_bytes + i.activation_bytes;
+            if used >= budget {
+                bail!(
+                    "the memory budget is {:.2} GiB ({:.0}% of {:.2} GiB) but weights take {:.2} GiB \
+                     and activations {:.2} GiB, leaving nothing for the KV cache; raise \
+                     --gpu-memory-utilization or set --kv-cache-memory",
+                    budget as f64 / GIB,
+                    i.utilization * 100.0,
+                    i.device_bytes as f64 / GIB,
+                    i.weight_bytes as f64 / GIB,
+                    i.activation_bytes as f64 / GIB
+                );
+            }
+            budget - used
+        }
+    };
+    let mut num_blocks = (kv_bytes / i.bytes_per_block) as usize;
+    let blocks_per_request = i.max_model_len.div_ceil(i.block_size);
+    if num_blocks < blocks_per_request {
+        let need = blocks_per_request as u64 * i.bytes_per_block;
+        bail!(
+            "the KV cache holds {} tokens ({num_blocks} blocks of {}, {:.1} MiB) but one request \
+             of --max-model-len {} needs {} blocks ({:.1} MiB); lower --max-model-len to at most \
+             {}, or give the cache at least {need} bytes (--kv-cache-memory {need}, or a higher \
+             --gpu-memory-utilization)",
+            num_blocks * i.block_size,
+            i.block_size,
+            kv_bytes as f64 / (1 << 20) as f64,
+            i.max_model_len,
+            blocks_per_request,
+            need as f64 / (1 << 20) as f64,
+            num_blocks * i.block_size,
+        );
+    }
+    // More blocks than max_num_seqs full-length requests can ever hold would sit unused.
+    let useful = blocks_per_request * i.max_num_seqs;
+    let capped = i.kv_cache_memory.is_none() && num_blocks > useful;
+    if capped {
+        num_blocks = useful;
+    }
+    Ok(MemoryPlan {
+        device_bytes: i.device_bytes,
+        utilization: i.utilization,
+        budget_bytes: budget,
+        weight_bytes: i.weight_bytes,
+        activation_bytes: i.activation_bytes,
+        kv_bytes: num_blocks as u64 * i.bytes_per_block,
+        bytes_per_block: i.bytes_per_block,
+        block_size: i.block_size,
+        num_blocks,
+        max_model_len: i.max_model_len,
+        explicit_kv: i.kv_cache_memory.is_some(),
+        capped,
+    })
+}
+
+impl MemoryPlan {
+    pub fn kv_tokens(&self) -> usize {
+        self.num_blocks * self.block_size
+    }
+
+    pub fn max_concurrency(&self) -> f64 {
+        self.kv_tokens() as f64 / self.max_model_len as f64
+    }
+}
+
+impl fmt::Display for MemoryPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "KV cache: {} blocks x {} tokens = {} tokens ({:.2} GiB); max concurrency at \
+             max_model_len {}: {:.2}x; budget {:.2} GiB = {:.2} x {:.2} GiB, weights {:.2} GiB, \
+             activations {:.3} GiB",
+            self.num_blocks,
+            self.block_size,
+            self.kv_tokens(),
+            self.kv_bytes as f64 / GIB,
+            self.max_model_len,
+            self.max_concurrency(),
+            self.budget_bytes as f64 / GIB,
+            self.utilization,
+            self.device_bytes as f64 / GIB,
+            self.weight_bytes as f64 / GIB,
+            self.activation_bytes as f64 / GIB,
+        )?;
+        if self.explicit_kv {
+            write!(f, " (pool set by --kv-cache-memory)")?;
+        }
+        if self.capped {
+            write!(f, " (capped at max_num_seqs full-length requests)")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inputs() -> PlanInputs {
+        PlanInputs {
+            device_bytes: 8 << 30,
+            utilization: 0.5,
+            kv_cache_memory: None,
+            weight_bytes: 1 << 30,
+            activation_bytes: 1 << 28,
+            bytes_per_block: 1 << 20,
+            block_size: 16,
+            max_model_len: 4096,
+            max_num_seqs: 1000,
+        }
+    }
+
+    #[test]
+    fn pool_is_budget_minus_weights_and_activations() {
+        let p = plan(&inputs()).unwrap();
+        assert_eq!(p.num_blocks, ((4u64 << 30) - (1 << 30) - (1 << 28)) as usize >> 20);
+        assert_eq!(p.kv_tokens(), p.num_blocks * 16);
+    }
+
+    #[test]
+    fn too_small_budget_names_the_numbers_and_a_fix() {
+        let mut i = inputs();
+        i.kv_cache_memory = Some(10 << 20);
+        let e = plan(&i).unwrap_err().to_string();
+        assert!(e.contains("--max-model-len 4096") && e.contains("256 blocks"), "{e}");
+        assert!(e.contains("lower --max-model-len to at most 160"), "{e}");
+        i.kv_cache_memory = None;
+        i.utilization = 0.1;
+        let e = plan(&i).unwrap_err().to_string();
+        assert!(e.contains("raise --gpu-memory-utilization"), "{e}");
+    }
+
+    #[test]
+    fn pool_is_capped_at_what_max_num_seqs_can_use() {
+        let mut i = inputs();
+        i.max_num_seqs = 2;
+        let p = plan(&i).unwrap();
+        assert!(p.capped);
+        assert_eq!(p.num_blocks, 2 * 256);
+    }
+}

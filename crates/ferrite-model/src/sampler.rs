@@ -1,0 +1,207 @@
+//! Turns a row of logits into a token: penalties, bans, greedy or temperature / top-k /
+//! top-p / min-p sampling, and logprobs of the model's raw distribution.
+
+use ferrite_core::output::{SampledToken, TokenLogprob};
+use ferrite_core::scheduler::SampleSpec;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
+
+pub struct Sampler {
+    /// Draws for requests without a seed; seeded once from `--seed` when given.
+    rng: StdRng,
+}
+
+/// SplitMix64: spreads (seed, index) into independent RNG seeds.
+fn mix(seed: u64, index: u64) -> u64 {
+    let mut z = seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl Sampler {
+    pub fn new(seed: Option<u64>) -> Self {
+        Self {
+            rng: match seed {
+                Some(s) => StdRng::seed_from_u64(s),
+                None => StdRng::from_os_rng(),
+            },
+        }
+    }
+
+    pub fn sample(&mut self, logits: &mut [f32], spec: &SampleSpec) -> SampledToken {
+        let p = &spec.params;
+        // Logprobs describe the model's raw distribution, before bans and penalties.
+        let raw = p.logprobs.map(|k| {
+            let lse = log_sum_exp(logits);
+            (top_k_logprobs(logits, k as usize, lse), logits.to_vec(), lse)
+        });
+        for &b in &spec.banned_token_ids {
+            if let Some(l) = logits.get_mut(b as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        if let Some((prompt, output)) = &spec.penalty_context {
+            apply_penalties(
+                logits,
+                prompt,
+                output,
+                p.repetition_penalty,
+                p.presence_penalty,
+                p.frequency_penalty,
+            );
+        }
+        let token = if p.is_greedy() {
+            argmax(logits)
+        } else {
+            let u: f32 = match p.seed {
+                Some(seed) => {
+                    StdRng::seed_from_u64(mix(seed, spec.output_index as u64)).random()
+                }
+                None => self.rng.random(),
+            };
+            draw(logits, p.temperature, p.top_k(), p.top_p, p.min_p, u)
+        };
+        SampledToken {
+            token_id: token,
+            logprobs: raw.map(|(top, row, lse)| {
+                let (logprob, rank) = logprob_and_rank(&row, token, lse);
+                TokenLogprob {
+                    token_id: token,
+                    logprob,
+                    rank,
+                    top,
+                }
+            }),
+        }
+    }
+}
+
+pub fn log_sum_exp(x: &[f32]) -> f32 {
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !m.is_finite() {
+        return m;
+    }
+    m + x.iter().map(|v| (v - m).exp()).sum::<f32>().ln()
+}
+
+/// The `k` most likely tokens with their logprobs, most likely first (ties: lower id first).
+pub fn top_k_logprobs(logits: &[f32], k: usize, lse: f32) -> Vec<(u32, f32)> {
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let cmp = |a: &u32, b: &u32| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    if k < idx.len() && k > 0 {
+        idx.select_nth_unstable_by(k - 1, cmp);
+        idx.truncate(k);
+    }
+    idx.sort_by(cmp);
+    idx.truncate(k);
+    idx.into_iter().map(|i| (i, logits[i as usize] - lse)).collect()
+}
+
+/// Logprob and 1-based rank of `token` in `logits`.
+pub fn logprob_and_rank(logits: &[f32], token: u32, lse: f32) -> (f32, usize) {
+    let v = logits[token as usize];
+    let rank = 1 + logits
+        .iter()
+        .enumerate()
+        .filter(|&(i, &l)| l > v || (l == v && (i as u32) < token))
+        .count();
+    (v - lse, rank)
+}
+
+pub fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn apply_penalties(
+    logits: &mut [f32],
+    prompt: &[u32],
+    output: &[u32],
+    repetition: f32,
+    presence: f32,
+    frequency: f32,
+) {
+    if repetition != 1.0 {
+        let mut seen = vec![false; logits.len()];
+        for &t in prompt.iter().chain(output) {
+            let t = t as usize;
+            if t < logits.len() && !seen[t] {
+                seen[t] = true;
+                let l = &mut logits[t];
+                *l = if *l > 0.0 { *l / repetition } else { *l * repetition };
+            }
+        }
+    }
+    if presence != 0.0 || frequency != 0.0 {
+        let mut counts: HashMap<u32, usize> = HashMap::new();
+        for &t in output {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, n) in counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= frequency * n as f32 + presence;
+            }
+        }
+    }
+}
+
+/// Samples with `u` in [0, 1) from the tempered distribution restricted by top-k, top-p, min-p.
+fn draw(logits: &[f32], temperature: f32, top_k: Option<usize>, top_p: f32, min_p: f32, u: f32) -> u32 {
+    let inv_t = 1.0 / temperature;
+    let mut cand: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.is_finite())
+        .map(|(i, &l)| (i as u32, l * inv_t))
+        .collect();
+    if cand.is_empty() {
+        return argmax(logits);
+    }
+    let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    if let Some(k) = top_k {
+        if k < cand.len() {
+            cand.select_nth_unstable_by(k - 1, by_logit);
+            cand.truncate(k);
+        }
+    }
+    cand.sort_by(by_logit);
+    let m = cand[0].1;
+    let mut probs: Vec<f32> = cand.iter().map(|c| (c.1 - m).exp()).collect();
+    let total: f32 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= total);
+    let mut keep = probs.len();
+    if top_p < 1.0 {
+        let mut acc = 0.0;
+        for (i, p) in probs.iter().enumerate() {
+            acc += p;
+            if acc >= top_p {
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    if min_p > 0.0 {
+        let floor = probs[0] * min_p;
+        keep = keep.min(probs.iter().take_while(|&&p| p >= floor).count().max(1));
+    }
+    let mass: f32 = probs[..keep].iter().sum();
+    let mut target = u * mass;
+    for i in 0..keep {
+        target -= probs[i];
+        if target < 0.0 {
+            return cand[i].0;
+        }
+    }
+    cand[keep - 1].0
+}

@@ -1,0 +1,80 @@
+//! Shared set-up for the model tests: the real test model, fetched by the project's script.
+
+#![allow(dead_code)]
+
+use ferrite_model::gguf::GgufFile;
+use ferrite_model::kv_cache::{CacheShape, KvCache};
+use ferrite_model::linear::WeightFormat;
+use ferrite_model::llama::LlamaModel;
+use ferrite_model::step::PackedStep;
+use std::path::PathBuf;
+use std::process::Command;
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Path of the SmolLM2 GGUF, fetched (and checksummed) by `scripts/fetch-model.sh`.
+pub fn model_path() -> PathBuf {
+    let out = Command::new("bash")
+        .arg(repo_root().join("scripts/fetch-model.sh"))
+        .arg("smollm2")
+        .output()
+        .expect("run scripts/fetch-model.sh");
+    assert!(
+        out.status.success(),
+        "fetch-model.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+pub fn load_model(format: WeightFormat) -> LlamaModel {
+    let mut g = GgufFile::open(&model_path()).unwrap();
+    LlamaModel::load(&mut g, format, 4096, |_, _| {}).unwrap()
+}
+
+pub fn cache_for(model: &LlamaModel, num_blocks: usize, block_size: usize) -> KvCache {
+    let c = &model.config;
+    KvCache::new(
+        CacheShape {
+            num_blocks,
+            block_size,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        },
+        c.num_layers,
+    )
+}
+
+/// Logits of every position of `tokens`, run as one prefill in a fresh cache.
+pub fn all_logits(model: &LlamaModel, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let bs = 16;
+    let blocks = tokens.len().div_ceil(bs);
+    let mut cache = cache_for(model, blocks, bs);
+    let mut step = PackedStep::default();
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    step.push(tokens, 0, &table, bs);
+    step.logits_indices = (0..tokens.len() as u32).collect();
+    step.finish();
+    let v = model.config.vocab_size;
+    model
+        .forward(&step, &mut cache)
+        .unwrap()
+        .chunks(v)
+        .map(|r| r.to_vec())
+        .collect()
+}
+
+pub fn fixture() -> serde_json::Value {
+    let p = repo_root().join("tests/oracle/smollm2_fixture.json");
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}

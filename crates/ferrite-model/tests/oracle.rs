@@ -1,0 +1,50 @@
+//! Teacher-forced agreement with Hugging Face transformers (f32, same GGUF): the fixture was
+//! written by `tests/oracle/make_fixture.py`; this test only reads it.
+
+mod common;
+
+use common::*;
+use ferrite_model::linear::WeightFormat;
+use ferrite_model::sampler::{argmax, log_sum_exp};
+
+/// (top-1 agreement, mean |logprob difference| of the oracle's top token), over all positions.
+fn agreement(format: WeightFormat) -> (f64, f64, usize) {
+    let model = load_model(format);
+    let fx = fixture();
+    let (mut agree, mut diff, mut n) = (0usize, 0f64, 0usize);
+    for rec in fx["teacher_forced"].as_array().unwrap() {
+        let tokens = ids(&rec["token_ids"]);
+        let top1 = ids(&rec["top1"]);
+        let top1_lp: Vec<f64> = rec["top1_logprob"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        for (i, row) in all_logits(&model, &tokens).iter().enumerate() {
+            let lse = log_sum_exp(row);
+            agree += (argmax(row) == top1[i]) as usize;
+            diff += ((row[top1[i] as usize] - lse) as f64 - top1_lp[i]).abs();
+            n += 1;
+        }
+    }
+    (agree as f64 / n as f64, diff / n as f64, n)
+}
+
+fn check(format: WeightFormat) {
+    let (top1, lp, n) = agreement(format);
+    println!("{format:?}: top-1 agreement {:.2}% over {n} positions, mean |dlogprob| {lp:.4}", top1 * 100.0);
+    assert!(n >= 300, "fixture too small: {n}");
+    assert!(top1 >= 0.96, "top-1 agreement {top1:.4} < 0.96");
+    assert!(lp <= 0.05, "mean logprob difference {lp:.4} > 0.05");
+}
+
+#[test]
+fn native_quantized_weights_agree_with_transformers() {
+    check(WeightFormat::Native);
+}
+
+#[test]
+fn f32_weights_agree_with_transformers() {
+    check(WeightFormat::F32);
+}

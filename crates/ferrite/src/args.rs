@@ -1,0 +1,115 @@
+//! Command-line flags shared by the subcommands, named as vLLM names them.
+
+use clap::Args;
+use ferrite_core::sampling::SamplingParams;
+use ferrite_model::linear::WeightFormat;
+use ferrite_model::loader::{EngineArgs, DEFAULT_CPU_MEMORY_UTILIZATION};
+use std::path::PathBuf;
+
+#[derive(Args, Debug, Clone)]
+pub struct EngineFlags {
+    /// Path to a GGUF model file.
+    pub model: PathBuf,
+    /// Longest prompt + output in tokens (default: the model's context length).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Most requests in one step.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Token budget of one step, shared by prefill chunks and decodes.
+    #[arg(long, default_value_t = 512)]
+    pub max_num_batched_tokens: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Share of device memory for weights, activations and the KV cache (on CPU: of RAM).
+    #[arg(long, default_value_t = DEFAULT_CPU_MEMORY_UTILIZATION)]
+    pub gpu_memory_utilization: f64,
+    /// Size the KV cache directly, in bytes (overrides --gpu-memory-utilization).
+    #[arg(long)]
+    pub kv_cache_memory: Option<u64>,
+    /// Seed of the engine's random draws for requests without their own seed.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Keep weights as stored (`native`) or dequantize them to f32 at load (`f32`).
+    #[arg(long, default_value = "native", value_parser = parse_weight_format)]
+    pub weight_format: WeightFormat,
+}
+
+fn parse_weight_format(s: &str) -> Result<WeightFormat, String> {
+    match s {
+        "native" => Ok(WeightFormat::Native),
+        "f32" => Ok(WeightFormat::F32),
+        _ => Err(format!("unknown weight format `{s}` (native, f32)")),
+    }
+}
+
+impl EngineFlags {
+    pub fn engine_args(&self) -> EngineArgs {
+        EngineArgs {
+            model: self.model.clone(),
+            max_model_len: self.max_model_len,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            block_size: self.block_size,
+            gpu_memory_utilization: self.gpu_memory_utilization,
+            kv_cache_memory: self.kv_cache_memory,
+            seed: self.seed,
+            weight_format: self.weight_format,
+        }
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct SamplingFlags {
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
+    pub top_k: i64,
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub repetition_penalty: f32,
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
+    #[arg(long, default_value_t = 256, allow_negative_numbers = true)]
+    pub max_tokens: i64,
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    pub min_tokens: i64,
+    /// Per-request seed (reproducible whatever else runs).
+    #[arg(long = "sampling-seed")]
+    pub sampling_seed: Option<u64>,
+    /// Stop string; repeat for several.
+    #[arg(long)]
+    pub stop: Vec<String>,
+    #[arg(long)]
+    pub stop_token_ids: Vec<u32>,
+    #[arg(long)]
+    pub ignore_eos: bool,
+}
+
+impl SamplingFlags {
+    pub fn params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            seed: self.sampling_seed,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            max_tokens: Some(self.max_tokens),
+            min_tokens: self.min_tokens,
+            stop: self.stop.clone(),
+            stop_token_ids: self.stop_token_ids.clone(),
+            ignore_eos: self.ignore_eos,
+            ..SamplingParams::default()
+        }
+    }
+}

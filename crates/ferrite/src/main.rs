@@ -1,0 +1,41 @@
+//! ferrite: an LLM serving engine in one binary.
+
+mod args;
+mod generate;
+mod start;
+
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser)]
+#[command(name = "ferrite", version, about = "An LLM serving engine in one binary")]
+struct Cli {
+    /// Log level (error, warn, info, debug, trace).
+    #[arg(long, global = true, default_value = "info")]
+    log_level: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a completion for one prompt, streamed to stdout.
+    Generate(generate::GenerateArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&cli.log_level)),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match cli.command {
+        Command::Generate(a) => generate::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,54 @@
+//! Loads a model with a progress bar and starts the engine thread.
+
+use crate::args::EngineFlags;
+use anyhow::Result;
+use ferrite_core::engine::EngineHandle;
+use ferrite_model::loader::{self, LoadedEngine};
+use ferrite_model::tokenizer::ModelTokenizer;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::sync::Arc;
+
+pub struct Started {
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<ModelTokenizer>,
+}
+
+pub fn start(flags: &EngineFlags) -> Result<Started> {
+    let bar = ProgressBar::new(0).with_style(
+        ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers")
+            .unwrap()
+            .progress_chars("=> "),
+    );
+    bar.set_message(flags.model.display().to_string());
+    let loaded = loader::load(&flags.engine_args(), |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    });
+    bar.finish_and_clear();
+    let LoadedEngine {
+        runner,
+        tokenizer,
+        scheduler,
+        plan,
+        config,
+    } = loaded?;
+    tracing::info!(
+        "model {} ({}, {} layers, {} heads / {} KV heads), backend cpu ({} threads), max_model_len {}",
+        flags.model.display(),
+        config.architecture,
+        config.num_layers,
+        config.num_heads,
+        config.num_kv_heads,
+        rayon::current_num_threads(),
+        scheduler.max_model_len
+    );
+    tracing::info!("{plan}");
+    let tokenizer = Arc::new(tokenizer);
+    let engine = EngineHandle::spawn(
+        scheduler,
+        runner,
+        Arc::new(tokenizer.tokenizer.clone()),
+        tokenizer.eos_token_ids.clone(),
+    );
+    Ok(Started { engine, tokenizer })
+}
