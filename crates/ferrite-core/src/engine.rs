@@ -35,7 +35,10 @@ pub enum EngineError {
 impl EngineError {
     /// True for errors caused by the request itself (HTTP 400), false for server faults.
     pub fn is_client_error(&self) -> bool {
-        matches!(self, EngineError::InvalidParams(_) | EngineError::Admission(_))
+        matches!(
+            self,
+            EngineError::InvalidParams(_) | EngineError::Admission(_)
+        )
     }
 }
 

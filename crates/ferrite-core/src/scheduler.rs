@@ -251,7 +251,10 @@ impl Scheduler {
                 }
                 let req = &self.requests[&id];
                 let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
-                if !self.kv.allocate_slots(id, req.num_computed_tokens + num_new) {
+                if !self
+                    .kv
+                    .allocate_slots(id, req.num_computed_tokens + num_new)
+                {
                     break; // FCFS: the head of the queue waits for blocks, nobody overtakes it
                 }
                 self.waiting.pop_front();

@@ -46,7 +46,11 @@ impl StopStrings {
             })
             .min();
         if let Some((pos, len)) = hit {
-            let end = if self.include_in_output { pos + len } else { pos };
+            let end = if self.include_in_output {
+                pos + len
+            } else {
+                pos
+            };
             let out = self.text[self.emitted..end.max(self.emitted)].to_string();
             self.emitted = self.text.len();
             return StopCheck {
@@ -131,10 +135,7 @@ mod tests {
 
     #[test]
     fn earliest_of_several_stops_wins_and_multibyte_is_safe() {
-        assert_eq!(
-            run(&["ü!", "b"], false, &["aü", "!b"]),
-            ("a".into(), true)
-        );
+        assert_eq!(run(&["ü!", "b"], false, &["aü", "!b"]), ("a".into(), true));
         assert_eq!(run(&["éé"], false, &["xé", "y"]), ("xéy".into(), false));
     }
 }

@@ -57,7 +57,19 @@ pub fn paged_attention(
             let first = p.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
             let table = &meta.block_tables[b * meta.max_blocks..(b + 1) * meta.max_blocks];
             let qs = &q[(t * p.num_heads + kvh * group) * d..][..group * d];
-            attend_group(qs, k_cache, v_cache, table, first, pos + 1, row, kvh * d, meta.block_size, p, o);
+            attend_group(
+                qs,
+                k_cache,
+                v_cache,
+                table,
+                first,
+                pos + 1,
+                row,
+                kvh * d,
+                meta.block_size,
+                p,
+                o,
+            );
         });
 }
 
@@ -79,7 +91,10 @@ fn attend_group(
     let d = p.head_dim;
     let group = qs.len() / d;
     const MAX_GROUP: usize = 16;
-    assert!(group <= MAX_GROUP, "GQA group of {group} heads is not supported");
+    assert!(
+        group <= MAX_GROUP,
+        "GQA group of {group} heads is not supported"
+    );
     let mut m = [f32::NEG_INFINITY; MAX_GROUP];
     let mut l = [0f32; MAX_GROUP];
     out.fill(0.0);

@@ -76,9 +76,15 @@ mod tests {
 
     #[test]
     fn raise_exception_becomes_an_error() {
-        let t = ChatTemplate::new("{{ raise_exception('no system role') }}", "".into(), "".into())
-            .unwrap();
-        let e = t.render(&Vec::<ChatMessage>::new(), true, Value::UNDEFINED).unwrap_err();
+        let t = ChatTemplate::new(
+            "{{ raise_exception('no system role') }}",
+            "".into(),
+            "".into(),
+        )
+        .unwrap();
+        let e = t
+            .render(&Vec::<ChatMessage>::new(), true, Value::UNDEFINED)
+            .unwrap_err();
         assert!(e.to_string().contains("no system role"));
     }
 }

@@ -57,7 +57,11 @@ impl ModelConfig {
         let vocab_size = g
             .opt_u64(&key("vocab_size"))
             .map(|v| v as usize)
-            .or_else(|| g.string_array("tokenizer.ggml.tokens").ok().map(|t| t.len()))
+            .or_else(|| {
+                g.string_array("tokenizer.ggml.tokens")
+                    .ok()
+                    .map(|t| t.len())
+            })
             .unwrap_or(0);
         Ok(Self {
             num_layers: g.usize(&key("block_count"))?,

@@ -34,7 +34,7 @@ impl GgufFile {
         self.get(key)
             .ok_or_else(|| anyhow!("GGUF metadata `{key}` is missing"))?
             .to_string()
-            .map(|s| s.clone())
+            .cloned()
             .map_err(|e| anyhow!("GGUF metadata `{key}`: {e}"))
     }
 
@@ -84,11 +84,7 @@ impl GgufFile {
             .to_vec()
             .map_err(|e| anyhow!("GGUF metadata `{key}`: {e}"))?;
         arr.iter()
-            .map(|v| {
-                v.to_string()
-                    .cloned()
-                    .map_err(|e| anyhow!("`{key}`: {e}"))
-            })
+            .map(|v| v.to_string().cloned().map_err(|e| anyhow!("`{key}`: {e}")))
             .collect()
     }
 

@@ -8,11 +8,28 @@ use candle_core::{Device, Module, Tensor};
 /// How weights are kept in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum WeightFormat {
-    /// As stored in the file (quantized blocks), matmul through candle's quantized kernels.
+    /// `F32` when the dequantized weights stay under [`AUTO_F32_LIMIT_BYTES`], else `Native`.
     #[default]
+    Auto,
+    /// As stored in the file (quantized blocks), matmul through candle's quantized kernels.
     Native,
     /// Dequantized to f32 at load: exact weights, candle's f32 GEMM.
     F32,
+}
+
+/// Largest f32 weight set `Auto` picks: candle's f32 GEMM batches rows (prefill, batched
+/// decode) far better than its quantized CPU kernels, at 4-8x the memory.
+pub const AUTO_F32_LIMIT_BYTES: u64 = 4 << 30;
+
+impl WeightFormat {
+    /// Resolves `Auto` for a model of `params` weights.
+    pub fn resolve(self, params: u64) -> Self {
+        match self {
+            WeightFormat::Auto if params * 4 <= AUTO_F32_LIMIT_BYTES => WeightFormat::F32,
+            WeightFormat::Auto => WeightFormat::Native,
+            f => f,
+        }
+    }
 }
 
 pub struct Linear {
@@ -26,12 +43,14 @@ impl Linear {
     pub fn new(w: QTensor, format: WeightFormat) -> Result<Self> {
         let (out_features, in_features) = w.shape().dims2()?;
         let inner = match format {
-            WeightFormat::Native => QMatMul::from_qtensor(w)?,
+            WeightFormat::Native | WeightFormat::Auto => QMatMul::from_qtensor(w)?,
             WeightFormat::F32 => QMatMul::Tensor(w.dequantize(&Device::Cpu)?),
         };
         let bytes = match &inner {
             QMatMul::QTensor(q) => q.storage_size_in_bytes(),
-            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => {
+                t.elem_count() * t.dtype().size_in_bytes()
+            }
         };
         Ok(Self {
             inner,

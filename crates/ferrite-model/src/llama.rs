@@ -26,6 +26,8 @@ struct Layer {
 
 pub struct LlamaModel {
     pub config: ModelConfig,
+    /// The weight format in use (`Auto` resolved).
+    pub format: WeightFormat,
     embedding: Vec<f32>,
     layers: Vec<Layer>,
     final_norm: Vec<f32>,
@@ -57,11 +59,21 @@ impl LlamaModel {
         mut progress: impl FnMut(usize, usize),
     ) -> Result<Self> {
         let config = ModelConfig::from_gguf(gguf)?;
+        let params: usize = gguf
+            .content
+            .tensor_infos
+            .values()
+            .map(|t| t.shape.elem_count())
+            .sum();
+        let format = format.resolve(params as u64);
         let dev = Device::Cpu;
         let embd = gguf.tensor("token_embd.weight", &dev)?;
         let (vocab, hidden) = embd.shape().dims2()?;
         if hidden != config.hidden_size {
-            bail!("token_embd is {hidden} wide, metadata says {}", config.hidden_size);
+            bail!(
+                "token_embd is {hidden} wide, metadata says {}",
+                config.hidden_size
+            );
         }
         let lm_head_q = if gguf.has_tensor("output.weight") {
             gguf.tensor("output.weight", &dev)?
@@ -106,7 +118,12 @@ impl LlamaModel {
         );
         let mut weight_bytes = embedding.len() * 4 + final_norm.len() * 4 + lm_head.bytes();
         for l in &layers {
-            weight_bytes += l.qkv.iter().chain(&l.gate_up).map(Linear::bytes).sum::<usize>()
+            weight_bytes += l
+                .qkv
+                .iter()
+                .chain(&l.gate_up)
+                .map(Linear::bytes)
+                .sum::<usize>()
                 + l.o.bytes()
                 + l.down.bytes()
                 + (l.attn_norm.len() + l.ffn_norm.len()) * 4
@@ -116,6 +133,7 @@ impl LlamaModel {
         config.vocab_size = vocab;
         Ok(Self {
             config,
+            format,
             embedding,
             layers,
             final_norm,
@@ -142,13 +160,19 @@ impl LlamaModel {
         let (q_w, kv_w) = (c.num_heads * d, c.num_kv_heads * d);
         if let Some(&p) = step.positions.iter().max() {
             if p as usize >= self.rope.max_positions() {
-                bail!("position {p} is beyond the model's {} positions", self.rope.max_positions());
+                bail!(
+                    "position {p} is beyond the model's {} positions",
+                    self.rope.max_positions()
+                );
             }
         }
         let mut x = vec![0f32; t * h];
         for (row, &id) in x.chunks_mut(h).zip(&step.input_ids) {
             if id as usize >= c.vocab_size {
-                bail!("token id {id} is outside the vocabulary of {}", c.vocab_size);
+                bail!(
+                    "token id {id} is outside the vocabulary of {}",
+                    c.vocab_size
+                );
             }
             row.copy_from_slice(&self.embedding[id as usize * h..][..h]);
         }
@@ -205,7 +229,10 @@ fn concat_outputs(parts: &[Linear], x: &[f32], t: usize) -> Result<Vec<f32>> {
     if let [one] = parts {
         return one.forward(x, t);
     }
-    let outs: Vec<Vec<f32>> = parts.iter().map(|p| p.forward(x, t)).collect::<Result<_>>()?;
+    let outs: Vec<Vec<f32>> = parts
+        .iter()
+        .map(|p| p.forward(x, t))
+        .collect::<Result<_>>()?;
     let width: usize = parts.iter().map(Linear::out_features).sum();
     let mut y = Vec::with_capacity(t * width);
     for r in 0..t {

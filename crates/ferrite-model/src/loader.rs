@@ -42,7 +42,7 @@ impl EngineArgs {
             gpu_memory_utilization: DEFAULT_CPU_MEMORY_UTILIZATION,
             kv_cache_memory: None,
             seed: None,
-            weight_format: WeightFormat::Native,
+            weight_format: WeightFormat::Auto,
         }
     }
 }
@@ -74,7 +74,8 @@ pub fn load(args: &EngineArgs, progress: impl FnMut(usize, usize)) -> Result<Loa
         );
     }
     let model = LlamaModel::load(&mut gguf, args.weight_format, max_model_len, progress)?;
-    let activation_bytes = profile_activations(&model, args.max_num_batched_tokens, args.block_size)?;
+    let activation_bytes =
+        profile_activations(&model, args.max_num_batched_tokens, args.block_size)?;
     let row = config.num_kv_heads * config.head_dim;
     let bytes_per_block = KvCache::bytes_per_block(args.block_size, row, config.num_layers) as u64;
     let plan = memory::plan(&PlanInputs {
@@ -126,7 +127,9 @@ fn profile_activations(model: &LlamaModel, tokens: usize, block_size: usize) -> 
     let mut scratch = KvCache::new(shape, c.num_layers);
     prefault(&mut scratch);
     let mut step = PackedStep::default();
-    let ids: Vec<u32> = (0..tokens as u32).map(|i| i % c.vocab_size as u32).collect();
+    let ids: Vec<u32> = (0..tokens as u32)
+        .map(|i| i % c.vocab_size as u32)
+        .collect();
     let table: Vec<u32> = (0..blocks as u32).collect();
     step.push(&ids, 0, &table, block_size);
     step.logits_indices.push(tokens as u32 - 1);

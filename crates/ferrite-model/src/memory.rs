@@ -81,7 +81,10 @@ const GIB: f64 = (1u64 << 30) as f64;
 
 pub fn plan(i: &PlanInputs) -> Result<MemoryPlan> {
     if !(i.utilization > 0.0 && i.utilization <= 1.0) {
-        bail!("--gpu-memory-utilization must be in (0, 1], got {}", i.utilization);
+        bail!(
+            "--gpu-memory-utilization must be in (0, 1], got {}",
+            i.utilization
+        );
     }
     let budget = (i.device_bytes as f64 * i.utilization) as u64;
     let kv_bytes = match i.kv_cache_memory {
@@ -203,7 +206,10 @@ mod tests {
     #[test]
     fn pool_is_budget_minus_weights_and_activations() {
         let p = plan(&inputs()).unwrap();
-        assert_eq!(p.num_blocks, ((4u64 << 30) - (1 << 30) - (1 << 28)) as usize >> 20);
+        assert_eq!(
+            p.num_blocks,
+            ((4u64 << 30) - (1 << 30) - (1 << 28)) as usize >> 20
+        );
         assert_eq!(p.kv_tokens(), p.num_blocks * 16);
     }
 
@@ -212,7 +218,10 @@ mod tests {
         let mut i = inputs();
         i.kv_cache_memory = Some(10 << 20);
         let e = plan(&i).unwrap_err().to_string();
-        assert!(e.contains("--max-model-len 4096") && e.contains("256 blocks"), "{e}");
+        assert!(
+            e.contains("--max-model-len 4096") && e.contains("256 blocks"),
+            "{e}"
+        );
         assert!(e.contains("lower --max-model-len to at most 160"), "{e}");
         i.kv_cache_memory = None;
         i.utilization = 0.1;

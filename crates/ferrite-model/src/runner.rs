@@ -40,7 +40,8 @@ impl ModelRunner {
             step.push(&r.token_ids, r.start_pos, &r.block_table, bs);
             if let Some(pl) = &r.prompt_logprobs {
                 for (j, &target) in pl.targets.iter().enumerate() {
-                    step.logits_indices.push((first_row + pl.first_row + j) as u32);
+                    step.logits_indices
+                        .push((first_row + pl.first_row + j) as u32);
                     uses.push(RowUse::PromptLogprob(i, target, pl.num_alternatives));
                 }
             }

@@ -35,7 +35,11 @@ impl Sampler {
         // Logprobs describe the model's raw distribution, before bans and penalties.
         let raw = p.logprobs.map(|k| {
             let lse = log_sum_exp(logits);
-            (top_k_logprobs(logits, k as usize, lse), logits.to_vec(), lse)
+            (
+                top_k_logprobs(logits, k as usize, lse),
+                logits.to_vec(),
+                lse,
+            )
         });
         for &b in &spec.banned_token_ids {
             if let Some(l) = logits.get_mut(b as usize) {
@@ -56,9 +60,7 @@ impl Sampler {
             argmax(logits)
         } else {
             let u: f32 = match p.seed {
-                Some(seed) => {
-                    StdRng::seed_from_u64(mix(seed, spec.output_index as u64)).random()
-                }
+                Some(seed) => StdRng::seed_from_u64(mix(seed, spec.output_index as u64)).random(),
                 None => self.rng.random(),
             };
             draw(logits, p.temperature, p.top_k(), p.top_p, p.min_p, u)
@@ -100,7 +102,9 @@ pub fn top_k_logprobs(logits: &[f32], k: usize, lse: f32) -> Vec<(u32, f32)> {
     }
     idx.sort_by(cmp);
     idx.truncate(k);
-    idx.into_iter().map(|i| (i, logits[i as usize] - lse)).collect()
+    idx.into_iter()
+        .map(|i| (i, logits[i as usize] - lse))
+        .collect()
 }
 
 /// Logprob and 1-based rank of `token` in `logits`.
@@ -139,7 +143,11 @@ fn apply_penalties(
             if t < logits.len() && !seen[t] {
                 seen[t] = true;
                 let l = &mut logits[t];
-                *l = if *l > 0.0 { *l / repetition } else { *l * repetition };
+                *l = if *l > 0.0 {
+                    *l / repetition
+                } else {
+                    *l * repetition
+                };
             }
         }
     }
@@ -157,7 +165,14 @@ fn apply_penalties(
 }
 
 /// Samples with `u` in [0, 1) from the tempered distribution restricted by top-k, top-p, min-p.
-fn draw(logits: &[f32], temperature: f32, top_k: Option<usize>, top_p: f32, min_p: f32, u: f32) -> u32 {
+fn draw(
+    logits: &[f32],
+    temperature: f32,
+    top_k: Option<usize>,
+    top_p: f32,
+    min_p: f32,
+    u: f32,
+) -> u32 {
     let inv_t = 1.0 / temperature;
     let mut cand: Vec<(u32, f32)> = logits
         .iter()

@@ -26,7 +26,9 @@ impl ModelTokenizer {
         } else {
             (from_gguf(gguf)?, false)
         };
-        let bos = gguf.opt_u64("tokenizer.ggml.bos_token_id").map(|v| v as u32);
+        let bos = gguf
+            .opt_u64("tokenizer.ggml.bos_token_id")
+            .map(|v| v as u32);
         let mut eos: Vec<u32> = gguf
             .opt_u64("tokenizer.ggml.eos_token_id")
             .map(|v| v as u32)
@@ -198,10 +200,14 @@ fn from_gguf(gguf: &GgufFile) -> Result<Tokenizer> {
                 .opt_u64("tokenizer.ggml.unknown_token_id")
                 .map(|i| tokens[i as usize].clone());
             let mut normalizers = Vec::new();
-            if gguf.opt_bool("tokenizer.ggml.add_space_prefix").unwrap_or(true) {
+            if gguf
+                .opt_bool("tokenizer.ggml.add_space_prefix")
+                .unwrap_or(true)
+            {
                 normalizers.push(json!({"type": "Prepend", "prepend": "▁"}));
             }
-            normalizers.push(json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"}));
+            normalizers
+                .push(json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"}));
             json!({
                 "version": "1.0", "truncation": null, "padding": null,
                 "added_tokens": added,
@@ -217,7 +223,9 @@ fn from_gguf(gguf: &GgufFile) -> Result<Tokenizer> {
                           "vocab": vocab, "merges": merges},
             })
         }
-        other => bail!("unsupported tokenizer model `tokenizer.ggml.model = {other}` (supported: gpt2, llama)"),
+        other => bail!(
+            "unsupported tokenizer model `tokenizer.ggml.model = {other}` (supported: gpt2, llama)"
+        ),
     };
     let text = serde_json::to_string(&spec)?;
     text.parse::<Tokenizer>()

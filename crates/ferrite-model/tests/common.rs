@@ -78,3 +78,71 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
         .map(|x| x.as_u64().unwrap() as u32)
         .collect()
 }
+
+use ferrite_core::engine::{EngineError, EngineHandle, RequestStream};
+use ferrite_core::output::RequestOutput;
+use ferrite_model::loader::{load, EngineArgs};
+use ferrite_model::tokenizer::ModelTokenizer;
+use std::sync::Arc;
+
+/// A running engine on the test model with a small KV pool.
+pub fn engine(
+    kv_blocks: usize,
+    max_num_batched_tokens: usize,
+) -> (EngineHandle, Arc<ModelTokenizer>) {
+    engine_with_len(kv_blocks, max_num_batched_tokens, 1024)
+}
+
+pub fn engine_with_len(
+    kv_blocks: usize,
+    max_num_batched_tokens: usize,
+    max_model_len: usize,
+) -> (EngineHandle, Arc<ModelTokenizer>) {
+    let mut args = EngineArgs::new(model_path());
+    args.max_model_len = Some(max_model_len);
+    args.max_num_batched_tokens = max_num_batched_tokens;
+    args.kv_cache_memory = Some((kv_blocks * 16 * 2 * 30 * 192 * 4) as u64);
+    args.seed = Some(0);
+    let loaded = load(&args, |_, _| {}).unwrap();
+    let tok = Arc::new(loaded.tokenizer);
+    let handle = EngineHandle::spawn(
+        loaded.scheduler,
+        loaded.runner,
+        Arc::new(tok.tokenizer.clone()),
+        tok.eos_token_ids.clone(),
+    );
+    (handle, tok)
+}
+
+/// Reads a stream to its end: all outputs, concatenated.
+pub fn collect(mut s: RequestStream) -> Result<Vec<RequestOutput>, EngineError> {
+    let mut outs = Vec::new();
+    while let Some(o) = s.blocking_next() {
+        let o = o?;
+        let done = o.finish_reason.is_some();
+        outs.push(o);
+        if done {
+            break;
+        }
+    }
+    Ok(outs)
+}
+
+pub fn tokens_of(outs: &[RequestOutput]) -> Vec<u32> {
+    outs.iter().flat_map(|o| o.token_ids.clone()).collect()
+}
+
+pub fn text_of(outs: &[RequestOutput]) -> String {
+    outs.iter().map(|o| o.text.as_str()).collect()
+}
+
+pub const PROMPTS: [&str; 8] = [
+    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+    "The three primary colors are",
+    "def quicksort(xs):\n    ",
+    "<|im_start|>user\nWhat is 17 times 23? Explain step by step.<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time, in a village at the edge of a great forest, there lived an old clockmaker who",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "List of European capitals: Paris, Berlin, Madrid,",
+    "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nName a prime number larger than 100.<|im_end|>\n<|im_start|>assistant\n",
+];

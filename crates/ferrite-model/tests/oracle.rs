@@ -33,7 +33,10 @@ fn agreement(format: WeightFormat) -> (f64, f64, usize) {
 
 fn check(format: WeightFormat) {
     let (top1, lp, n) = agreement(format);
-    println!("{format:?}: top-1 agreement {:.2}% over {n} positions, mean |dlogprob| {lp:.4}", top1 * 100.0);
+    println!(
+        "{format:?}: top-1 agreement {:.2}% over {n} positions, mean |dlogprob| {lp:.4}",
+        top1 * 100.0
+    );
     assert!(n >= 300, "fixture too small: {n}");
     assert!(top1 >= 0.96, "top-1 agreement {top1:.4} < 0.96");
     assert!(lp <= 0.05, "mean logprob difference {lp:.4} > 0.05");

@@ -31,16 +31,18 @@ pub struct EngineFlags {
     /// Seed of the engine's random draws for requests without their own seed.
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Keep weights as stored (`native`) or dequantize them to f32 at load (`f32`).
-    #[arg(long, default_value = "native", value_parser = parse_weight_format)]
+    /// Keep weights as stored (`native`), dequantize them to f32 at load (`f32`), or `auto`
+    /// (f32 up to 4 GiB of f32 weights).
+    #[arg(long, default_value = "auto", value_parser = parse_weight_format)]
     pub weight_format: WeightFormat,
 }
 
 fn parse_weight_format(s: &str) -> Result<WeightFormat, String> {
     match s {
+        "auto" => Ok(WeightFormat::Auto),
         "native" => Ok(WeightFormat::Native),
         "f32" => Ok(WeightFormat::F32),
-        _ => Err(format!("unknown weight format `{s}` (native, f32)")),
+        _ => Err(format!("unknown weight format `{s}` (auto, native, f32)")),
     }
 }
 

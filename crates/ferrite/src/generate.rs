@@ -84,7 +84,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         "finish_reason={} tokens={n} ttft={:.3}s decode={:.1} tok/s",
         reason.as_str(),
         ttft.as_secs_f64(),
-        if decode > 0.0 { (n.saturating_sub(1)) as f64 / decode } else { 0.0 }
+        if decode > 0.0 {
+            (n.saturating_sub(1)) as f64 / decode
+        } else {
+            0.0
+        }
     );
     started.engine.shutdown();
     Ok(())

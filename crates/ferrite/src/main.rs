@@ -1,6 +1,7 @@
 //! ferrite: an LLM serving engine in one binary.
 
 mod args;
+mod bench_offline;
 mod generate;
 mod start;
 
@@ -8,7 +9,11 @@ use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
-#[command(name = "ferrite", version, about = "An LLM serving engine in one binary")]
+#[command(
+    name = "ferrite",
+    version,
+    about = "An LLM serving engine in one binary"
+)]
 struct Cli {
     /// Log level (error, warn, info, debug, trace).
     #[arg(long, global = true, default_value = "info")]
@@ -21,6 +26,15 @@ struct Cli {
 enum Command {
     /// Generate a completion for one prompt, streamed to stdout.
     Generate(generate::GenerateArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Prefill and decode tokens/s straight through the engine (like llama-bench).
+    Offline(bench_offline::OfflineArgs),
 }
 
 fn main() {
@@ -33,6 +47,7 @@ fn main() {
         .init();
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
+        Command::Bench(BenchCommand::Offline(a)) => bench_offline::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,0 +1,251 @@
+//! Property tests of the scheduler and block pool on a tiny pool with random arrivals.
+//!
+//! A mock model keeps a simulated KV cache of token ids, written and read through the block
+//! tables and slots the scheduler hands out; its next token is a hash of the history it reads
+//! back. A block shared by two requests, a wrong table or a lost token changes the output, so
+//! comparing with an unconstrained reference run checks the whole KV bookkeeping, preemption
+//! included.
+
+use ferrite_core::request::{FinishReason, Request};
+use ferrite_core::sampling::SamplingParams;
+use ferrite_core::scheduler::{Scheduler, SchedulerConfig, SchedulerOutput};
+use proptest::prelude::*;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+const VOCAB: u32 = 50;
+const EOS: u32 = 0;
+
+struct MockModel {
+    slots: Vec<Option<u32>>,
+    block_size: usize,
+}
+
+impl MockModel {
+    fn new(num_blocks: usize, block_size: usize) -> Self {
+        Self {
+            slots: vec![None; num_blocks * block_size],
+            block_size,
+        }
+    }
+
+    fn slot(&self, table: &[u32], pos: usize) -> usize {
+        table[pos / self.block_size] as usize * self.block_size + pos % self.block_size
+    }
+
+    fn execute(&mut self, out: &SchedulerOutput) -> HashMap<u64, u32> {
+        let mut sampled = HashMap::new();
+        for r in &out.requests {
+            for (i, &t) in r.token_ids.iter().enumerate() {
+                let s = self.slot(&r.block_table, r.start_pos + i);
+                self.slots[s] = Some(t);
+            }
+            if r.sample.is_some() {
+                let mut h: u64 = 1469598103934665603;
+                for pos in 0..r.seq_len() {
+                    let t = self.slots[self.slot(&r.block_table, pos)].expect("slot written");
+                    h = (h ^ t as u64).wrapping_mul(1099511628211);
+                }
+                sampled.insert(r.req_id, (h % VOCAB as u64) as u32);
+            }
+        }
+        sampled
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Arrival {
+    step: usize,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    min_tokens: usize,
+}
+
+fn arrivals() -> impl Strategy<Value = Vec<Arrival>> {
+    prop::collection::vec(
+        (
+            0usize..40,
+            prop::collection::vec(1u32..VOCAB, 1..40),
+            1usize..20,
+            0usize..3,
+        )
+            .prop_map(|(step, prompt, max_tokens, min_tokens)| Arrival {
+                step,
+                prompt,
+                max_tokens,
+                min_tokens: min_tokens.min(max_tokens),
+            }),
+        1..14,
+    )
+}
+
+fn request(id: u64, a: &Arrival) -> Request {
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens: Some(a.max_tokens as i64),
+        min_tokens: a.min_tokens as i64,
+        ..Default::default()
+    };
+    Request::new(
+        id,
+        a.prompt.clone(),
+        Arc::new(params),
+        a.max_tokens,
+        Arc::from([EOS]),
+    )
+}
+
+/// Runs the workload; checks per-step invariants; returns each request's output tokens.
+fn run(cfg: SchedulerConfig, work: &[Arrival]) -> (HashMap<u64, Vec<u32>>, u64) {
+    let mut sched = Scheduler::new(cfg.clone());
+    let mut model = MockModel::new(cfg.num_blocks, cfg.block_size);
+    let mut outputs: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut finished = HashSet::new();
+    let mut step = 0;
+    loop {
+        for (id, a) in work.iter().enumerate() {
+            if a.step == step {
+                let max = sched
+                    .check_admissible(a.prompt.len(), &request(0, a).params)
+                    .expect("workload is sized to fit");
+                assert_eq!(max, a.max_tokens);
+                sched.add_request(request(id as u64, a));
+            }
+        }
+        let out = sched.schedule();
+        // Budget and seats.
+        assert!(out.num_batched_tokens <= cfg.max_num_batched_tokens);
+        assert_eq!(
+            out.num_batched_tokens,
+            out.requests
+                .iter()
+                .map(|r| r.token_ids.len())
+                .sum::<usize>()
+        );
+        assert!(out.requests.len() <= cfg.max_num_seqs);
+        assert!(sched.num_running() <= cfg.max_num_seqs);
+        // No block owned twice; tables cover what the step writes.
+        let mut owned = HashSet::new();
+        for &id in sched.running_ids() {
+            for &b in sched.block_table(id) {
+                assert!(owned.insert(b), "block {b} owned twice");
+                assert!((b as usize) < cfg.num_blocks);
+            }
+        }
+        for r in &out.requests {
+            assert!(r.block_table.len() * cfg.block_size >= r.seq_len());
+            assert!(!r.token_ids.is_empty());
+        }
+        let sampled = model.execute(&out);
+        for u in sched.update(&out, &sampled) {
+            if let Some(t) = u.new_token {
+                outputs.entry(u.req_id).or_default().push(t);
+            }
+            if let Some(reason) = u.finished {
+                assert_ne!(reason, FinishReason::Abort);
+                assert!(finished.insert(u.req_id));
+            }
+        }
+        step += 1;
+        if finished.len() == work.len() {
+            break;
+        }
+        assert!(step < 5_000, "no progress: deadlock or starvation");
+    }
+    assert!(!sched.has_work());
+    assert_eq!(sched.num_blocks_in_use(), 0, "blocks leaked");
+    assert_eq!(sched.num_free_blocks(), cfg.num_blocks);
+    (outputs, sched.num_preemptions())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    #[test]
+    fn tiny_pool_keeps_invariants_and_greedy_outputs(
+        work in arrivals(),
+        block_size in 1usize..6,
+        extra_blocks in 0usize..6,
+        budget in 1usize..48,
+        seats in 1usize..6,
+    ) {
+        let longest = work.iter().map(|a| a.prompt.len() + a.max_tokens).max().unwrap();
+        let max_model_len = 64;
+        // The pool can hold the longest request and little more: pressure forces preemption.
+        let num_blocks = longest.div_ceil(block_size) + extra_blocks;
+        let cfg = SchedulerConfig {
+            max_num_batched_tokens: budget,
+            max_num_seqs: seats,
+            max_model_len,
+            block_size,
+            num_blocks,
+        };
+        let (got, _) = run(cfg.clone(), &work);
+        // Reference: a pool so large nothing is ever preempted.
+        let roomy = SchedulerConfig { num_blocks: 4096, max_num_batched_tokens: 4096, max_num_seqs: 64, ..cfg };
+        let (want, preemptions) = run(roomy, &work);
+        prop_assert_eq!(preemptions, 0);
+        prop_assert_eq!(got, want);
+    }
+}
+
+#[test]
+fn preemption_happens_under_pressure_and_changes_nothing() {
+    let work: Vec<Arrival> = (0..6)
+        .map(|i| Arrival {
+            step: 0,
+            prompt: (1..20).map(|t| (t * (i + 3)) % (VOCAB - 1) + 1).collect(),
+            max_tokens: 15,
+            min_tokens: 15,
+        })
+        .collect();
+    let cfg = SchedulerConfig {
+        max_num_batched_tokens: 64,
+        max_num_seqs: 6,
+        max_model_len: 64,
+        block_size: 4,
+        num_blocks: 16,
+    };
+    let (got, preemptions) = run(cfg.clone(), &work);
+    assert!(preemptions > 0, "the workload should force preemption");
+    let (want, _) = run(
+        SchedulerConfig {
+            num_blocks: 1024,
+            ..cfg
+        },
+        &work,
+    );
+    assert_eq!(got, want);
+}
+
+#[test]
+fn requests_that_can_never_fit_are_refused() {
+    let sched = Scheduler::new(SchedulerConfig {
+        max_num_batched_tokens: 16,
+        max_num_seqs: 4,
+        max_model_len: 32,
+        block_size: 4,
+        num_blocks: 6,
+    });
+    let p = |m: i64| SamplingParams {
+        max_tokens: Some(m),
+        ..Default::default()
+    };
+    let e = sched.check_admissible(30, &p(5)).unwrap_err().to_string();
+    assert!(
+        e.contains("maximum context length is 32") && e.contains("30 prompt tokens"),
+        "{e}"
+    );
+    let e = sched.check_admissible(20, &p(5)).unwrap_err().to_string();
+    assert!(e.contains("7 KV blocks") && e.contains("pool has 6"), "{e}");
+    assert!(sched
+        .check_admissible(0, &p(5))
+        .unwrap_err()
+        .to_string()
+        .contains("empty"));
+    assert_eq!(sched.check_admissible(10, &p(5)), Ok(5));
+    // Without max_tokens the request may run to max_model_len.
+    assert!(sched
+        .check_admissible(10, &SamplingParams::default())
+        .is_err());
+}

@@ -1,0 +1,115 @@
+//! `ferrite bench offline`: prefill and decode throughput straight through the engine, the
+//! counterpart of `llama-bench -p 512 -n 128`.
+
+use crate::args::EngineFlags;
+use crate::start::start;
+use anyhow::{bail, Result};
+use clap::Args;
+use ferrite_core::engine::EngineHandle;
+use ferrite_core::sampling::SamplingParams;
+use std::time::Instant;
+
+#[derive(Args, Debug)]
+pub struct OfflineArgs {
+    #[command(flatten)]
+    pub engine: EngineFlags,
+    /// Prompt length of the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    pub prompt_tokens: usize,
+    /// Tokens generated per request in the decode measurement.
+    #[arg(long, default_value_t = 128)]
+    pub gen_tokens: usize,
+    /// Decode batch sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    pub batch: Vec<usize>,
+    /// Repetitions of each measurement (the best is reported, as llama-bench's mean is over quiet runs).
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+}
+
+/// Deterministic filler prompt of `n` in-vocabulary tokens.
+fn prompt(n: usize, salt: usize, vocab: usize) -> Vec<u32> {
+    (0..n)
+        .map(|i| (1000 + (i * 7919 + salt * 104_729) % (vocab - 1000)) as u32)
+        .collect()
+}
+
+fn run_batch(
+    engine: &EngineHandle,
+    prompts: Vec<Vec<u32>>,
+    max_tokens: usize,
+) -> Result<(f64, f64, usize)> {
+    let t0 = Instant::now();
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens: Some(max_tokens as i64),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let streams = prompts
+        .into_iter()
+        .map(|p| engine.add_request(p, params.clone()))
+        .collect::<Result<Vec<_>, _>>()?;
+    // One reader per stream, so each first token is timed when it arrives.
+    let results: Vec<Result<(f64, usize)>> = std::thread::scope(|scope| {
+        let readers: Vec<_> = streams
+            .into_iter()
+            .map(|mut s| {
+                scope.spawn(move || -> Result<(f64, usize)> {
+                    let (mut first, mut n) = (None, 0);
+                    while let Some(o) = s.blocking_next() {
+                        let o = o?;
+                        first.get_or_insert(t0.elapsed().as_secs_f64());
+                        n += o.token_ids.len();
+                        if o.finish_reason.is_some() {
+                            break;
+                        }
+                    }
+                    Ok((first.unwrap_or(0.0), n))
+                })
+            })
+            .collect();
+        readers.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    let (mut first_all, mut total) = (0f64, 0);
+    for r in results {
+        let (first, n) = r?;
+        first_all = first_all.max(first);
+        total += n;
+    }
+    Ok((first_all, t0.elapsed().as_secs_f64(), total))
+}
+
+pub fn run(args: OfflineArgs) -> Result<()> {
+    if args.engine.max_num_batched_tokens < args.prompt_tokens {
+        bail!("--max-num-batched-tokens must be at least --prompt-tokens for a one-step prefill");
+    }
+    let started = start(&args.engine)?;
+    let engine = &started.engine;
+    let vocab = started.tokenizer.tokenizer.get_vocab_size(true);
+    // Warm-up: first touches of buffers and thread start-up.
+    run_batch(engine, vec![prompt(32, 0, vocab)], 4)?;
+    let mut best_pp = 0f64;
+    for r in 0..args.repeats {
+        let (ttft, _, _) = run_batch(engine, vec![prompt(args.prompt_tokens, r + 1, vocab)], 1)?;
+        best_pp = best_pp.max(args.prompt_tokens as f64 / ttft);
+    }
+    println!("| test | ferrite tokens/s |");
+    println!("| --- | ---: |");
+    println!("| pp{} | {best_pp:.1} |", args.prompt_tokens);
+    for &b in &args.batch {
+        let mut best = 0f64;
+        for r in 0..args.repeats {
+            let prompts = (0..b)
+                .map(|i| prompt(16, 100 + r * 64 + i, vocab))
+                .collect();
+            let (first, end, total) = run_batch(engine, prompts, args.gen_tokens)?;
+            // Decode only: tokens after every request's first, over the time after the last first.
+            let decoded = total - b;
+            best = best.max(decoded as f64 / (end - first));
+        }
+        println!("| tg{} @ batch {b} | {best:.1} |", args.gen_tokens);
+    }
+    engine.shutdown();
+    Ok(())
+}
