@@ -10,6 +10,7 @@ use crate::stop::StopStrings;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
+use std::time::Instant;
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc as tokio_mpsc;
 
@@ -72,6 +73,8 @@ struct RequestState {
     prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
     wants_prompt_logprobs: bool,
     first_output_sent: bool,
+    arrival: Instant,
+    queue_time: Option<f64>,
 }
 
 /// The synchronous core: owns the scheduler and the executor. Public so tests and
@@ -119,6 +122,8 @@ impl<E: Executor> EngineCore<E> {
                 prompt_logprobs: p.prompt_logprobs.map(|_| vec![None]),
                 wants_prompt_logprobs: p.prompt_logprobs.is_some(),
                 first_output_sent: false,
+                arrival: Instant::now(),
+                queue_time: None,
             },
         );
         self.stats.lock().unwrap().prompt_tokens_total += req.num_prompt_tokens() as u64;
@@ -151,6 +156,12 @@ impl<E: Executor> EngineCore<E> {
     pub fn step(&mut self) -> bool {
         self.reap_disconnected();
         let output = self.scheduler.schedule();
+        for r in &output.requests {
+            if let Some(st) = self.states.get_mut(&r.req_id) {
+                st.queue_time
+                    .get_or_insert_with(|| st.arrival.elapsed().as_secs_f64());
+            }
+        }
         if output.is_empty() {
             self.publish_stats();
             return !self.scheduler.has_work();
@@ -218,6 +229,11 @@ impl<E: Executor> EngineCore<E> {
                 finish_reason: finish,
                 num_prompt_tokens: st.num_prompt_tokens,
                 num_output_tokens: st.num_output_tokens,
+                queue_time: if st.first_output_sent {
+                    None
+                } else {
+                    st.queue_time
+                },
             };
             st.first_output_sent = true;
             let delivered = st.sink.send(Ok(out)).is_ok();

@@ -39,4 +39,6 @@ pub struct RequestOutput {
     pub finish_reason: Option<FinishReason>,
     pub num_prompt_tokens: usize,
     pub num_output_tokens: usize,
+    /// Seconds from arrival to first scheduling; sent with the first output.
+    pub queue_time: Option<f64>,
 }

@@ -3,6 +3,7 @@
 mod args;
 mod bench_offline;
 mod generate;
+mod serve;
 mod start;
 
 use clap::{Parser, Subcommand};
@@ -24,6 +25,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the OpenAI-compatible API.
+    Serve(serve::ServeArgs),
     /// Generate a completion for one prompt, streamed to stdout.
     Generate(generate::GenerateArgs),
     /// Benchmarks.
@@ -46,6 +49,7 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.command {
+        Command::Serve(a) => serve::run(a),
         Command::Generate(a) => generate::run(a),
         Command::Bench(BenchCommand::Offline(a)) => bench_offline::run(a),
     };

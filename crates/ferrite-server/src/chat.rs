@@ -1,0 +1,342 @@
+//! `POST /v1/chat/completions`: chat template, tool calls, whole or streamed responses.
+
+use crate::error::ApiError;
+use crate::generation::{check_model, check_n, collect, sampling_params, start_choices, Choice};
+use crate::protocol::*;
+use crate::sse::{sse_response, ChunkSink, WrapChunk};
+use crate::state::{AppState, SharedState};
+use crate::tools::{Prefix, ToolParser};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use ferrite_core::output::TokenLogprob;
+use minijinja::Value as JinjaValue;
+use serde_json::Value;
+use std::sync::Arc;
+
+/// Messages as the template sees them: text parts joined, other parts refused.
+fn normalize_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::bad_request("`messages` must not be empty").with_param("messages"));
+    }
+    messages
+        .iter()
+        .map(|m| {
+            let mut m = m.clone();
+            let obj = m
+                .as_object_mut()
+                .ok_or_else(|| ApiError::bad_request("each message must be an object"))?;
+            if !obj.get("role").is_some_and(Value::is_string) {
+                return Err(ApiError::bad_request("each message needs a string `role`")
+                    .with_param("messages"));
+            }
+            if let Some(Value::Array(parts)) = obj.get("content") {
+                let mut text = String::new();
+                for p in parts {
+                    match (
+                        p.get("type").and_then(Value::as_str),
+                        p.get("text").and_then(Value::as_str),
+                    ) {
+                        (Some("text"), Some(t)) => text.push_str(t),
+                        (t, _) => {
+                            return Err(ApiError::bad_request(format!(
+                                "content parts of type {t:?} are not supported (text only)"
+                            )))
+                        }
+                    }
+                }
+                obj.insert("content".into(), Value::String(text));
+            }
+            Ok(m)
+        })
+        .collect()
+}
+
+/// Which parser applies, after checking `tool_choice` against the server's flags.
+fn tool_mode(
+    state: &AppState,
+    req: &ChatCompletionRequest,
+) -> Result<(Option<ToolParser>, bool), ApiError> {
+    let has_tools = req.tools.as_ref().is_some_and(|t| !t.is_empty());
+    let choice = req.tool_choice.clone().unwrap_or(Value::String(
+        if has_tools { "auto" } else { "none" }.into(),
+    ));
+    if choice == "none" || !has_tools {
+        return Ok((None, false));
+    }
+    if choice == "auto" && !(state.enable_auto_tool_choice && state.tool_parser.is_some()) {
+        return Err(ApiError::bad_request(
+            "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set",
+        )
+        .with_param("tool_choice"));
+    }
+    let parser = state.tool_parser.ok_or_else(|| {
+        ApiError::bad_request("tool calls need the server started with --tool-call-parser")
+            .with_param("tool_choice")
+    })?;
+    if let Some(name) = choice.pointer("/function/name").and_then(Value::as_str) {
+        let known = req
+            .tools
+            .iter()
+            .flatten()
+            .any(|t| t.pointer("/function/name").and_then(Value::as_str) == Some(name));
+        if !known {
+            return Err(ApiError::bad_request(format!(
+                "tool_choice names `{name}`, which is not in `tools`"
+            ))
+            .with_param("tool_choice"));
+        }
+    } else if choice != "auto" && choice != "required" {
+        return Err(ApiError::bad_request(
+            "`tool_choice` must be none, auto, required or a named function",
+        )
+        .with_param("tool_choice"));
+    }
+    Ok((Some(parser), true))
+}
+
+pub fn render_prompt(
+    state: &AppState,
+    req: &ChatCompletionRequest,
+    with_tools: bool,
+) -> Result<Vec<u32>, ApiError> {
+    let template = state.template.as_ref().ok_or_else(|| {
+        ApiError::bad_request("the model has no chat template; pass --chat-template")
+    })?;
+    let messages = normalize_messages(&req.messages)?;
+    let mut extra = serde_json::Map::new();
+    if let Some(kw) = &req.chat_template_kwargs {
+        extra.extend(kw.clone());
+    }
+    if with_tools {
+        extra.insert(
+            "tools".into(),
+            Value::Array(req.tools.clone().unwrap_or_default()),
+        );
+        if let Some(tc) = &req.tool_choice {
+            extra.insert("tool_choice".into(), tc.clone());
+        }
+    }
+    let add_gen = req
+        .add_generation_prompt
+        .unwrap_or(!req.continue_final_message);
+    let text = template.render(&messages, add_gen, JinjaValue::from_serialize(&extra))?;
+    let ids = state.tokenizer.encode(&text, false)?;
+    Ok(ids)
+}
+
+pub fn token_logprobs(state: &AppState, lps: &[TokenLogprob]) -> ChatLogprobs {
+    let text = |id: u32| state.tokenizer.token_text(id);
+    ChatLogprobs {
+        content: lps
+            .iter()
+            .map(|lp| {
+                let token = text(lp.token_id);
+                ChatTokenLogprob {
+                    bytes: token.as_bytes().to_vec(),
+                    token,
+                    logprob: lp.logprob,
+                    top_logprobs: lp
+                        .top
+                        .iter()
+                        .map(|&(id, l)| {
+                            let t = text(id);
+                            TopLogprob {
+                                bytes: t.as_bytes().to_vec(),
+                                token: t,
+                                logprob: l,
+                            }
+                        })
+                        .collect(),
+                }
+            })
+            .collect(),
+    }
+}
+
+pub async fn chat_completions(
+    state: SharedState,
+    req: ChatCompletionRequest,
+) -> Result<Response, ApiError> {
+    check_model(&state, &req.common.model)?;
+    let n = check_n(req.common.n)?;
+    let (parser, with_tools) = tool_mode(&state, &req)?;
+    let top = match (req.logprobs, req.top_logprobs) {
+        (true, k) => Some(k.unwrap_or(0)),
+        (false, Some(_)) => {
+            return Err(
+                ApiError::bad_request("`top_logprobs` needs `logprobs: true`")
+                    .with_param("top_logprobs"),
+            )
+        }
+        (false, None) => None,
+    };
+    let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
+    let params = sampling_params(&req.common, max_tokens, top, None)?;
+    let prompt = render_prompt(&state, &req, with_tools)?;
+    let choices = start_choices(&state, vec![prompt], &params, n)?;
+    let id = random_id("chatcmpl");
+    let model = state.model_name.clone();
+    if req.common.stream {
+        let include_usage = req
+            .common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage);
+        let want_lp = req.logprobs;
+        let wrap: WrapChunk =
+            Arc::new(move |choices, usage| chat_chunk(&id, &model, choices, usage));
+        return Ok(sse_response(
+            state.clone(),
+            choices,
+            include_usage,
+            move |state, choice, sink| stream_choice(state, choice, sink, parser, want_lp),
+            wrap,
+        ));
+    }
+    let mut out = Vec::new();
+    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    let finished =
+        futures_util::future::join_all(choices.into_iter().map(|c| collect(&state, c))).await;
+    for (index, f) in finished.into_iter().enumerate() {
+        let f = f?;
+        prompt_tokens = f.prompt_tokens;
+        completion_tokens += f.completion_tokens;
+        let (content, tool_calls) = match parser {
+            Some(p) => p.parse(&f.text),
+            None => (Some(f.text.clone()), vec![]),
+        };
+        let finish = if tool_calls.is_empty() {
+            f.finish_reason
+        } else {
+            "tool_calls"
+        };
+        out.push(ChatChoice {
+            index,
+            message: ChatMessageOut {
+                role: "assistant",
+                content,
+                tool_calls,
+            },
+            logprobs: req.logprobs.then(|| token_logprobs(&state, &f.logprobs)),
+            finish_reason: Some(finish),
+        });
+    }
+    Ok(Json(ChatCompletion {
+        id,
+        object: "chat.completion",
+        created: now(),
+        model: state.model_name.clone(),
+        choices: out,
+        usage: Usage::new(prompt_tokens, completion_tokens),
+    })
+    .into_response())
+}
+
+fn chat_chunk(id: &str, model: &str, choices: Vec<Value>, usage: Option<Value>) -> Value {
+    serde_json::to_value(ChatCompletionChunk {
+        id: id.to_string(),
+        object: "chat.completion.chunk",
+        created: now(),
+        model: model.to_string(),
+        choices,
+        usage,
+    })
+    .unwrap()
+}
+
+/// Streams one choice: role first, content deltas (held while a tool call may be starting),
+/// then tool-call deltas that concatenate to the whole response's calls, then the finish.
+async fn stream_choice(
+    state: SharedState,
+    mut choice: Choice,
+    sink: ChunkSink,
+    parser: Option<ToolParser>,
+    want_logprobs: bool,
+) -> Result<(usize, usize), ApiError> {
+    let index = choice.index;
+    let chunk = |delta: ChatDelta, lp: Option<ChatLogprobs>, finish: Option<&'static str>| {
+        ChatChunkChoice {
+            index,
+            delta,
+            logprobs: lp,
+            finish_reason: finish,
+        }
+    };
+    sink.send_choice(chunk(
+        ChatDelta {
+            role: Some("assistant"),
+            content: Some(String::new()),
+            ..Default::default()
+        },
+        None,
+        None,
+    ))
+    .await?;
+    let mut text = String::new();
+    let mut sent = 0; // bytes of `text` already sent as content
+    let mut state_of_prefix = if parser.is_some() {
+        Prefix::Undecided
+    } else {
+        Prefix::Content
+    };
+    while let Some(o) = choice.next(&state).await {
+        let o = o?;
+        text += &o.text;
+        if let (Some(p), Prefix::Undecided) = (parser, state_of_prefix) {
+            state_of_prefix = p.prefix_state(&text);
+        }
+        let lp =
+            (want_logprobs && !o.logprobs.is_empty()).then(|| token_logprobs(&state, &o.logprobs));
+        if let Some(r) = o.finish_reason {
+            let mut finish = crate::generation::finish_reason(r);
+            let mut delta = ChatDelta::default();
+            match (parser, state_of_prefix) {
+                (Some(p), Prefix::Call | Prefix::Undecided) => {
+                    let (content, calls) = p.parse(&text);
+                    if calls.is_empty() {
+                        delta.content = content
+                            .map(|c| c[sent.min(c.len())..].to_string())
+                            .filter(|c| !c.is_empty());
+                    } else {
+                        finish = "tool_calls";
+                        delta.tool_calls = calls
+                            .into_iter()
+                            .enumerate()
+                            .map(|(i, c)| crate::protocol::ToolCallDelta {
+                                index: i,
+                                id: Some(c.id),
+                                kind: Some("function"),
+                                function: crate::protocol::FunctionDelta {
+                                    name: Some(c.function.name),
+                                    arguments: c.function.arguments,
+                                },
+                            })
+                            .collect();
+                    }
+                }
+                _ => {
+                    if text.len() > sent {
+                        delta.content = Some(text[sent..].to_string());
+                    }
+                }
+            }
+            if delta.content.is_some() || !delta.tool_calls.is_empty() || lp.is_some() {
+                sink.send_choice(chunk(delta, lp, None)).await?;
+            }
+            sink.send_choice(chunk(ChatDelta::default(), None, Some(finish)))
+                .await?;
+            return Ok((o.num_prompt_tokens, o.num_output_tokens));
+        }
+        if state_of_prefix == Prefix::Content && (text.len() > sent || lp.is_some()) {
+            let delta = ChatDelta {
+                content: Some(text[sent..].to_string()),
+                ..Default::default()
+            };
+            sent = text.len();
+            sink.send_choice(chunk(delta, lp, None)).await?;
+        }
+    }
+    Err(ApiError::internal(
+        "the engine ended the request without finishing it",
+    ))
+}

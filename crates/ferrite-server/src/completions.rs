@@ -1,0 +1,208 @@
+//! `POST /v1/completions`: prompts as text or token ids, echo, legacy logprobs.
+
+use crate::error::ApiError;
+use crate::generation::{check_model, check_n, collect, sampling_params, start_choices, Choice};
+use crate::protocol::*;
+use crate::sse::{sse_response, ChunkSink, WrapChunk};
+use crate::state::{AppState, SharedState};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use ferrite_core::output::TokenLogprob;
+use serde_json::Value;
+use std::sync::Arc;
+
+fn prompts(state: &AppState, p: Prompt) -> Result<Vec<Vec<u32>>, ApiError> {
+    let encode = |t: &str| -> Result<Vec<u32>, ApiError> { Ok(state.tokenizer.encode(t, true)?) };
+    let out = match p {
+        Prompt::Text(t) => vec![encode(&t)?],
+        Prompt::Texts(ts) => ts.iter().map(|t| encode(t)).collect::<Result<_, _>>()?,
+        Prompt::Tokens(ids) => vec![ids],
+        Prompt::TokenLists(l) => l,
+    };
+    if out.is_empty() {
+        return Err(ApiError::bad_request("`prompt` must not be empty").with_param("prompt"));
+    }
+    Ok(out)
+}
+
+/// Builds the legacy logprobs object; `offset` is the character offset of the first token.
+fn legacy_logprobs(
+    state: &AppState,
+    lps: &[Option<TokenLogprob>],
+    ids: &[u32],
+    mut offset: usize,
+) -> CompletionLogprobs {
+    let mut out = CompletionLogprobs::default();
+    for (i, &id) in ids.iter().enumerate() {
+        let token = state.tokenizer.token_text(id);
+        out.text_offset.push(offset);
+        offset += token.chars().count();
+        let lp = lps.get(i).and_then(|l| l.as_ref());
+        out.token_logprobs.push(lp.map(|l| l.logprob));
+        out.top_logprobs.push(lp.map(|l| {
+            let mut m = serde_json::Map::new();
+            for &(t, v) in &l.top {
+                m.insert(state.tokenizer.token_text(t), Value::from(v));
+            }
+            m
+        }));
+        out.tokens.push(token);
+    }
+    out
+}
+
+pub async fn completions(state: SharedState, req: CompletionRequest) -> Result<Response, ApiError> {
+    check_model(&state, &req.common.model)?;
+    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::bad_request("`suffix` is not supported").with_param("suffix"));
+    }
+    let n = check_n(req.common.n)?;
+    if let Some(b) = req.best_of {
+        if b as usize != n {
+            return Err(
+                ApiError::bad_request("`best_of` other than `n` is not supported")
+                    .with_param("best_of"),
+            );
+        }
+    }
+    if req.echo && req.common.stream && req.logprobs.is_some() {
+        return Err(ApiError::bad_request(
+            "`echo` with `logprobs` is not supported when streaming",
+        )
+        .with_param("echo"));
+    }
+    // OpenAI's legacy default is 16 tokens.
+    let max_tokens = Some(req.common.max_tokens.unwrap_or(16));
+    let prompt_lp = req
+        .prompt_logprobs
+        .or(if req.echo { req.logprobs } else { None });
+    let params = sampling_params(&req.common, max_tokens, req.logprobs, prompt_lp)?;
+    let prompts = prompts(&state, req.prompt.clone())?;
+    let choices = start_choices(&state, prompts, &params, n)?;
+    let id = random_id("cmpl");
+    let model = state.model_name.clone();
+    if req.common.stream {
+        let include_usage = req
+            .common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage);
+        let wrap: WrapChunk = Arc::new(move |choices, usage| {
+            serde_json::to_value(Completion {
+                id: id.clone(),
+                object: "text_completion",
+                created: now(),
+                model: model.clone(),
+                choices,
+                usage,
+            })
+            .unwrap()
+        });
+        let (echo, want_lp) = (req.echo, req.logprobs.is_some());
+        return Ok(sse_response(
+            state,
+            choices,
+            include_usage,
+            move |s, c, sink| stream_choice(s, c, sink, echo, want_lp),
+            wrap,
+        ));
+    }
+    let finished = futures_util::future::join_all(choices.into_iter().map(|c| {
+        let prompt = c.prompt.clone();
+        let state = &state;
+        async move { collect(state, c).await.map(|f| (prompt, f)) }
+    }))
+    .await;
+    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    let mut out = Vec::new();
+    for (index, r) in finished.into_iter().enumerate() {
+        let (prompt, f) = r?;
+        prompt_tokens += if index % n == 0 { f.prompt_tokens } else { 0 };
+        completion_tokens += f.completion_tokens;
+        let prompt_text = if req.echo {
+            state.tokenizer.decode(&prompt, false)?
+        } else {
+            String::new()
+        };
+        let logprobs = req.logprobs.map(|_| {
+            let gen: Vec<Option<TokenLogprob>> = f.logprobs.iter().cloned().map(Some).collect();
+            let gen_lp = legacy_logprobs(&state, &gen, &f.token_ids, prompt_text.chars().count());
+            if !req.echo {
+                return gen_lp;
+            }
+            let mut all = legacy_logprobs(
+                &state,
+                &f.prompt_logprobs.clone().unwrap_or_default(),
+                &prompt,
+                0,
+            );
+            all.text_offset.extend(gen_lp.text_offset);
+            all.token_logprobs.extend(gen_lp.token_logprobs);
+            all.tokens.extend(gen_lp.tokens);
+            all.top_logprobs.extend(gen_lp.top_logprobs);
+            all
+        });
+        out.push(CompletionChoice {
+            index,
+            text: prompt_text + &f.text,
+            logprobs,
+            finish_reason: Some(f.finish_reason),
+        });
+    }
+    let usage = serde_json::to_value(Usage::new(prompt_tokens, completion_tokens)).unwrap();
+    Ok(Json(Completion {
+        id: random_id("cmpl"),
+        object: "text_completion",
+        created: now(),
+        model: state.model_name.clone(),
+        choices: out,
+        usage: Some(usage),
+    })
+    .into_response())
+}
+
+async fn stream_choice(
+    state: SharedState,
+    mut choice: Choice,
+    sink: ChunkSink,
+    echo: bool,
+    want_logprobs: bool,
+) -> Result<(usize, usize), ApiError> {
+    let index = choice.index;
+    let mut offset = 0;
+    if echo {
+        let text = state.tokenizer.decode(&choice.prompt, false)?;
+        offset = text.chars().count();
+        sink.send_choice(CompletionChoice {
+            index,
+            text,
+            logprobs: None,
+            finish_reason: None,
+        })
+        .await?;
+    }
+    while let Some(o) = choice.next(&state).await {
+        let o = o?;
+        let logprobs = want_logprobs.then(|| {
+            let lps: Vec<Option<TokenLogprob>> = o.logprobs.iter().cloned().map(Some).collect();
+            legacy_logprobs(&state, &lps, &o.token_ids, offset)
+        });
+        offset += o.text.chars().count();
+        let finish = o.finish_reason.map(crate::generation::finish_reason);
+        if !o.text.is_empty() || finish.is_some() || logprobs.is_some() {
+            sink.send_choice(CompletionChoice {
+                index,
+                text: o.text,
+                logprobs,
+                finish_reason: finish,
+            })
+            .await?;
+        }
+        if finish.is_some() {
+            return Ok((o.num_prompt_tokens, o.num_output_tokens));
+        }
+    }
+    Err(ApiError::internal(
+        "the engine ended the request without finishing it",
+    ))
+}

@@ -1,0 +1,192 @@
+//! Shared by both endpoints: request validation into sampling params, starting the `n`
+//! engine requests of a call, and reading their outputs with timing for the metrics.
+
+use crate::error::ApiError;
+use crate::metrics::RequestTimes;
+use crate::protocol::CommonParams;
+use crate::state::AppState;
+use ferrite_core::engine::RequestStream;
+use ferrite_core::output::{RequestOutput, TokenLogprob};
+use ferrite_core::request::FinishReason;
+use ferrite_core::sampling::SamplingParams;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+pub fn finish_reason(r: FinishReason) -> &'static str {
+    r.as_str()
+}
+
+/// Maps the OpenAI fields (and vLLM's extras) onto engine sampling params.
+pub fn sampling_params(
+    c: &CommonParams,
+    max_tokens: Option<i64>,
+    logprobs: Option<i64>,
+    prompt_logprobs: Option<i64>,
+) -> Result<SamplingParams, ApiError> {
+    if c.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+        return Err(ApiError::bad_request("`logit_bias` is not supported").with_param("logit_bias"));
+    }
+    if let Some(rf) = &c.response_format {
+        match rf.get("type").and_then(|t| t.as_str()) {
+            Some("text") | None => {}
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "`response_format` of type `{other}` is not supported: ferrite does not \
+                     constrain output to JSON yet, so it refuses rather than pretend"
+                ))
+                .with_param("response_format"))
+            }
+        }
+    }
+    let d = SamplingParams::default();
+    let p = SamplingParams {
+        temperature: c.temperature.unwrap_or(d.temperature),
+        top_k: c.top_k.unwrap_or(d.top_k),
+        top_p: c.top_p.unwrap_or(d.top_p),
+        min_p: c.min_p.unwrap_or(d.min_p),
+        seed: c.seed.map(|s| s as u64),
+        repetition_penalty: c.repetition_penalty.unwrap_or(d.repetition_penalty),
+        presence_penalty: c.presence_penalty.unwrap_or(d.presence_penalty),
+        frequency_penalty: c.frequency_penalty.unwrap_or(d.frequency_penalty),
+        max_tokens,
+        min_tokens: c.min_tokens.unwrap_or(0),
+        stop: c.stop.clone().map(|s| s.into_vec()).unwrap_or_default(),
+        stop_token_ids: c.stop_token_ids.clone(),
+        ignore_eos: c.ignore_eos,
+        logprobs,
+        prompt_logprobs,
+        include_stop_str_in_output: c.include_stop_str_in_output,
+        skip_special_tokens: c.skip_special_tokens.unwrap_or(true),
+    };
+    p.validate().map_err(ApiError::bad_request)?;
+    Ok(p)
+}
+
+pub fn check_n(n: Option<i64>) -> Result<usize, ApiError> {
+    match n.unwrap_or(1) {
+        n if (1..=128).contains(&n) => Ok(n as usize),
+        n => {
+            Err(ApiError::bad_request(format!("`n` must be in [1, 128], got {n}")).with_param("n"))
+        }
+    }
+}
+
+pub fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
+    if state.draining.load(Ordering::Relaxed) {
+        return Err(ApiError::unavailable("the server is shutting down"));
+    }
+    match model {
+        Some(m) if m != &state.model_name => {
+            Err(ApiError::not_found(format!("The model `{m}` does not exist.")).with_param("model"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// One choice of a response: an engine request and its timeline.
+pub struct Choice {
+    pub index: usize,
+    pub prompt: Vec<u32>,
+    pub stream: RequestStream,
+    start: Instant,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    itls: Vec<f64>,
+    queue: f64,
+}
+
+/// Starts `n` requests per prompt; if any is refused, the ones started are dropped (aborted).
+pub fn start_choices(
+    state: &AppState,
+    prompts: Vec<Vec<u32>>,
+    params: &SamplingParams,
+    n: usize,
+) -> Result<Vec<Choice>, ApiError> {
+    let mut choices = Vec::with_capacity(prompts.len() * n);
+    for prompt in prompts {
+        for _ in 0..n {
+            let mut p = params.clone();
+            // With a seed, choices of one call must still differ.
+            if let (Some(s), true) = (p.seed, n > 1) {
+                p.seed = Some(s.wrapping_add(choices.len() as u64));
+            }
+            let stream = state.engine.add_request(prompt.clone(), p)?;
+            choices.push(Choice {
+                index: choices.len(),
+                prompt: prompt.clone(),
+                stream,
+                start: Instant::now(),
+                first: None,
+                last: None,
+                itls: Vec::new(),
+                queue: 0.0,
+            });
+        }
+    }
+    Ok(choices)
+}
+
+impl Choice {
+    /// Next output, with timing noted; the metrics are recorded when the request ends.
+    pub async fn next(&mut self, state: &AppState) -> Option<Result<RequestOutput, ApiError>> {
+        let item = self.stream.next().await?;
+        let now = Instant::now();
+        Some(match item {
+            Ok(o) => {
+                if let Some(q) = o.queue_time {
+                    self.queue = q;
+                }
+                match self.last {
+                    Some(l) => self.itls.push((now - l).as_secs_f64()),
+                    None => self.first = Some(now),
+                }
+                self.last = Some(now);
+                if let Some(r) = o.finish_reason {
+                    state.metrics.record(&RequestTimes {
+                        queue: self.queue,
+                        ttft: (self.first.unwrap_or(now) - self.start).as_secs_f64(),
+                        itls: std::mem::take(&mut self.itls),
+                        e2e: (now - self.start).as_secs_f64(),
+                        finish_reason: finish_reason(r),
+                    });
+                }
+                Ok(o)
+            }
+            Err(e) => Err(e.into()),
+        })
+    }
+}
+
+/// A choice read to its end.
+#[derive(Default)]
+pub struct Finished {
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub logprobs: Vec<TokenLogprob>,
+    pub prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
+    pub finish_reason: &'static str,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+pub async fn collect(state: &AppState, mut c: Choice) -> Result<Finished, ApiError> {
+    let mut f = Finished::default();
+    while let Some(o) = c.next(state).await {
+        let o = o?;
+        f.text += &o.text;
+        f.token_ids.extend(&o.token_ids);
+        f.logprobs.extend(o.logprobs);
+        if o.prompt_logprobs.is_some() {
+            f.prompt_logprobs = o.prompt_logprobs;
+        }
+        f.prompt_tokens = o.num_prompt_tokens;
+        f.completion_tokens = o.num_output_tokens;
+        if let Some(r) = o.finish_reason {
+            f.finish_reason = finish_reason(r);
+            return Ok(f);
+        }
+    }
+    Err(ApiError::internal(
+        "the engine ended the request without finishing it",
+    ))
+}

@@ -1,0 +1,157 @@
+//! ferrite-server: the OpenAI-compatible HTTP API over the engine.
+
+pub mod chat;
+pub mod completions;
+pub mod error;
+pub mod generation;
+pub mod metrics;
+pub mod protocol;
+pub mod sse;
+pub mod state;
+pub mod tools;
+
+use axum::body::Bytes;
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use error::ApiError;
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+use state::SharedState;
+use std::sync::atomic::Ordering;
+
+/// Parses a JSON body, turning serde's message into an OpenAI 400.
+fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+}
+
+pub fn router(state: SharedState) -> Router {
+    let v1 = Router::new()
+        .route(
+            "/v1/chat/completions",
+            post(|State(s): State<SharedState>, body: Bytes| async move {
+                chat::chat_completions(s, parse(&body)?).await
+            }),
+        )
+        .route(
+            "/v1/completions",
+            post(|State(s): State<SharedState>, body: Bytes| async move {
+                completions::completions(s, parse(&body)?).await
+            }),
+        )
+        .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route_layer(middleware::from_fn_with_state(state.clone(), auth));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route(
+            "/version",
+            get(|| async { Json(json!({"version": env!("CARGO_PKG_VERSION")})) }),
+        )
+        .route("/metrics", get(metrics))
+        .fallback(|| async { ApiError::not_found("no such route") })
+        .with_state(state)
+}
+
+async fn auth(State(s): State<SharedState>, req: Request, next: Next) -> Response {
+    if let Some(key) = &s.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if given != Some(key.as_str()) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn health(State(s): State<SharedState>) -> Response {
+    if s.engine.stats().alive && !s.draining.load(Ordering::Relaxed) {
+        StatusCode::OK.into_response()
+    } else {
+        ApiError::unavailable("the engine is not running").into_response()
+    }
+}
+
+async fn models(State(s): State<SharedState>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [{
+        "id": s.model_name, "object": "model", "created": s.created, "owned_by": "ferrite",
+        "root": s.model_root, "parent": null, "max_model_len": s.engine.info().max_model_len,
+    }]}))
+}
+
+async fn metrics(State(s): State<SharedState>) -> Response {
+    let body = s.metrics.render(&s.model_name, &s.engine.stats());
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+}
+
+async fn tokenize(State(s): State<SharedState>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let req: Value = parse(&body)?;
+    let tokens = if let Some(p) = req.get("prompt").and_then(Value::as_str) {
+        let add = req
+            .get("add_special_tokens")
+            .and_then(Value::as_bool)
+            .unwrap_or(true);
+        s.tokenizer.encode(p, add)?
+    } else if req.get("messages").is_some() {
+        let chat: protocol::ChatCompletionRequest = parse(&body)?;
+        chat::render_prompt(&s, &chat, chat.tools.is_some())?
+    } else {
+        return Err(ApiError::bad_request(
+            "give `prompt` (a string) or `messages`",
+        ));
+    };
+    Ok(Json(
+        json!({"count": tokens.len(), "max_model_len": s.engine.info().max_model_len, "tokens": tokens}),
+    ))
+}
+
+async fn detokenize(State(s): State<SharedState>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    #[derive(serde::Deserialize)]
+    struct Req {
+        tokens: Vec<u32>,
+    }
+    let req: Req = parse(&body)?;
+    let vocab = s.tokenizer.tokenizer.get_vocab_size(true) as u32;
+    if let Some(bad) = req.tokens.iter().find(|&&t| t >= vocab) {
+        return Err(ApiError::bad_request(format!(
+            "token id {bad} is outside the vocabulary"
+        )));
+    }
+    Ok(Json(
+        json!({"prompt": s.tokenizer.decode(&req.tokens, false)?}),
+    ))
+}
+
+/// Logs running/waiting/KV usage/throughput every `period` while there is activity.
+pub async fn log_stats_periodically(state: SharedState, period: std::time::Duration) {
+    let mut last = state.engine.stats();
+    let mut t = std::time::Instant::now();
+    loop {
+        tokio::time::sleep(period).await;
+        let s = state.engine.stats();
+        let dt = t.elapsed().as_secs_f64();
+        let prompt = (s.prompt_tokens_total - last.prompt_tokens_total) as f64 / dt;
+        let gen = (s.generation_tokens_total - last.generation_tokens_total) as f64 / dt;
+        if s.num_running + s.num_waiting > 0 || prompt > 0.0 || gen > 0.0 {
+            tracing::info!(
+                "Avg prompt throughput: {prompt:.1} tokens/s, Avg generation throughput: {gen:.1} tokens/s, \
+                 Running: {} reqs, Waiting: {} reqs, GPU KV cache usage: {:.1}%, Preemptions: {}",
+                s.num_running,
+                s.num_waiting,
+                s.kv_usage * 100.0,
+                s.num_preemptions
+            );
+        }
+        last = s;
+        t = std::time::Instant::now();
+    }
+}

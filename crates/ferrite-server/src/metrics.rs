@@ -1,0 +1,166 @@
+//! Prometheus metrics with vLLM's names and meanings, so existing dashboards work.
+
+use ferrite_core::engine::EngineStats;
+use std::fmt::Write;
+use std::sync::Mutex;
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+
+#[derive(Default, Clone)]
+struct Histogram {
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn observe(&mut self, v: f64) {
+        if self.counts.is_empty() {
+            self.counts = vec![0; LATENCY_BUCKETS.len()];
+        }
+        for (i, b) in LATENCY_BUCKETS.iter().enumerate() {
+            if v <= *b {
+                self.counts[i] += 1;
+            }
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (i, b) in LATENCY_BUCKETS.iter().enumerate() {
+            let c = self.counts.get(i).copied().unwrap_or(0);
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{b}\"}} {c}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {}", self.sum);
+        let _ = writeln!(out, "{name}_count{{{labels}}} {}", self.count);
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    ttft: Histogram,
+    itl: Histogram,
+    e2e: Histogram,
+    queue: Histogram,
+    success: std::collections::BTreeMap<&'static str, u64>,
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    inner: Mutex<Inner>,
+}
+
+/// Timeline of one finished request, as the server saw it.
+pub struct RequestTimes {
+    pub queue: f64,
+    pub ttft: f64,
+    pub itls: Vec<f64>,
+    pub e2e: f64,
+    pub finish_reason: &'static str,
+}
+
+impl Metrics {
+    pub fn record(&self, t: &RequestTimes) {
+        let mut m = self.inner.lock().unwrap();
+        m.ttft.observe(t.ttft);
+        m.queue.observe(t.queue);
+        for &g in &t.itls {
+            m.itl.observe(g);
+        }
+        m.e2e.observe(t.e2e);
+        *m.success.entry(t.finish_reason).or_default() += 1;
+    }
+
+    pub fn render(&self, model: &str, s: &EngineStats) -> String {
+        let l = format!("model_name=\"{model}\"");
+        let mut out = String::new();
+        let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{l}}} {v}"
+            );
+        };
+        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{l}}} {v}"
+            );
+        };
+        gauge(
+            &mut out,
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            s.num_running as f64,
+        );
+        gauge(
+            &mut out,
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            s.num_waiting as f64,
+        );
+        gauge(
+            &mut out,
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            s.kv_usage,
+        );
+        counter(
+            &mut out,
+            "vllm:num_preemptions",
+            "Cumulative number of preemptions from the engine.",
+            s.num_preemptions,
+        );
+        counter(
+            &mut out,
+            "vllm:prompt_tokens_total",
+            "Number of prefill tokens processed.",
+            s.prompt_tokens_total,
+        );
+        counter(
+            &mut out,
+            "vllm:generation_tokens_total",
+            "Number of generation tokens processed.",
+            s.generation_tokens_total,
+        );
+        let m = self.inner.lock().unwrap();
+        let _ = writeln!(out, "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter");
+        for reason in ["stop", "length", "abort"] {
+            let v = m.success.get(reason).copied().unwrap_or(0);
+            let _ = writeln!(
+                out,
+                "vllm:request_success_total{{{l},finished_reason=\"{reason}\"}} {v}"
+            );
+        }
+        m.ttft.render(
+            &mut out,
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            &l,
+        );
+        m.itl.render(
+            &mut out,
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            &l,
+        );
+        m.e2e.render(
+            &mut out,
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of end to end request latency in seconds.",
+            &l,
+        );
+        m.queue.render(
+            &mut out,
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            &l,
+        );
+        out
+    }
+}

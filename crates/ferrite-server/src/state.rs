@@ -1,0 +1,26 @@
+//! What every handler shares.
+
+use crate::metrics::Metrics;
+use crate::tools::ToolParser;
+use ferrite_core::engine::EngineHandle;
+use ferrite_model::chat_template::ChatTemplate;
+use ferrite_model::tokenizer::ModelTokenizer;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<ModelTokenizer>,
+    pub template: Option<ChatTemplate>,
+    pub model_name: String,
+    pub model_root: String,
+    pub api_key: Option<String>,
+    pub metrics: Metrics,
+    pub tool_parser: Option<ToolParser>,
+    pub enable_auto_tool_choice: bool,
+    /// Set on shutdown: /health answers 503 and new requests are refused.
+    pub draining: AtomicBool,
+    pub created: u64,
+}
+
+pub type SharedState = Arc<AppState>;

@@ -1,0 +1,123 @@
+//! `ferrite serve`: the OpenAI-compatible HTTP server.
+
+use crate::args::EngineFlags;
+use crate::start::start;
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use ferrite_model::chat_template::ChatTemplate;
+use ferrite_server::metrics::Metrics;
+use ferrite_server::state::AppState;
+use ferrite_server::tools::ToolParser;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub engine: EngineFlags,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Name clients use in `model` (default: the model file's stem).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Require `Authorization: Bearer KEY` on /v1 routes.
+    #[arg(long, env = "FERRITE_API_KEY")]
+    pub api_key: Option<String>,
+    /// Chat template: a file path or the template text (default: the GGUF's).
+    #[arg(long)]
+    pub chat_template: Option<String>,
+    /// Let the model decide when to call tools (needs --tool-call-parser).
+    #[arg(long)]
+    pub enable_auto_tool_choice: bool,
+    /// How tool calls are read from model output: hermes, llama3_json.
+    #[arg(long)]
+    pub tool_call_parser: Option<String>,
+    /// `vllm` (the default) uses vLLM's sampling defaults; GGUF files carry no generation config.
+    #[arg(long, default_value = "vllm")]
+    pub generation_config: String,
+}
+
+pub fn run(args: ServeArgs) -> Result<()> {
+    let tool_parser = match &args.tool_call_parser {
+        Some(name) => Some(ToolParser::from_name(name).ok_or_else(|| {
+            anyhow!(
+                "unknown --tool-call-parser `{name}` (known: {})",
+                ToolParser::NAMES
+            )
+        })?),
+        None => None,
+    };
+    if args.enable_auto_tool_choice && tool_parser.is_none() {
+        bail!("--enable-auto-tool-choice needs --tool-call-parser");
+    }
+    if args.generation_config != "vllm" && args.generation_config != "auto" {
+        bail!("--generation-config: only `vllm` and `auto` are supported for GGUF models");
+    }
+    let started = start(&args.engine)?;
+    let tok = started.tokenizer.clone();
+    let source = match &args.chat_template {
+        Some(t) if std::path::Path::new(t).is_file() => {
+            Some(std::fs::read_to_string(t).with_context(|| format!("reading chat template {t}"))?)
+        }
+        Some(t) => Some(t.clone()),
+        None => tok.chat_template.clone(),
+    };
+    let text_of = |id: Option<u32>| id.map(|i| tok.token_text(i)).unwrap_or_default();
+    let template = source
+        .map(|s| {
+            ChatTemplate::new(
+                &s,
+                text_of(tok.bos_token_id),
+                text_of(tok.eos_token_ids.first().copied()),
+            )
+        })
+        .transpose()?;
+    let model_name = args.served_model_name.clone().unwrap_or_else(|| {
+        args.engine
+            .model
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into())
+    });
+    let state = Arc::new(AppState {
+        engine: started.engine.clone(),
+        tokenizer: tok.clone(),
+        template,
+        model_name: model_name.clone(),
+        model_root: args.engine.model.display().to_string(),
+        api_key: args.api_key.clone(),
+        metrics: Metrics::default(),
+        tool_parser,
+        enable_auto_tool_choice: args.enable_auto_tool_choice,
+        draining: AtomicBool::new(false),
+        created: ferrite_server::protocol::now(),
+    });
+    // Two runtime threads: HTTP and tokenization must not take the compute cores.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        tracing::info!("serving `{model_name}` at http://{addr}/v1");
+        tokio::spawn(ferrite_server::log_stats_periodically(
+            state.clone(),
+            std::time::Duration::from_secs(10),
+        ));
+        let shutdown_state = state.clone();
+        axum::serve(listener, ferrite_server::router(state))
+            .with_graceful_shutdown(async move {
+                let _ = tokio::signal::ctrl_c().await;
+                tracing::info!("shutting down");
+                shutdown_state.draining.store(true, Ordering::Relaxed);
+                shutdown_state.engine.shutdown();
+            })
+            .await?;
+        Ok(())
+    })
+}

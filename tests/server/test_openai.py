@@ -1,0 +1,193 @@
+"""The OpenAI API of `ferrite serve`, driven by the official `openai` Python client."""
+import json
+import time
+
+import openai
+import pytest
+import requests
+
+from conftest import Server
+
+MODEL = "smol"
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_models_health_version(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert requests.get(server.url + "/health").status_code == 200
+    assert "version" in requests.get(server.url + "/version").json()
+
+
+def test_chat_answer_and_usage(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=30, temperature=0)
+    c = r.choices[0]
+    assert c.message.role == "assistant"
+    assert "Paris" in c.message.content
+    assert c.finish_reason == "stop"
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.usage.completion_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streamed_chat_concatenates_to_the_whole_response(client):
+    whole = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_sse_wire_format(server):
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 3, "stream": True, "temperature": 0}
+    with requests.post(server.url + "/v1/chat/completions", json=body, stream=True) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [l for l in r.iter_lines(decode_unicode=True) if l]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    first = json.loads(events[0][6:])
+    assert list(first)[:5] == ["id", "object", "created", "model", "choices"]
+    assert first["object"] == "chat.completion.chunk"
+
+
+def test_n_choices_stop_and_length(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, n=3, temperature=1.0, seed=3)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert all(c.finish_reason in ("length", "stop") for c in r.choices)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_completion_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=30, temperature=0, stop=["Paris", "France"])
+    assert r.choices[0].finish_reason == "stop"
+    assert "Paris" not in r.choices[0].message.content and "France" not in r.choices[0].message.content
+
+
+def test_seed_makes_sampling_reproducible(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=20, temperature=1.0, seed=42)
+    a = client.chat.completions.create(**kw).choices[0].message.content
+    b = client.chat.completions.create(**kw).choices[0].message.content
+    assert a == b
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for tok in content:
+        assert len(tok.top_logprobs) == 3
+        assert tok.logprob <= 0
+        assert tok.logprob == pytest.approx(tok.top_logprobs[0].logprob, abs=1e-4)  # greedy = top-1
+
+
+def test_completions_prompt_forms_echo_and_legacy_logprobs(client, server):
+    r = client.completions.create(model=MODEL, prompt=["The sky is", "Water boils at"], max_tokens=4, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1] and all(c.text for c in r.choices)
+    ids = requests.post(server.url + "/tokenize", json={"prompt": "The sky is"}).json()["tokens"]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert by_ids.choices[0].text == r.choices[0].text
+    e = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0, echo=True, logprobs=2)
+    c = e.choices[0]
+    assert c.text.startswith("The sky is")
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(ids) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert "".join(lp.tokens) == c.text
+    stream = list(client.completions.create(model=MODEL, prompt="The sky is", max_tokens=6, temperature=0, stream=True))
+    whole = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=6, temperature=0)
+    assert "".join(s.choices[0].text for s in stream) == whole.choices[0].text
+
+
+def test_tokenize_detokenize_roundtrip(server):
+    t = requests.post(server.url + "/tokenize", json={"prompt": "naïve café 🚀"}).json()
+    assert t["count"] == len(t["tokens"]) and t["max_model_len"] == 2048
+    assert requests.post(server.url + "/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == "naïve café 🚀"
+    chat = requests.post(server.url + "/tokenize", json={"messages": ASK}).json()
+    assert chat["count"] > t["count"]
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(max_tokens=-5), "max_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(n=0), "n"),
+    (dict(top_p=0.0), "top_p"),
+])
+def test_bad_chat_requests_get_400(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, **kw)
+    assert param in str(e.value)
+
+
+def test_other_bad_requests(client, server):
+    with pytest.raises(openai.BadRequestError, match="empty"):
+        client.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=MODEL, prompt="hello " * 3000, max_tokens=5)
+    with pytest.raises(openai.BadRequestError, match="suffix"):
+        client.completions.create(model=MODEL, prompt="def f(", suffix="return x", max_tokens=5)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=ASK)
+    r = requests.post(server.url + "/v1/chat/completions", data="{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+    assert requests.get(server.url + "/health").status_code == 200
+
+
+def test_tools_are_accepted_and_output_is_never_empty(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, max_tokens=20, temperature=0)
+    m = r.choices[0].message
+    assert m.content or m.tool_calls
+
+
+def metric(server, name):
+    for line in requests.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_disconnect_aborts_and_frees_blocks(server):
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with requests.post(server.url + "/v1/completions", json=body, stream=True) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        if metric(server, "vllm:num_requests_running") == 0 and metric(server, "vllm:kv_cache_usage_perc") == 0:
+            break
+        time.sleep(0.05)
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_metrics_have_vllm_names(server, client):
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    text = requests.get(server.url + "/metrics").text
+    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:request_queue_time_seconds_sum"]:
+        assert name in text, name
+    assert metric(server, "vllm:generation_tokens_total") > 0
+
+
+def test_api_key_and_auto_tool_choice_flags():
+    s = Server("--api-key", "sekrit")
+    try:
+        bad = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong")
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=s.url + "/v1", api_key="sekrit")
+        assert good.models.list().data[0].id == MODEL
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
+            good.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice="auto")
+        assert requests.get(s.url + "/health").status_code == 200
+    finally:
+        s.stop()
