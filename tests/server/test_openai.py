@@ -1,12 +1,16 @@
 """The OpenAI API of `ferrite serve`, driven by the official `openai` Python client."""
 import json
+import os
+import signal
+import subprocess
+import threading
 import time
 
 import openai
 import pytest
 import requests
 
-from conftest import Server
+from conftest import BINARY, MODEL as MODEL_PATH, ROOT, Server
 
 MODEL = "smol"
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
@@ -177,8 +181,76 @@ def test_metrics_have_vllm_names(server, client):
     assert metric(server, "vllm:generation_tokens_total") > 0
 
 
-def test_api_key_and_auto_tool_choice_flags():
-    s = Server("--api-key", "sekrit")
+def test_usage_equals_tokenizer_counts(client, server):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, temperature=0)
+    t = requests.post(server.url + "/tokenize", json={"messages": ASK}).json()
+    assert r.usage.prompt_tokens == t["count"]
+    out = requests.post(server.url + "/tokenize", json={"prompt": r.choices[0].message.content, "add_special_tokens": False}).json()
+    # The completion's own tokens re-tokenize to the same count (EOS is not part of the text).
+    assert r.usage.completion_tokens in (out["count"], out["count"] + 1)
+
+
+def test_greedy_output_equals_ferrite_generate(client):
+    prompt = "The three primary colors are"
+    cli = subprocess.run([BINARY, "generate", MODEL_PATH, "--prompt", prompt, "--max-tokens", "24",
+                          "--kv-cache-memory", str(100 << 20), "--max-model-len", "2048", "--log-level", "error"],
+                         capture_output=True, text=True, check=True).stdout
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert cli.rstrip("\n") == r.choices[0].text
+    chat_cli = subprocess.run([BINARY, "generate", MODEL_PATH, "--chat", "--prompt", ASK[0]["content"], "--max-tokens", "24",
+                               "--kv-cache-memory", str(100 << 20), "--max-model-len", "2048", "--log-level", "error"],
+                              capture_output=True, text=True, check=True).stdout
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=24, temperature=0)
+    assert chat_cli.rstrip("\n") == r.choices[0].message.content
+
+
+def test_32_concurrent_streams_and_16_disconnects_leave_nothing_behind(server, client):
+    results = [None] * 32
+
+    def run(i):
+        chunks = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Write a line about the number {i}."}],
+            max_tokens=16, temperature=0.7, seed=i, stream=True)
+        text, finish = "", None
+        for c in chunks:
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                finish = c.choices[0].finish_reason or finish
+        results[i] = (text, finish)
+
+    def disconnect(i):
+        body = {"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with requests.post(server.url + "/v1/completions", json=body, stream=True) as r:
+            lines = r.iter_lines()
+            for _ in range(2):
+                next(lines)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    threads += [threading.Thread(target=disconnect, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert all(r is not None and r[0] and r[1] in ("stop", "length") for r in results), results
+    deadline = time.time() + 10
+    while time.time() < deadline and (metric(server, "vllm:num_requests_running") or metric(server, "vllm:kv_cache_usage_perc")):
+        time.sleep(0.05)
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:num_requests_waiting") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0
+    assert requests.get(server.url + "/health").status_code == 200
+
+
+def test_oversized_body_and_unknown_route(server):
+    r = requests.post(server.url + "/v1/completions", data=b"x" * (33 << 20), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    r = requests.get(server.url + "/v1/nope")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_api_key_tools_template_and_sigterm_drain():
+    s = Server("--api-key", "sekrit", "--tool-call-parser", "hermes",
+               "--chat-template", os.path.join(ROOT, "tests", "server", "tools_template.jinja"))
     try:
         bad = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong")
         with pytest.raises(openai.AuthenticationError):
@@ -188,6 +260,32 @@ def test_api_key_and_auto_tool_choice_flags():
         tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
         with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
             good.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice="auto")
-        assert requests.get(s.url + "/health").status_code == 200
+        for route in ["/v1/completions", "/v1/chat/completions"]:
+            assert requests.post(s.url + route, json={}).status_code == 401
+        # Tools are rendered into the prompt by the chat template, and the call is answered.
+        weather = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+        auth = {"Authorization": "Bearer sekrit"}
+        body = {"messages": ASK, "tools": weather}
+        ids = requests.post(s.url + "/tokenize", json=body, headers=auth).json()["tokens"]
+        rendered = requests.post(s.url + "/detokenize", json={"tokens": ids}, headers=auth).json()["prompt"]
+        assert "get_weather" in rendered and '"city"' in rendered
+        r = good.chat.completions.create(model=MODEL, messages=ASK, tools=weather, tool_choice="required", max_tokens=30, temperature=0)
+        m = r.choices[0].message
+        assert (m.content or m.tool_calls) and r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        # SIGTERM: the in-flight stream completes, then the process exits cleanly.
+        stream = good.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=40, stream=True,
+                                         extra_body={"ignore_eos": True})
+        it = iter(stream)
+        first = next(it)
+        s.proc.send_signal(signal.SIGTERM)
+        rest = list(it)
+        assert rest[-1].choices[0].finish_reason == "length"
+        text = first.choices[0].text + "".join(c.choices[0].text for c in rest)
+        assert text
+        assert s.proc.wait(timeout=30) == 0
     finally:
-        s.stop()
+        if s.proc.poll() is None:
+            s.stop()
+        else:
+            s.log.close()

@@ -11,7 +11,8 @@ pub mod state;
 pub mod tools;
 
 use axum::body::Bytes;
-use axum::extract::{Request, State};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -23,8 +24,18 @@ use serde_json::{json, Value};
 use state::SharedState;
 use std::sync::atomic::Ordering;
 
-/// Parses a JSON body, turning serde's message into an OpenAI 400.
-fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+/// Largest request body accepted (413 beyond).
+pub const MAX_BODY_BYTES: usize = 32 << 20;
+
+/// Parses a JSON body, turning serde's message into an OpenAI 400 and an oversized body
+/// into an OpenAI-shaped 413.
+fn parse<T: DeserializeOwned>(body: &Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let body = body.as_ref().map_err(|r| ApiError {
+        status: r.status(),
+        message: format!("{} (limit {MAX_BODY_BYTES} bytes)", r.body_text()),
+        kind: "BadRequestError",
+        param: None,
+    })?;
     serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
 }
@@ -33,15 +44,19 @@ pub fn router(state: SharedState) -> Router {
     let v1 = Router::new()
         .route(
             "/v1/chat/completions",
-            post(|State(s): State<SharedState>, body: Bytes| async move {
-                chat::chat_completions(s, parse(&body)?).await
-            }),
+            post(
+                |State(s): State<SharedState>, body: Result<Bytes, BytesRejection>| async move {
+                    chat::chat_completions(s, parse(&body)?).await
+                },
+            ),
         )
         .route(
             "/v1/completions",
-            post(|State(s): State<SharedState>, body: Bytes| async move {
-                completions::completions(s, parse(&body)?).await
-            }),
+            post(
+                |State(s): State<SharedState>, body: Result<Bytes, BytesRejection>| async move {
+                    completions::completions(s, parse(&body)?).await
+                },
+            ),
         )
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
@@ -56,6 +71,7 @@ pub fn router(state: SharedState) -> Router {
         )
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::not_found("no such route") })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
 
@@ -93,7 +109,10 @@ async fn metrics(State(s): State<SharedState>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 
-async fn tokenize(State(s): State<SharedState>, body: Bytes) -> Result<Json<Value>, ApiError> {
+async fn tokenize(
+    State(s): State<SharedState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
     let req: Value = parse(&body)?;
     let tokens = if let Some(p) = req.get("prompt").and_then(Value::as_str) {
         let add = req
@@ -114,7 +133,10 @@ async fn tokenize(State(s): State<SharedState>, body: Bytes) -> Result<Json<Valu
     ))
 }
 
-async fn detokenize(State(s): State<SharedState>, body: Bytes) -> Result<Json<Value>, ApiError> {
+async fn detokenize(
+    State(s): State<SharedState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
     #[derive(serde::Deserialize)]
     struct Req {
         tokens: Vec<u32>,

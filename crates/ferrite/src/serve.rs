@@ -111,13 +111,35 @@ pub fn run(args: ServeArgs) -> Result<()> {
         ));
         let shutdown_state = state.clone();
         axum::serve(listener, ferrite_server::router(state))
-            .with_graceful_shutdown(async move {
-                let _ = tokio::signal::ctrl_c().await;
-                tracing::info!("shutting down");
-                shutdown_state.draining.store(true, Ordering::Relaxed);
-                shutdown_state.engine.shutdown();
-            })
+            .with_graceful_shutdown(drain_on_signal(shutdown_state.clone()))
             .await?;
+        shutdown_state.engine.shutdown();
+        tracing::info!("drained; exiting");
         Ok(())
     })
+}
+
+/// On SIGINT or SIGTERM: refuse new requests, let in-flight ones finish, then return so the
+/// server closes once their responses are sent.
+async fn drain_on_signal(state: Arc<AppState>) {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("install SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    state.draining.store(true, Ordering::Relaxed);
+    let s = state.engine.stats();
+    tracing::info!(
+        "shutting down: draining {} running and {} waiting requests",
+        s.num_running,
+        s.num_waiting
+    );
+    loop {
+        let s = state.engine.stats();
+        if s.num_running + s.num_waiting == 0 || !s.alive {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 }
