@@ -87,3 +87,91 @@ fn unknown_architecture_fails_at_load_with_a_clear_message() {
     assert!(err.contains("cannot open"), "{err}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A small SentencePiece-style vocabulary (scores, byte fallback, no merges) written as GGUF.
+#[test]
+fn sentencepiece_vocabulary_from_gguf_metadata() {
+    use gguf_file::Value as V;
+    let mut tokens: Vec<String> = [
+        "<unk>", "<s>", "</s>", "▁", "h", "e", "l", "o", "w", "r", "d",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let merged = [
+        "he", "ll", "llo", "hello", "▁hello", "▁w", "or", "▁wor", "ld", "▁world",
+    ];
+    tokens.extend(merged.iter().map(|s| s.to_string()));
+    tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
+    // Longer merged pieces score higher, as SentencePiece BPE vocabularies do.
+    let scores: Vec<V> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            V::F32(if i < 11 {
+                -100.0
+            } else {
+                t.chars().count() as f32 - 10.0
+            })
+        })
+        .collect();
+    let types: Vec<V> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            V::I32(match i {
+                0 => 2,
+                1 | 2 => 3,
+                _ if t.starts_with("<0x") => 6,
+                _ => 1,
+            })
+        })
+        .collect();
+    let dir = std::env::temp_dir().join(format!("ferrite-spm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("spm.gguf");
+    let meta = [
+        ("general.architecture", V::String("llama".into())),
+        ("tokenizer.ggml.model", V::String("llama".into())),
+        (
+            "tokenizer.ggml.tokens",
+            V::Array(tokens.iter().map(|t| V::String(t.clone())).collect()),
+        ),
+        ("tokenizer.ggml.scores", V::Array(scores)),
+        ("tokenizer.ggml.token_type", V::Array(types)),
+        ("tokenizer.ggml.bos_token_id", V::U32(1)),
+        ("tokenizer.ggml.eos_token_id", V::U32(2)),
+        ("tokenizer.ggml.unknown_token_id", V::U32(0)),
+    ];
+    let refs: Vec<(&str, &V)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    gguf_file::write(&mut std::fs::File::create(&path).unwrap(), &refs, &[]).unwrap();
+
+    let tok = ModelTokenizer::load(&GgufFile::open(&path).unwrap()).unwrap();
+    let id = |s: &str| tokens.iter().position(|t| t == s).unwrap() as u32;
+    assert!(tok.add_bos, "SentencePiece vocabularies add BOS by default");
+    assert_eq!(
+        tok.encode("hello world", true).unwrap(),
+        vec![1, id("▁hello"), id("▁world")]
+    );
+    // Characters outside the vocabulary fall back to their UTF-8 bytes, and decode back.
+    let ids = tok.encode("hé", false).unwrap();
+    assert_eq!(ids, vec![id("▁"), id("h"), id("<0xC3>"), id("<0xA9>")]);
+    assert_eq!(tok.decode(&ids, false).unwrap(), "hé");
+    assert_eq!(
+        tok.decode(&tok.encode("hello world", true).unwrap(), true)
+            .unwrap(),
+        "hello world"
+    );
+
+    // A tokenizer.json beside the weights takes precedence over the GGUF metadata.
+    tok.tokenizer
+        .save(dir.join("tokenizer.json"), false)
+        .unwrap();
+    let from_json = ModelTokenizer::load(&GgufFile::open(&path).unwrap()).unwrap();
+    assert!(!from_json.add_bos);
+    assert_eq!(
+        from_json.encode("hello world", false).unwrap(),
+        vec![id("▁hello"), id("▁world")]
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
