@@ -39,11 +39,14 @@ bench_server() {
   kill "$pid"; wait "$pid" 2>/dev/null || true
 }
 
+# REPORT_ONLY=1 rebuilds the report and charts from the result files already in $res.
+if [ -z "${REPORT_ONLY:-}" ]; then
 bench_server ferrite ferrite env RAYON_NUM_THREADS="$threads" $ferrite serve "$model" --port $port \
   --max-model-len 4096 --kv-cache-memory 1600000000 --log-level warn
 bench_server "llama.cpp" llamacpp "$LLAMA_BIN/llama-server" -m "$model" --port $port -t "$threads"
 bench_server "llama.cpp --parallel 4" llamacpp-p4 "$LLAMA_BIN/llama-server" -m "$model" --port $port \
   -t "$threads" --parallel 4
+fi
 $ferrite bench plot "$res/ferrite.json" "$res/llamacpp.json" "$res/llamacpp-p4.json" --out-dir "$res" > /dev/null
 rm -rf "$res"/*-charts
 scripts/bench-core.sh > /dev/null

@@ -311,3 +311,23 @@ def test_bench_serve_numbers_match_the_server(server, tmp_path):
     assert metric(server, "vllm:prompt_tokens_total") - before_prompt == 2 * 6 * 64
     for chart in ["ttft.svg", "throughput.svg", "itl.svg"]:
         assert (tmp_path / chart).read_text().startswith("<svg")
+
+
+def test_prefix_cache_metrics_n_sharing_and_reset(server, client):
+    assert requests.post(server.url + "/reset_prefix_cache").status_code == 200
+    msgs = [{"role": "user", "content": "Summarize the plot of a long novel about a lighthouse keeper. " * 6}]
+    h0, q0 = metric(server, "vllm:prefix_cache_hits"), metric(server, "vllm:prefix_cache_queries")
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, n=2, temperature=1.0, seed=1)
+    assert len(r.choices) == 2
+    prompt = r.usage.prompt_tokens
+    # The second choice starts once the first has computed the prompt: all its full blocks hit.
+    assert metric(server, "vllm:prefix_cache_queries") - q0 == 2 * prompt
+    assert metric(server, "vllm:prefix_cache_hits") - h0 == (prompt - 1) // 16 * 16
+    # A repeat of the same prompt hits too; after a reset it does not.
+    h1 = metric(server, "vllm:prefix_cache_hits")
+    client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    assert metric(server, "vllm:prefix_cache_hits") > h1
+    assert requests.post(server.url + "/reset_prefix_cache").status_code == 200
+    h2 = metric(server, "vllm:prefix_cache_hits")
+    client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    assert metric(server, "vllm:prefix_cache_hits") == h2

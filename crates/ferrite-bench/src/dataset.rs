@@ -282,17 +282,53 @@ fn fit_last(sizer: &Sizer, messages: &mut [Value], budget: usize) -> Result<usiz
     sizer.count(messages)
 }
 
-pub fn agent(sizer: &Sizer, shape: &AgentShape, seed: u64) -> Result<Vec<BenchPrompt>> {
-    if !(shape.input_min < shape.input_mean && shape.input_mean < shape.input_max) {
-        bail!("need --input-min < --input-mean < --input-max");
-    }
+fn system_prompt() -> Result<String> {
     let tools: Value = serde_json::from_str(TOOLS)?;
-    let system = format!(
+    Ok(format!(
         "You are a coding agent working in a git repository. Use the tools to inspect and change \
          the code; call one tool at a time as <tool_call>{{json}}</tool_call>; keep replies short.\n\
          Tools: {}",
         serde_json::to_string(&tools)?
-    );
+    ))
+}
+
+/// One agent session replayed turn by turn: prompt `k` is prompt `k - 1` plus the assistant's
+/// tool call and the tool's result, as an agent re-sends its whole history every turn.
+pub fn session(
+    sizer: &Sizer,
+    turns: usize,
+    output_tokens: usize,
+    seed: u64,
+) -> Result<Vec<BenchPrompt>> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let module = pick(&mut rng, MODULES);
+    let ask = pick(&mut rng, ASKS)
+        .replace("{m}", module)
+        .replace("{f}", pick(&mut rng, FUNCS));
+    let mut messages = vec![
+        json!({"role": "system", "content": system_prompt()?}),
+        json!({"role": "user", "content": ask}),
+    ];
+    let mut out = Vec::with_capacity(turns);
+    for _ in 0..turns {
+        messages.extend(tool_turn(&mut rng, module));
+        let text = sizer.render(&messages)?;
+        let input_tokens = sizer.count(&messages)?;
+        out.push(BenchPrompt {
+            messages: messages.clone(),
+            text,
+            input_tokens,
+            max_tokens: output_tokens,
+        });
+    }
+    Ok(out)
+}
+
+pub fn agent(sizer: &Sizer, shape: &AgentShape, seed: u64) -> Result<Vec<BenchPrompt>> {
+    if !(shape.input_min < shape.input_mean && shape.input_mean < shape.input_max) {
+        bail!("need --input-min < --input-mean < --input-max");
+    }
+    let system = system_prompt()?;
     let mut rng = StdRng::seed_from_u64(seed);
     let mut prompts = Vec::with_capacity(shape.num_prompts);
     for target in target_lens(&mut rng, shape) {

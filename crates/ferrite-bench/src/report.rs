@@ -43,6 +43,9 @@ pub struct LevelJson {
     pub p50_e2e_s: f64,
     pub p99_e2e_s: f64,
     pub errors: Vec<String>,
+    /// Per request, in completion order: (input tokens, TTFT s).
+    #[serde(default)]
+    pub requests: Vec<(usize, f64)>,
 }
 
 impl From<&LevelResult> for LevelJson {
@@ -69,6 +72,7 @@ impl From<&LevelResult> for LevelJson {
             p50_e2e_s: l.e2e_s.p50,
             p99_e2e_s: l.e2e_s.p99,
             errors: l.errors.clone(),
+            requests: l.requests.clone(),
         }
     }
 }

@@ -69,6 +69,8 @@ pub struct LevelResult {
     pub itl_s: Summary,
     pub e2e_s: Summary,
     pub errors: Vec<String>,
+    /// Per request, in completion order: (input tokens, TTFT s).
+    pub requests: Vec<(usize, f64)>,
 }
 
 pub fn level_result(concurrency: usize, records: &[RequestRecord], duration_s: f64) -> LevelResult {
@@ -93,6 +95,7 @@ pub fn level_result(concurrency: usize, records: &[RequestRecord], duration_s: f
             .filter_map(|r| r.error.clone())
             .take(5)
             .collect(),
+        requests: ok.iter().map(|r| (r.input_tokens, r.ttft)).collect(),
     }
 }
 

@@ -48,6 +48,7 @@ type OutputSink = tokio_mpsc::UnboundedSender<Result<RequestOutput, EngineError>
 enum Command {
     Add(Request, OutputSink),
     Abort(RequestId),
+    ResetPrefixCache,
     Shutdown,
 }
 
@@ -61,6 +62,9 @@ pub struct EngineStats {
     pub num_steps: u64,
     pub prompt_tokens_total: u64,
     pub generation_tokens_total: u64,
+    /// Prompt tokens looked up in the prefix cache, and found there.
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
     pub alive: bool,
 }
 
@@ -252,6 +256,7 @@ impl<E: Executor> EngineCore<E> {
         s.num_waiting = self.scheduler.num_waiting();
         s.kv_usage = self.scheduler.kv_usage();
         s.num_preemptions = self.scheduler.num_preemptions();
+        (s.prefix_cache_queries, s.prefix_cache_hits) = self.scheduler.prefix_cache_stats();
         s.num_steps += 1;
     }
 
@@ -267,6 +272,7 @@ impl<E: Executor> EngineCore<E> {
 #[derive(Clone, Debug)]
 pub struct EngineInfo {
     pub max_model_len: usize,
+    pub prefix_caching: bool,
     pub eos_token_ids: Arc<[u32]>,
 }
 
@@ -331,6 +337,7 @@ impl EngineHandle {
         let (tx, rx) = mpsc::channel::<Command>();
         let info = EngineInfo {
             max_model_len: config.max_model_len,
+            prefix_caching: config.prefix_caching.is_some(),
             eos_token_ids: eos_token_ids.into(),
         };
         let admission = Arc::new(Scheduler::new(config.clone()));
@@ -404,6 +411,13 @@ impl EngineHandle {
         let _ = self.commands.send(Command::Abort(id));
     }
 
+    /// Forgets every cached prefix (the admin route `/reset_prefix_cache`).
+    pub fn reset_prefix_cache(&self) -> Result<(), EngineError> {
+        self.commands
+            .send(Command::ResetPrefixCache)
+            .map_err(|_| EngineError::Dead)
+    }
+
     pub fn shutdown(&self) {
         let _ = self.commands.send(Command::Shutdown);
     }
@@ -414,6 +428,7 @@ fn run_loop<E: Executor>(core: &mut EngineCore<E>, rx: mpsc::Receiver<Command>) 
         match cmd {
             Command::Add(req, sink) => core.add(req, sink),
             Command::Abort(id) => core.abort(id),
+            Command::ResetPrefixCache => core.scheduler.reset_prefix_cache(),
             Command::Shutdown => return false,
         }
         true

@@ -6,6 +6,7 @@ pub mod detokenizer;
 pub mod engine;
 pub mod kv_cache_manager;
 pub mod output;
+pub mod prefix_hash;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;

@@ -30,6 +30,8 @@ pub struct SamplingParams {
     pub prompt_logprobs: Option<i64>,
     pub include_stop_str_in_output: bool,
     pub skip_special_tokens: bool,
+    /// Isolates this request's cached prefixes from other tenants' (vLLM's `cache_salt`).
+    pub cache_salt: Option<String>,
 }
 
 impl Default for SamplingParams {
@@ -52,6 +54,7 @@ impl Default for SamplingParams {
             prompt_logprobs: None,
             include_stop_str_in_output: false,
             skip_special_tokens: true,
+            cache_salt: None,
         }
     }
 }

@@ -3,6 +3,7 @@
 
 use crate::block_pool::BlockId;
 use crate::kv_cache_manager::KvCacheManager;
+use crate::prefix_hash::HashAlgo;
 use crate::request::{FinishReason, Request, RequestId, RequestStatus};
 use crate::sampling::SamplingParams;
 use std::collections::{HashMap, VecDeque};
@@ -15,6 +16,8 @@ pub struct SchedulerConfig {
     pub max_model_len: usize,
     pub block_size: usize,
     pub num_blocks: usize,
+    /// Reuse cached full blocks across requests (`None`: off).
+    pub prefix_caching: Option<HashAlgo>,
 }
 
 /// What the sampler needs for a row that produces a token this step.
@@ -117,7 +120,7 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Self {
         assert!(config.max_num_batched_tokens > 0 && config.max_num_seqs > 0);
-        let kv = KvCacheManager::new(config.num_blocks, config.block_size);
+        let kv = KvCacheManager::new(config.num_blocks, config.block_size, config.prefix_caching);
         Self {
             config,
             kv,
@@ -195,6 +198,19 @@ impl Scheduler {
         self.kv.usage()
     }
 
+    /// Prompt tokens looked up in the prefix cache, and found there.
+    pub fn prefix_cache_stats(&self) -> (u64, u64) {
+        (self.kv.queried_tokens, self.kv.hit_tokens)
+    }
+
+    pub fn reset_prefix_cache(&mut self) {
+        self.kv.reset_prefix_cache();
+    }
+
+    pub fn kv(&self) -> &KvCacheManager {
+        &self.kv
+    }
+
     pub fn num_free_blocks(&self) -> usize {
         self.kv.num_free_blocks()
     }
@@ -225,7 +241,7 @@ impl Scheduler {
             let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
             let target = req.num_computed_tokens + num_new;
             let mut scheduled = true;
-            while !self.kv.allocate_slots(id, target) {
+            while !self.kv.allocate_slots(id, target, &[]) {
                 // Preempt the newest running request; if that is this one, it waits.
                 let victim = self.running.pop().expect("running is not empty");
                 self.preempt(victim);
@@ -250,15 +266,18 @@ impl Scheduler {
                     break;
                 }
                 let req = &self.requests[&id];
-                let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
-                if !self
-                    .kv
-                    .allocate_slots(id, req.num_computed_tokens + num_new)
-                {
+                // A new (or preempted) request starts from its longest cached prefix.
+                let hit = self.kv.find_cached_prefix(req);
+                let computed = hit.len() * self.config.block_size;
+                let num_new = (req.num_tokens() - computed).min(budget);
+                if !self.kv.allocate_slots(id, computed + num_new, &hit) {
                     break; // FCFS: the head of the queue waits for blocks, nobody overtakes it
                 }
                 self.waiting.pop_front();
-                self.requests.get_mut(&id).unwrap().status = RequestStatus::Running;
+                let req = self.requests.get_mut(&id).unwrap();
+                self.kv.note_prefix_lookup(req.num_tokens(), computed);
+                req.num_computed_tokens = computed;
+                req.status = RequestStatus::Running;
                 self.running.push(id);
                 planned.push((id, num_new));
                 budget -= num_new;
@@ -348,6 +367,7 @@ impl Scheduler {
                 continue; // finished by an abort while the step ran
             };
             req.num_computed_tokens += s.token_ids.len();
+            self.kv.cache_blocks(req);
             let new_token = sampled.get(&s.req_id).copied();
             let mut finished = None;
             if let Some(t) = new_token {
@@ -371,7 +391,7 @@ impl Scheduler {
     pub fn finish(&mut self, id: RequestId, reason: FinishReason) -> Option<Request> {
         let mut req = self.requests.remove(&id)?;
         req.status = RequestStatus::Finished(reason);
-        self.kv.free(id);
+        self.kv.forget(id);
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
         self.prompt_logprobs_done.remove(&id);

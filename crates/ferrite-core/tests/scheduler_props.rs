@@ -179,6 +179,7 @@ proptest! {
             max_model_len,
             block_size,
             num_blocks,
+            prefix_caching: None,
         };
         let (got, _) = run(cfg.clone(), &work);
         // Reference: a pool so large nothing is ever preempted.
@@ -205,6 +206,7 @@ fn preemption_happens_under_pressure_and_changes_nothing() {
         max_model_len: 64,
         block_size: 4,
         num_blocks: 16,
+        prefix_caching: None,
     };
     let (got, preemptions) = run(cfg.clone(), &work);
     assert!(preemptions > 0, "the workload should force preemption");
@@ -226,6 +228,7 @@ fn requests_that_can_never_fit_are_refused() {
         max_model_len: 32,
         block_size: 4,
         num_blocks: 6,
+        prefix_caching: None,
     });
     let p = |m: i64| SamplingParams {
         max_tokens: Some(m),

@@ -11,6 +11,7 @@ use crate::runner::ModelRunner;
 use crate::step::PackedStep;
 use crate::tokenizer::ModelTokenizer;
 use anyhow::{bail, Result};
+use ferrite_core::prefix_hash::HashAlgo;
 use ferrite_core::scheduler::SchedulerConfig;
 use std::path::PathBuf;
 
@@ -26,6 +27,8 @@ pub struct EngineArgs {
     pub kv_cache_memory: Option<u64>,
     pub seed: Option<u64>,
     pub weight_format: WeightFormat,
+    /// `None` turns prefix caching off.
+    pub prefix_caching: Option<HashAlgo>,
 }
 
 /// On the CPU the "device" is the whole machine's RAM, shared with everything else.
@@ -43,6 +46,7 @@ impl EngineArgs {
             kv_cache_memory: None,
             seed: None,
             weight_format: WeightFormat::Auto,
+            prefix_caching: Some(HashAlgo::Sha256),
         }
     }
 }
@@ -103,6 +107,7 @@ pub fn load(args: &EngineArgs, progress: impl FnMut(usize, usize)) -> Result<Loa
         max_model_len,
         block_size: args.block_size,
         num_blocks: plan.num_blocks,
+        prefix_caching: args.prefix_caching,
     };
     Ok(LoadedEngine {
         runner: ModelRunner::new(model, cache, args.seed),

@@ -98,7 +98,19 @@ pub fn engine_with_len(
     max_num_batched_tokens: usize,
     max_model_len: usize,
 ) -> (EngineHandle, Arc<ModelTokenizer>) {
+    engine_opts(kv_blocks, max_num_batched_tokens, max_model_len, true)
+}
+
+pub fn engine_opts(
+    kv_blocks: usize,
+    max_num_batched_tokens: usize,
+    max_model_len: usize,
+    prefix_caching: bool,
+) -> (EngineHandle, Arc<ModelTokenizer>) {
     let mut args = EngineArgs::new(model_path());
+    if !prefix_caching {
+        args.prefix_caching = None;
+    }
     args.max_model_len = Some(max_model_len);
     args.max_num_batched_tokens = max_num_batched_tokens;
     args.kv_cache_memory = Some((kv_blocks * 16 * 2 * 30 * 192 * 4) as u64);

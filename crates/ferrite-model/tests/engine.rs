@@ -129,8 +129,17 @@ fn greedy_outputs_identical_at_concurrency_1_and_8() {
         assert!(!a.is_empty());
         assert_eq!(a, b, "prompt {i} differs at concurrency 8");
     }
-    let stats = engine.stats();
-    assert_eq!(stats.num_running + stats.num_waiting, 0);
+    // Stats are published at the end of the step that delivered the last token.
+    let idle = (0..200).any(|_| {
+        let st = engine.stats();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        st.num_running + st.num_waiting == 0 && st.kv_usage == 0.0
+    });
+    assert!(
+        idle,
+        "engine not idle after all requests finished: {:?}",
+        engine.stats()
+    );
 }
 
 #[test]
@@ -347,4 +356,70 @@ fn a_budget_too_small_for_one_request_fails_at_start_with_numbers() {
         "{err}"
     );
     assert!(err.contains("lower --max-model-len to at most"), "{err}");
+}
+
+/// Greedy tokens and logprobs are identical with and without prefix caching, and for a
+/// request served from a cache hit versus a cold miss.
+#[test]
+fn prefix_cache_hits_change_no_answer() {
+    let system =
+        "<|im_start|>system\nYou are a coding agent. Tools: read_file(path), run_shell(command), \
+                  apply_patch(diff). Call one tool at a time and keep replies short.<|im_end|>\n";
+    let asks = [
+        "<|im_start|>user\nWhy do the tests in src/lib.rs fail?<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_start|>user\nRename parse_header to read_header everywhere.<|im_end|>\n<|im_start|>assistant\n",
+    ];
+    let params = SamplingParams {
+        logprobs: Some(5),
+        ignore_eos: true,
+        ..greedy(12)
+    };
+    let run = |engine: &ferrite_core::engine::EngineHandle,
+               tok: &ferrite_model::tokenizer::ModelTokenizer| {
+        asks.iter()
+            .map(|a| {
+                let p = tok.encode(&format!("{system}{a}"), false).unwrap();
+                collect(engine.add_request(p, params.clone()).unwrap()).unwrap()
+            })
+            .collect::<Vec<_>>()
+    };
+    let (cached, tok) = engine_opts(300, 64, 1024, true);
+    let cold = run(&cached, &tok);
+    let first_hits = cached.stats().prefix_cache_hits;
+    // The second ask shares the system prompt with the first: a hit of whole blocks.
+    assert!(
+        first_hits >= 32,
+        "expected a shared-prefix hit, got {first_hits} tokens"
+    );
+    let warm = run(&cached, &tok);
+    let stats = cached.stats();
+    assert!(stats.prefix_cache_hits > first_hits);
+    let (plain, _) = engine_opts(300, 64, 1024, false);
+    let uncached = run(&plain, &tok);
+    assert_eq!(plain.stats().prefix_cache_hits, 0);
+    for outs in [&warm, &uncached] {
+        for (a, b) in cold.iter().zip(outs.iter()) {
+            assert_eq!(tokens_of(a), tokens_of(b));
+            let la: Vec<_> = a
+                .iter()
+                .flat_map(|o| {
+                    o.logprobs
+                        .iter()
+                        .map(|l| (l.token_id, l.logprob, l.top.clone()))
+                })
+                .collect();
+            let lb: Vec<_> = b
+                .iter()
+                .flat_map(|o| {
+                    o.logprobs
+                        .iter()
+                        .map(|l| (l.token_id, l.logprob, l.top.clone()))
+                })
+                .collect();
+            assert_eq!(
+                la, lb,
+                "logprobs differ between a cache hit and a cold miss"
+            );
+        }
+    }
 }

@@ -11,6 +11,7 @@ use ferrite_core::request::FinishReason;
 use ferrite_core::sampling::SamplingParams;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
+use tokio::sync::watch;
 
 pub fn finish_reason(r: FinishReason) -> &'static str {
     r.as_str()
@@ -57,6 +58,7 @@ pub fn sampling_params(
         prompt_logprobs,
         include_stop_str_in_output: c.include_stop_str_in_output,
         skip_special_tokens: c.skip_special_tokens.unwrap_or(true),
+        cache_salt: c.cache_salt.clone(),
     };
     p.validate().map_err(ApiError::bad_request)?;
     Ok(p)
@@ -83,11 +85,20 @@ pub fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiEr
     }
 }
 
+/// A choice whose request starts once its prompt's leader has computed (and cached) it.
+struct Deferred {
+    leader_ready: watch::Receiver<bool>,
+    params: SamplingParams,
+}
+
 /// One choice of a response: an engine request and its timeline.
 pub struct Choice {
     pub index: usize,
     pub prompt: Vec<u32>,
-    pub stream: RequestStream,
+    stream: Option<RequestStream>,
+    deferred: Option<Deferred>,
+    /// Set on the first output of a leader, releasing the deferred choices of its prompt.
+    ready: Option<watch::Sender<bool>>,
     start: Instant,
     first: Option<Instant>,
     last: Option<Instant>,
@@ -96,25 +107,44 @@ pub struct Choice {
 }
 
 /// Starts `n` requests per prompt; if any is refused, the ones started are dropped (aborted).
+/// With prefix caching, the `n - 1` siblings of a prompt start once the first one has
+/// computed it, so the prompt is computed once and its blocks are shared.
 pub fn start_choices(
     state: &AppState,
     prompts: Vec<Vec<u32>>,
     params: &SamplingParams,
     n: usize,
 ) -> Result<Vec<Choice>, ApiError> {
+    let share = n > 1 && state.engine.info().prefix_caching;
     let mut choices = Vec::with_capacity(prompts.len() * n);
     for prompt in prompts {
-        for _ in 0..n {
+        let (tx, rx) = watch::channel(false);
+        for i in 0..n {
             let mut p = params.clone();
             // With a seed, choices of one call must still differ.
             if let (Some(s), true) = (p.seed, n > 1) {
                 p.seed = Some(s.wrapping_add(choices.len() as u64));
             }
-            let stream = state.engine.add_request(prompt.clone(), p)?;
+            let leader = i == 0 || !share;
+            let (stream, deferred) = if leader {
+                (Some(state.engine.add_request(prompt.clone(), p)?), None)
+            } else {
+                // Validated now, so a deferred start cannot be refused later.
+                p.validate().map_err(ApiError::bad_request)?;
+                (
+                    None,
+                    Some(Deferred {
+                        leader_ready: rx.clone(),
+                        params: p,
+                    }),
+                )
+            };
             choices.push(Choice {
                 index: choices.len(),
                 prompt: prompt.clone(),
                 stream,
+                deferred,
+                ready: (share && i == 0).then(|| tx.clone()),
                 start: Instant::now(),
                 first: None,
                 last: None,
@@ -129,7 +159,19 @@ pub fn start_choices(
 impl Choice {
     /// Next output, with timing noted; the metrics are recorded when the request ends.
     pub async fn next(&mut self, state: &AppState) -> Option<Result<RequestOutput, ApiError>> {
-        let item = self.stream.next().await?;
+        if let Some(mut d) = self.deferred.take() {
+            // A leader that fails drops its sender, which releases the siblings too.
+            let _ = d.leader_ready.wait_for(|r| *r).await;
+            match state.engine.add_request(self.prompt.clone(), d.params) {
+                Ok(s) => self.stream = Some(s),
+                Err(e) => return Some(Err(e.into())),
+            }
+        }
+        let item = self.stream.as_mut()?.next().await;
+        if let Some(tx) = self.ready.take() {
+            let _ = tx.send(true);
+        }
+        let item = item?;
         let now = Instant::now();
         Some(match item {
             Ok(o) => {

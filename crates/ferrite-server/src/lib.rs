@@ -61,6 +61,7 @@ pub fn router(state: SharedState) -> Router {
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .merge(v1)
@@ -153,6 +154,11 @@ async fn detokenize(
     ))
 }
 
+async fn reset_prefix_cache(State(s): State<SharedState>) -> Result<StatusCode, ApiError> {
+    s.engine.reset_prefix_cache()?;
+    Ok(StatusCode::OK)
+}
+
 /// Logs running/waiting/KV usage/throughput every `period` while there is activity.
 pub async fn log_stats_periodically(state: SharedState, period: std::time::Duration) {
     let mut last = state.engine.stats();
@@ -164,9 +170,17 @@ pub async fn log_stats_periodically(state: SharedState, period: std::time::Durat
         let prompt = (s.prompt_tokens_total - last.prompt_tokens_total) as f64 / dt;
         let gen = (s.generation_tokens_total - last.generation_tokens_total) as f64 / dt;
         if s.num_running + s.num_waiting > 0 || prompt > 0.0 || gen > 0.0 {
+            let queries = s.prefix_cache_queries - last.prefix_cache_queries;
+            let hits = s.prefix_cache_hits - last.prefix_cache_hits;
+            let hit_rate = if queries > 0 {
+                100.0 * hits as f64 / queries as f64
+            } else {
+                0.0
+            };
             tracing::info!(
                 "Avg prompt throughput: {prompt:.1} tokens/s, Avg generation throughput: {gen:.1} tokens/s, \
-                 Running: {} reqs, Waiting: {} reqs, GPU KV cache usage: {:.1}%, Preemptions: {}",
+                 Running: {} reqs, Waiting: {} reqs, GPU KV cache usage: {:.1}%, Prefix cache hit rate: {hit_rate:.1}%, \
+                 Preemptions: {}",
                 s.num_running,
                 s.num_waiting,
                 s.kv_usage * 100.0,

@@ -128,6 +128,18 @@ impl Metrics {
             "Number of generation tokens processed.",
             s.generation_tokens_total,
         );
+        counter(
+            &mut out,
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            s.prefix_cache_queries,
+        );
+        counter(
+            &mut out,
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            s.prefix_cache_hits,
+        );
         let m = self.inner.lock().unwrap();
         let _ = writeln!(out, "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter");
         for reason in ["stop", "length", "abort"] {

@@ -55,6 +55,8 @@ pub struct CommonParams {
     #[serde(default)]
     pub include_stop_str_in_output: bool,
     pub response_format: Option<Value>,
+    /// Isolates cached prefixes between tenants (vLLM's extension).
+    pub cache_salt: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]

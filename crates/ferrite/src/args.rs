@@ -1,6 +1,7 @@
 //! Command-line flags shared by the subcommands, named as vLLM names them.
 
 use clap::Args;
+use ferrite_core::prefix_hash::HashAlgo;
 use ferrite_core::sampling::SamplingParams;
 use ferrite_model::linear::WeightFormat;
 use ferrite_model::loader::{EngineArgs, DEFAULT_CPU_MEMORY_UTILIZATION};
@@ -35,6 +36,15 @@ pub struct EngineFlags {
     /// (f32 up to 4 GiB of f32 weights).
     #[arg(long, default_value = "auto", value_parser = parse_weight_format)]
     pub weight_format: WeightFormat,
+    /// Reuse the KV blocks of earlier requests with the same prefix (on by default).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
+    /// Hash of cached blocks: sha256 (collision-resistant) or builtin (cheap, hits checked
+    /// token by token).
+    #[arg(long, default_value = "sha256", value_parser = HashAlgo::parse)]
+    pub prefix_caching_hash_algo: HashAlgo,
 }
 
 fn parse_weight_format(s: &str) -> Result<WeightFormat, String> {
@@ -58,6 +68,8 @@ impl EngineFlags {
             kv_cache_memory: self.kv_cache_memory,
             seed: self.seed,
             weight_format: self.weight_format,
+            prefix_caching: (!self.no_enable_prefix_caching)
+                .then_some(self.prefix_caching_hash_algo),
         }
     }
 }

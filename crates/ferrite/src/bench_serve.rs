@@ -22,7 +22,7 @@ pub struct ServeBenchArgs {
     /// GGUF file whose tokenizer and chat template size the prompts.
     #[arg(long)]
     pub tokenizer: PathBuf,
-    /// agent, random or sharegpt.
+    /// agent, session (one agent session replayed turn by turn), random or sharegpt.
     #[arg(long, default_value = "agent")]
     pub dataset: String,
     /// Agent preset: mini (2 CPU cores) or full.
@@ -87,6 +87,15 @@ pub fn serve(args: ServeBenchArgs) -> Result<()> {
                 format!("agent-{}", args.preset),
             )
         }
+        "session" => (
+            dataset::session(
+                &sizer,
+                args.num_prompts.unwrap_or(12),
+                args.max_tokens.unwrap_or(32),
+                args.seed,
+            )?,
+            "agent-session".to_string(),
+        ),
         "random" => (
             dataset::random(
                 &sizer,
@@ -112,7 +121,7 @@ pub fn serve(args: ServeBenchArgs) -> Result<()> {
                 "sharegpt".to_string(),
             )
         }
-        other => bail!("unknown dataset `{other}` (agent, random, sharegpt)"),
+        other => bail!("unknown dataset `{other}` (agent, session, random, sharegpt)"),
     };
     let endpoint = match args.endpoint.as_str() {
         "chat" => Endpoint::Chat,
@@ -131,7 +140,9 @@ pub fn serve(args: ServeBenchArgs) -> Result<()> {
     let target = Target {
         // A fresh connection per request: servers that close idle keep-alive connections
         // would otherwise fail requests sent on a stale one.
-        client: reqwest::Client::builder().pool_max_idle_per_host(0).build()?,
+        client: reqwest::Client::builder()
+            .pool_max_idle_per_host(0)
+            .build()?,
         base_url: args.base_url.clone(),
         model: args.model_name.clone(),
         endpoint,

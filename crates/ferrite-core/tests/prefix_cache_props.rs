@@ -1,0 +1,227 @@
+//! Property tests of prefix caching: random request streams with shared prefixes.
+//!
+//! The mock model stores token ids in a simulated KV cache addressed through block tables.
+//! After every step, every running request's computed positions must read back its own
+//! tokens (so no block referenced by a running request was evicted or rewritten); outputs
+//! must equal a run without caching; hit accounting must equal a brute-force count.
+
+use ferrite_core::prefix_hash::HashAlgo;
+use ferrite_core::request::Request;
+use ferrite_core::sampling::SamplingParams;
+use ferrite_core::scheduler::{Scheduler, SchedulerConfig, SchedulerOutput};
+use proptest::prelude::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+const VOCAB: u32 = 40;
+
+struct Mock {
+    slots: Vec<Option<u32>>,
+    bs: usize,
+}
+
+impl Mock {
+    fn slot(&self, table: &[u32], pos: usize) -> usize {
+        table[pos / self.bs] as usize * self.bs + pos % self.bs
+    }
+
+    fn execute(&mut self, out: &SchedulerOutput) -> HashMap<u64, u32> {
+        let mut sampled = HashMap::new();
+        for r in &out.requests {
+            for (i, &t) in r.token_ids.iter().enumerate() {
+                let s = self.slot(&r.block_table, r.start_pos + i);
+                self.slots[s] = Some(t);
+            }
+            if r.sample.is_some() {
+                let mut h: u64 = 1469598103934665603;
+                for pos in 0..r.seq_len() {
+                    let t = self.slots[self.slot(&r.block_table, pos)].expect("slot written");
+                    h = (h ^ t as u64).wrapping_mul(1099511628211);
+                }
+                sampled.insert(r.req_id, (h % VOCAB as u64) as u32);
+            }
+        }
+        sampled
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Job {
+    step: usize,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    salt: Option<String>,
+}
+
+/// Prompts built from a few shared stems plus random tails, so prefixes repeat.
+fn jobs() -> impl Strategy<Value = Vec<Job>> {
+    let stems = prop::collection::vec(prop::collection::vec(1u32..VOCAB, 0..30), 3);
+    stems.prop_flat_map(|stems| {
+        prop::collection::vec(
+            (
+                0usize..30,
+                0usize..3,
+                prop::collection::vec(1u32..VOCAB, 1..12),
+                1usize..10,
+                prop::bool::weighted(0.1),
+            ),
+            1..14,
+        )
+        .prop_map(move |v| {
+            v.into_iter()
+                .map(|(step, stem, tail, max_tokens, salted)| Job {
+                    step,
+                    prompt: stems[stem].iter().chain(&tail).copied().collect(),
+                    max_tokens,
+                    salt: salted.then(|| "tenant-b".to_string()),
+                })
+                .collect()
+        })
+    })
+}
+
+fn request(id: u64, j: &Job) -> Request {
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens: Some(j.max_tokens as i64),
+        ignore_eos: true,
+        cache_salt: j.salt.clone(),
+        ..Default::default()
+    };
+    Request::new(
+        id,
+        j.prompt.clone(),
+        Arc::new(params),
+        j.max_tokens,
+        Arc::from([0u32]),
+    )
+}
+
+struct RunResult {
+    outputs: HashMap<u64, Vec<u32>>,
+    hit_tokens: u64,
+}
+
+/// `one_at_a_time`: each job is added only when the previous one finished.
+fn run(cfg: SchedulerConfig, jobs: &[Job], one_at_a_time: bool) -> RunResult {
+    let mut sched = Scheduler::new(cfg.clone());
+    let mut mock = Mock {
+        slots: vec![None; cfg.num_blocks * cfg.block_size],
+        bs: cfg.block_size,
+    };
+    let mut outputs: HashMap<u64, Vec<u32>> = HashMap::new();
+    let (mut added, mut finished, mut step) = (0usize, 0usize, 0usize);
+    while finished < jobs.len() {
+        while added < jobs.len()
+            && (if one_at_a_time {
+                !sched.has_work()
+            } else {
+                jobs[added].step <= step
+            })
+        {
+            sched.add_request(request(added as u64, &jobs[added]));
+            added += 1;
+        }
+        let out = sched.schedule();
+        assert!(out.num_batched_tokens <= cfg.max_num_batched_tokens);
+        let sampled = mock.execute(&out);
+        for u in sched.update(&out, &sampled) {
+            if let Some(t) = u.new_token {
+                outputs.entry(u.req_id).or_default().push(t);
+            }
+            finished += u.finished.is_some() as usize;
+        }
+        // Every running request's computed K/V is intact: shared blocks were never rewritten
+        // and nothing it references was evicted.
+        for &id in sched.running_ids() {
+            let req = sched.request(id).unwrap();
+            let table = sched.block_table(id);
+            for pos in 0..req.num_computed_tokens {
+                assert_eq!(
+                    mock.slots[mock.slot(table, pos)],
+                    Some(req.token_at(pos)),
+                    "request {id} pos {pos}"
+                );
+            }
+            for &b in table {
+                assert!(sched.kv().pool().ref_cnt(b) >= 1);
+            }
+        }
+        step += 1;
+        assert!(step < 10_000, "no progress");
+    }
+    assert_eq!(sched.num_blocks_in_use(), 0, "blocks leaked");
+    assert_eq!(
+        sched.num_free_blocks(),
+        cfg.num_blocks,
+        "every block back in the free queue"
+    );
+    RunResult {
+        outputs,
+        hit_tokens: sched.prefix_cache_stats().1,
+    }
+}
+
+fn cfg(num_blocks: usize, bs: usize, budget: usize, prefix: Option<HashAlgo>) -> SchedulerConfig {
+    SchedulerConfig {
+        max_num_batched_tokens: budget,
+        max_num_seqs: 4,
+        max_model_len: 64,
+        block_size: bs,
+        num_blocks,
+        prefix_caching: prefix,
+    }
+}
+
+/// Brute force: with no eviction, a request run after others hits the longest block-aligned
+/// prefix it shares with any earlier request's computed tokens (same salt), never its last token.
+fn expected_hits(jobs: &[Job], outputs: &HashMap<u64, Vec<u32>>, bs: usize) -> u64 {
+    let mut total = 0;
+    for (k, j) in jobs.iter().enumerate() {
+        let max_blocks = (j.prompt.len() - 1) / bs;
+        let best = (0..k)
+            .filter(|&i| jobs[i].salt == j.salt)
+            .map(|i| {
+                // Computed tokens of an earlier request: all but its last sampled token.
+                let mut seq = jobs[i].prompt.clone();
+                seq.extend(&outputs[&(i as u64)]);
+                seq.pop();
+                let common = seq
+                    .iter()
+                    .zip(&j.prompt)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                (common / bs).min(max_blocks)
+            })
+            .max()
+            .unwrap_or(0);
+        total += (best * bs) as u64;
+    }
+    total
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn hits_match_brute_force_lcp_without_eviction(jobs in jobs(), bs in 1usize..5, algo in prop::bool::ANY) {
+        let algo = if algo { HashAlgo::Sha256 } else { HashAlgo::Builtin };
+        let roomy = cfg(4096, bs, 16, Some(algo));
+        let r = run(roomy, &jobs, true);
+        let off = run(cfg(4096, bs, 16, None), &jobs, true);
+        prop_assert_eq!(&r.outputs, &off.outputs);
+        prop_assert_eq!(off.hit_tokens, 0);
+        prop_assert_eq!(r.hit_tokens, expected_hits(&jobs, &r.outputs, bs));
+    }
+
+    #[test]
+    fn tiny_pool_under_pressure_keeps_kv_intact_and_outputs_equal(
+        jobs in jobs(), bs in 1usize..5, extra in 0usize..6, budget in 1usize..40,
+    ) {
+        let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
+        let tight = cfg(longest.div_ceil(bs) + extra, bs, budget, Some(HashAlgo::Builtin));
+        let with = run(tight.clone(), &jobs, false);
+        let without = run(SchedulerConfig { prefix_caching: None, ..tight }, &jobs, false);
+        prop_assert_eq!(with.outputs, without.outputs);
+    }
+}

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Prefix caching on vs off, in one run on one machine:
+#  - the agent `mini` split at C = 1, 4, 16 (the cache is reset before each level, so a level
+#    never reuses the prompts of the one before; the warm-up request primes the system prompt);
+#  - one agent session replayed turn by turn (each turn = the previous history + a tool call
+#    and its result), where TTFT should stay flat with caching and grow with the history without.
+# Writes docs/benchmarks/cpu-prefix-cache.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+model=$(scripts/fetch-model.sh smollm2)
+cargo build --release -q
+ferrite=./target/release/ferrite
+out=$(mktemp -d)
+port=18081
+url="http://127.0.0.1:$port"
+threads=${THREADS:-2}
+
+metric() { curl -s "$url/metrics" | awk -v m="$1" 'index($0, m"{") == 1 {print $2}'; }
+
+run_mode() {
+  local mode=$1; shift
+  RAYON_NUM_THREADS=$threads $ferrite serve "$model" --port $port --max-model-len 4096 \
+    --kv-cache-memory 1600000000 --log-level warn "$@" > "$out/$mode.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 600); do curl -sf "$url/health" >/dev/null && break; sleep 0.2; done
+  for c in 1 4 16; do
+    curl -sf -X POST "$url/reset_prefix_cache" >/dev/null
+    local q0 h0; q0=$(metric vllm:prefix_cache_queries); h0=$(metric vllm:prefix_cache_hits)
+    $ferrite bench serve --base-url "$url/v1" --tokenizer "$model" --dataset agent --preset mini \
+      --ignore-eos --concurrency "$c" --warmup 1 --label "$mode" --out "$out/$mode-c$c.json" \
+      --charts-dir "$out/charts" > /dev/null 2>&1
+    echo "$(metric vllm:prefix_cache_queries) $q0 $(metric vllm:prefix_cache_hits) $h0" > "$out/$mode-c$c.hits"
+  done
+  curl -sf -X POST "$url/reset_prefix_cache" >/dev/null
+  $ferrite bench serve --base-url "$url/v1" --tokenizer "$model" --dataset session --num-prompts 14 \
+    --max-tokens 16 --ignore-eos --concurrency 1 --warmup 0 --label "$mode" --out "$out/$mode-session.json" \
+    --charts-dir "$out/charts" > /dev/null 2>&1
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+}
+
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+run_mode on
+run_mode off --no-enable-prefix-caching
+load_after=$(cut -d' ' -f1-3 /proc/loadavg)
+
+python3 - "$out" "$load_before" "$load_after" <<'PY'
+import json, sys, subprocess, datetime, os
+out, lb, la = sys.argv[1:]
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+rows = ["| C | hit rate (on) | mean TTFT on / off s | TTFT off / on | output tok/s on / off | on / off | done on / off |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+for c in [1, 4, 16]:
+    on = json.load(open(f"{out}/on-c{c}.json"))["levels"][0]
+    off = json.load(open(f"{out}/off-c{c}.json"))["levels"][0]
+    q1, q0, h1, h0 = (float(x) for x in open(f"{out}/on-c{c}.hits").read().split())
+    rate = (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
+    rows.append(f"| {c} | {rate*100:.1f}% | {on['mean_ttft_s']:.2f} / {off['mean_ttft_s']:.2f} | {off['mean_ttft_s']/on['mean_ttft_s']:.2f}x | "
+                f"{on['output_throughput']:.1f} / {off['output_throughput']:.1f} | {on['output_throughput']/off['output_throughput']:.2f}x | {on['completed']} / {off['completed']} |")
+son = json.load(open(f"{out}/on-session.json"))["levels"][0]["requests"]
+soff = json.load(open(f"{out}/off-session.json"))["levels"][0]["requests"]
+srows = ["| turn | input tokens | TTFT on s | TTFT off s |", "| ---: | ---: | ---: | ---: |"]
+for i, ((n, t_on), (_, t_off)) in enumerate(zip(son, soff)):
+    srows.append(f"| {i+1} | {n} | {t_on:.2f} | {t_off:.2f} |")
+doc = f"""# Prefix caching on vs off (CPU)
+
+Measured {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC by `scripts/bench-prefix-cache.sh`, both modes in one run on one
+machine ({cpu}, {os.cpu_count()} cores, 2 threads; load average before {lb}, after {la}).
+ferrite {commit}, `ferrite serve MODEL --max-model-len 4096 --kv-cache-memory 1600000000`, with the default
+`--enable-prefix-caching` (sha256 block hashes) and with `--no-enable-prefix-caching`. Model: SmolLM2-135M-Instruct Q4_1.
+
+## Agent `mini` split (32 prompts, ~1K input tokens, 32 output tokens, ignore_eos)
+
+The prefix cache is reset before each level; the level's warm-up request primes the shared
+system prompt with its tool schemas, as it is in any agent deployment after its first request.
+The hit rate is `vllm:prefix_cache_hits / vllm:prefix_cache_queries` (tokens) over the level.
+
+{chr(10).join(rows)}
+
+## One agent session replayed turn by turn (concurrency 1)
+
+Each turn re-sends the whole history plus one new tool call and its result.
+
+{chr(10).join(srows)}
+"""
+open("docs/benchmarks/cpu-prefix-cache.md", "w").write(doc)
+print(doc)
+PY
