@@ -74,3 +74,26 @@ fn custom_shape_and_random_dataset() {
         .iter()
         .all(|p| p.input_tokens == 128 && p.max_tokens == 16));
 }
+
+#[test]
+fn sharegpt_file_and_session_replay() {
+    let s = sizer();
+    let path = std::env::temp_dir().join(format!("sharegpt-{}.json", std::process::id()));
+    let data = serde_json::json!([
+        {"conversations": [{"from": "human", "value": "What is Rust?"}, {"from": "gpt", "value": "A language."}]},
+        {"conversations": [{"from": "gpt", "value": "no human turn"}]},
+        {"conversations": [{"from": "human", "value": "Name three rivers."}]}
+    ]);
+    std::fs::write(&path, data.to_string()).unwrap();
+    let p = ferrite_bench::dataset::sharegpt(&s, path.to_str().unwrap(), 10, 20).unwrap();
+    assert_eq!(p.len(), 2);
+    assert_eq!(p[1].messages[0]["content"], "Name three rivers.");
+    assert!(p.iter().all(|x| x.input_tokens > 3 && x.max_tokens == 20));
+    std::fs::remove_file(path).unwrap();
+    // Each turn of a session extends the previous one.
+    let turns = ferrite_bench::dataset::session(&s, 5, 16, 1).unwrap();
+    for w in turns.windows(2) {
+        assert!(w[1].input_tokens > w[0].input_tokens);
+        assert_eq!(&w[1].messages[..w[0].messages.len()], &w[0].messages[..]);
+    }
+}
