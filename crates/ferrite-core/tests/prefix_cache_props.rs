@@ -1,49 +1,22 @@
 //! Property tests of prefix caching: random request streams with shared prefixes.
 //!
-//! The mock model stores token ids in a simulated KV cache addressed through block tables.
-//! After every step, every running request's computed positions must read back its own
+//! The mock model (tests/common) stores token ids in a simulated KV cache addressed through
+//! block tables. After every step, every running request's computed positions must read back its own
 //! tokens (so no block referenced by a running request was evicted or rewritten); outputs
 //! must equal a run without caching; hit accounting must equal a brute-force count.
 
 use ferrite_core::prefix_hash::HashAlgo;
 use ferrite_core::request::Request;
 use ferrite_core::sampling::SamplingParams;
-use ferrite_core::scheduler::{Scheduler, SchedulerConfig, SchedulerOutput};
+use ferrite_core::scheduler::{Scheduler, SchedulerConfig};
+mod common;
+
+use common::MockModel;
 use proptest::prelude::*;
 use std::collections::HashMap;
 use std::sync::Arc;
 
 const VOCAB: u32 = 40;
-
-struct Mock {
-    slots: Vec<Option<u32>>,
-    bs: usize,
-}
-
-impl Mock {
-    fn slot(&self, table: &[u32], pos: usize) -> usize {
-        table[pos / self.bs] as usize * self.bs + pos % self.bs
-    }
-
-    fn execute(&mut self, out: &SchedulerOutput) -> HashMap<u64, u32> {
-        let mut sampled = HashMap::new();
-        for r in &out.requests {
-            for (i, &t) in r.token_ids.iter().enumerate() {
-                let s = self.slot(&r.block_table, r.start_pos + i);
-                self.slots[s] = Some(t);
-            }
-            if r.sample.is_some() {
-                let mut h: u64 = 1469598103934665603;
-                for pos in 0..r.seq_len() {
-                    let t = self.slots[self.slot(&r.block_table, pos)].expect("slot written");
-                    h = (h ^ t as u64).wrapping_mul(1099511628211);
-                }
-                sampled.insert(r.req_id, (h % VOCAB as u64) as u32);
-            }
-        }
-        sampled
-    }
-}
 
 #[derive(Clone, Debug)]
 struct Job {
@@ -105,10 +78,7 @@ struct RunResult {
 /// `one_at_a_time`: each job is added only when the previous one finished.
 fn run(cfg: SchedulerConfig, jobs: &[Job], one_at_a_time: bool) -> RunResult {
     let mut sched = Scheduler::new(cfg.clone());
-    let mut mock = Mock {
-        slots: vec![None; cfg.num_blocks * cfg.block_size],
-        bs: cfg.block_size,
-    };
+    let mut mock = MockModel::new(cfg.num_blocks, cfg.block_size, VOCAB);
     let mut outputs: HashMap<u64, Vec<u32>> = HashMap::new();
     let (mut added, mut finished, mut step) = (0usize, 0usize, 0usize);
     while finished < jobs.len() {
@@ -224,4 +194,20 @@ proptest! {
         let without = run(SchedulerConfig { prefix_caching: None, ..tight }, &jobs, false);
         prop_assert_eq!(with.outputs, without.outputs);
     }
+}
+
+#[test]
+fn a_shared_stem_hits_whole_blocks_and_salt_isolates() {
+    let stem: Vec<u32> = (1..10).collect();
+    let job = |tail: u32, salt: Option<&str>| Job {
+        step: 0,
+        prompt: stem.iter().copied().chain([tail, tail + 1]).collect(),
+        max_tokens: 3,
+        salt: salt.map(String::from),
+    };
+    let jobs = [job(20, None), job(30, None), job(30, Some("other"))];
+    let r = run(cfg(64, 4, 16, Some(HashAlgo::Sha256)), &jobs, true);
+    // Job 1 shares 9 tokens (2 full blocks of 4) with job 0; job 2's salt isolates it.
+    assert_eq!(r.hit_tokens, 8);
+    assert_eq!(expected_hits(&jobs, &r.outputs, 4), 8);
 }

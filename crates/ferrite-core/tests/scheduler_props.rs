@@ -8,50 +8,16 @@
 
 use ferrite_core::request::{FinishReason, Request};
 use ferrite_core::sampling::SamplingParams;
-use ferrite_core::scheduler::{Scheduler, SchedulerConfig, SchedulerOutput};
+use ferrite_core::scheduler::{Scheduler, SchedulerConfig};
+mod common;
+
+use common::MockModel;
 use proptest::prelude::*;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 const VOCAB: u32 = 50;
 const EOS: u32 = 0;
-
-struct MockModel {
-    slots: Vec<Option<u32>>,
-    block_size: usize,
-}
-
-impl MockModel {
-    fn new(num_blocks: usize, block_size: usize) -> Self {
-        Self {
-            slots: vec![None; num_blocks * block_size],
-            block_size,
-        }
-    }
-
-    fn slot(&self, table: &[u32], pos: usize) -> usize {
-        table[pos / self.block_size] as usize * self.block_size + pos % self.block_size
-    }
-
-    fn execute(&mut self, out: &SchedulerOutput) -> HashMap<u64, u32> {
-        let mut sampled = HashMap::new();
-        for r in &out.requests {
-            for (i, &t) in r.token_ids.iter().enumerate() {
-                let s = self.slot(&r.block_table, r.start_pos + i);
-                self.slots[s] = Some(t);
-            }
-            if r.sample.is_some() {
-                let mut h: u64 = 1469598103934665603;
-                for pos in 0..r.seq_len() {
-                    let t = self.slots[self.slot(&r.block_table, pos)].expect("slot written");
-                    h = (h ^ t as u64).wrapping_mul(1099511628211);
-                }
-                sampled.insert(r.req_id, (h % VOCAB as u64) as u32);
-            }
-        }
-        sampled
-    }
-}
 
 #[derive(Clone, Debug)]
 struct Arrival {
@@ -98,7 +64,7 @@ fn request(id: u64, a: &Arrival) -> Request {
 /// Runs the workload; checks per-step invariants; returns each request's output tokens.
 fn run(cfg: SchedulerConfig, work: &[Arrival]) -> (HashMap<u64, Vec<u32>>, u64) {
     let mut sched = Scheduler::new(cfg.clone());
-    let mut model = MockModel::new(cfg.num_blocks, cfg.block_size);
+    let mut model = MockModel::new(cfg.num_blocks, cfg.block_size, VOCAB);
     let mut outputs: HashMap<u64, Vec<u32>> = HashMap::new();
     let mut finished = HashSet::new();
     let mut step = 0;

@@ -144,6 +144,10 @@ pub fn tokens_of(outs: &[RequestOutput]) -> Vec<u32> {
     outs.iter().flat_map(|o| o.token_ids.clone()).collect()
 }
 
+pub fn logprobs_of(outs: &[RequestOutput]) -> Vec<ferrite_core::output::TokenLogprob> {
+    outs.iter().flat_map(|o| o.logprobs.clone()).collect()
+}
+
 pub fn text_of(outs: &[RequestOutput]) -> String {
     outs.iter().map(|o| o.text.as_str()).collect()
 }

@@ -400,24 +400,9 @@ fn prefix_cache_hits_change_no_answer() {
     for outs in [&warm, &uncached] {
         for (a, b) in cold.iter().zip(outs.iter()) {
             assert_eq!(tokens_of(a), tokens_of(b));
-            let la: Vec<_> = a
-                .iter()
-                .flat_map(|o| {
-                    o.logprobs
-                        .iter()
-                        .map(|l| (l.token_id, l.logprob, l.top.clone()))
-                })
-                .collect();
-            let lb: Vec<_> = b
-                .iter()
-                .flat_map(|o| {
-                    o.logprobs
-                        .iter()
-                        .map(|l| (l.token_id, l.logprob, l.top.clone()))
-                })
-                .collect();
             assert_eq!(
-                la, lb,
+                logprobs_of(a),
+                logprobs_of(b),
                 "logprobs differ between a cache hit and a cold miss"
             );
         }
