@@ -105,18 +105,23 @@ fn parse_llama3(text: &str) -> Option<(Option<String>, Vec<ToolCall>)> {
     if !t.starts_with('{') {
         return None;
     }
-    let mut calls = Vec::new();
-    for v in serde_json::Deserializer::from_str(t).into_iter::<Value>() {
-        let v = v.ok()?;
-        calls.push(call_from(&v, calls.len())?);
-    }
-    // Several calls may also be joined by ';'.
-    if calls.is_empty() {
-        for part in t.split(';') {
-            let v: Value = serde_json::from_str(part.trim()).ok()?;
-            calls.push(call_from(&v, calls.len())?);
-        }
-    }
+    // Several calls come back to back, or joined by ';'.
+    let values: Vec<Value> = match serde_json::Deserializer::from_str(t)
+        .into_iter::<Value>()
+        .collect::<Result<Vec<_>, _>>()
+    {
+        Ok(v) => v,
+        Err(_) => t
+            .split(';')
+            .map(|part| serde_json::from_str(part.trim()))
+            .collect::<Result<_, _>>()
+            .ok()?,
+    };
+    let calls = values
+        .iter()
+        .enumerate()
+        .map(|(i, v)| call_from(v, i))
+        .collect::<Option<Vec<_>>>()?;
     Some((None, calls))
 }
 
