@@ -177,11 +177,7 @@ pub async fn chat_completions(
     let id = random_id("chatcmpl");
     let model = state.model_name.clone();
     if req.common.stream {
-        let include_usage = req
-            .common
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage);
+        let include_usage = req.common.include_usage();
         let want_lp = req.logprobs;
         let wrap: WrapChunk =
             Arc::new(move |choices, usage| chat_chunk(&id, &model, choices, usage));

@@ -82,11 +82,7 @@ pub async fn completions(state: SharedState, req: CompletionRequest) -> Result<R
     let id = random_id("cmpl");
     let model = state.model_name.clone();
     if req.common.stream {
-        let include_usage = req
-            .common
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage);
+        let include_usage = req.common.include_usage();
         let wrap: WrapChunk = Arc::new(move |choices, usage| {
             serde_json::to_value(Completion {
                 id: id.clone(),

@@ -59,6 +59,15 @@ pub struct CommonParams {
     pub cache_salt: Option<String>,
 }
 
+impl CommonParams {
+    /// `stream_options.include_usage`: a last chunk with the totals.
+    pub fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage)
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatCompletionRequest {
     pub messages: Vec<Value>,
