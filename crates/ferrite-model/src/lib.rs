@@ -11,6 +11,7 @@ pub mod llama;
 pub mod loader;
 pub mod memory;
 pub mod ops;
+pub mod quant;
 pub mod runner;
 pub mod sampler;
 pub mod step;

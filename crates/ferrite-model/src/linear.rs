@@ -1,103 +1,148 @@
-//! Linear layers over candle's quantized matmul, with rows of several projections that read
-//! the same input fused into one weight (Q|K|V, gate|up), so the input is quantized once.
+//! Linear layers: block-quantized weights through ferrite's int8 kernels ([`crate::quant`]),
+//! float weights through candle's f32 GEMM. Projections that read the same input (Q|K|V,
+//! gate|up) are stacked into one weight when their forms match, and in any case share one
+//! quantization of the input ([`LinearInput`]).
 
-use anyhow::{anyhow, bail, Result};
-use candle_core::quantized::{QMatMul, QStorage, QTensor};
-use candle_core::{Device, Module, Tensor};
+use crate::quant::activations::QuantizedActs;
+use crate::quant::packed::PackedWeight;
+use crate::quant::{matmul, Isa};
+use anyhow::{anyhow, Result};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
 
 /// How weights are kept in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum WeightFormat {
-    /// `F32` when the dequantized weights stay under [`AUTO_F32_LIMIT_BYTES`], else `Native`.
+    /// Quantized weights repacked for the int8 kernels (activations quantized per block of
+    /// 32); float weights as f32.
     #[default]
-    Auto,
-    /// As stored in the file (quantized blocks), matmul through candle's quantized kernels.
     Native,
-    /// Dequantized to f32 at load: exact weights, candle's f32 GEMM.
+    /// Everything dequantized to f32 at load: exact weights and activations, 4-8x the memory.
     F32,
 }
 
-/// Largest f32 weight set `Auto` picks: candle's f32 GEMM batches rows (prefill, batched
-/// decode) far better than its quantized CPU kernels, at 4-8x the memory.
-pub const AUTO_F32_LIMIT_BYTES: u64 = 4 << 30;
+enum Weights {
+    Quantized(PackedWeight),
+    /// `[out, in]` f32.
+    Float(Tensor),
+}
 
-impl WeightFormat {
-    /// Resolves `Auto` for a model of `params` weights.
-    pub fn resolve(self, params: u64) -> Self {
-        match self {
-            WeightFormat::Auto if params * 4 <= AUTO_F32_LIMIT_BYTES => WeightFormat::F32,
-            WeightFormat::Auto => WeightFormat::Native,
-            f => f,
+pub struct Linear {
+    weights: Weights,
+    out_features: usize,
+}
+
+/// A matmul input in both forms the layers read.
+pub struct LinearInput<'a> {
+    x: &'a [f32],
+    rows: usize,
+    q: &'a QuantizedActs,
+}
+
+impl<'a> LinearInput<'a> {
+    /// Quantizes `x` (`[rows, cols]`) into `scratch`, whose buffers are reused.
+    pub fn new(x: &'a [f32], rows: usize, scratch: &'a mut QuantizedActs) -> Self {
+        let cols = if rows == 0 { 0 } else { x.len() / rows };
+        scratch.quantize(x, rows, cols);
+        Self {
+            x,
+            rows,
+            q: scratch,
         }
     }
 }
 
-pub struct Linear {
-    inner: QMatMul,
-    out_features: usize,
-    in_features: usize,
-    bytes: usize,
+fn is_float(t: &QTensor) -> bool {
+    matches!(t.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
 }
 
 impl Linear {
     pub fn new(w: QTensor, format: WeightFormat) -> Result<Self> {
-        let (out_features, in_features) = w.shape().dims2()?;
-        let inner = match format {
-            WeightFormat::Native | WeightFormat::Auto => QMatMul::from_qtensor(w)?,
-            WeightFormat::F32 => QMatMul::Tensor(w.dequantize(&Device::Cpu)?),
-        };
-        let bytes = match &inner {
-            QMatMul::QTensor(q) => q.storage_size_in_bytes(),
-            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => {
-                t.elem_count() * t.dtype().size_in_bytes()
-            }
+        let out_features = w.shape().dims2()?.0;
+        let weights = if format == WeightFormat::F32 || is_float(&w) {
+            Weights::Float(w.dequantize(&Device::Cpu)?)
+        } else {
+            Weights::Quantized(PackedWeight::from_qtensor(&w)?)
         };
         Ok(Self {
-            inner,
+            weights,
             out_features,
-            in_features,
-            bytes,
         })
     }
 
-    /// Stacks weights `[n_i, k]` of one dtype into `[sum n_i, k]`.
-    pub fn fused(parts: Vec<QTensor>, format: WeightFormat) -> Result<Self> {
-        let dtype = parts[0].dtype();
-        let k = parts[0].shape().dims2()?.1;
-        let mut bytes = Vec::new();
-        let mut n = 0;
-        for p in &parts {
-            let (pn, pk) = p.shape().dims2()?;
-            if p.dtype() != dtype || pk != k {
-                bail!("cannot fuse weights of different types or widths");
-            }
-            bytes.extend_from_slice(&p.data()?);
-            n += pn;
-        }
-        let storage = QStorage::from_data(bytes.into(), &Device::Cpu, dtype)?;
-        Self::new(QTensor::new(storage, (n, k))?, format)
-    }
-
-    /// True when all parts share a dtype and can be fused.
-    pub fn can_fuse(parts: &[&QTensor]) -> bool {
-        parts.windows(2).all(|w| w[0].dtype() == w[1].dtype())
+    /// Projections of one input, stacked into one weight when they share a form.
+    pub fn projections(parts: Vec<QTensor>, format: WeightFormat) -> Result<Vec<Self>> {
+        let layers: Vec<Self> = parts
+            .into_iter()
+            .map(|p| Self::new(p, format))
+            .collect::<Result<_>>()?;
+        let out_features = layers.iter().map(|l| l.out_features).sum();
+        let all_float = layers
+            .iter()
+            .all(|l| matches!(l.weights, Weights::Float(_)));
+        let codes: Vec<_> = layers
+            .iter()
+            .filter_map(|l| match &l.weights {
+                Weights::Quantized(w) => Some(w.codes),
+                Weights::Float(_) => None,
+            })
+            .collect();
+        let one_code_form = codes.len() == layers.len() && codes.windows(2).all(|c| c[0] == c[1]);
+        let weights = if layers.len() > 1 && all_float {
+            let ts: Vec<Tensor> = layers
+                .into_iter()
+                .map(|l| match l.weights {
+                    Weights::Float(t) => t,
+                    Weights::Quantized(_) => unreachable!("all float"),
+                })
+                .collect();
+            Weights::Float(Tensor::cat(&ts, 0)?)
+        } else if layers.len() > 1 && one_code_form {
+            let ws = layers
+                .into_iter()
+                .map(|l| match l.weights {
+                    Weights::Quantized(w) => w,
+                    Weights::Float(_) => unreachable!("all quantized"),
+                })
+                .collect();
+            Weights::Quantized(PackedWeight::stack(ws)?)
+        } else {
+            return Ok(layers);
+        };
+        Ok(vec![Self {
+            weights,
+            out_features,
+        }])
     }
 
     pub fn out_features(&self) -> usize {
         self.out_features
     }
 
+    /// Bytes the weights occupy.
     pub fn bytes(&self) -> usize {
-        self.bytes
+        match &self.weights {
+            Weights::Quantized(w) => w.bytes(),
+            Weights::Float(t) => t.elem_count() * 4,
+        }
     }
 
-    /// `x`: `[rows, in_features]` -> `[rows, out_features]`.
-    pub fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
-        debug_assert_eq!(x.len(), rows * self.in_features);
-        let t = Tensor::from_slice(x, (rows, self.in_features), &Device::Cpu)?;
-        let y = self.inner.forward(&t)?;
-        y.flatten_all()?
-            .to_vec1::<f32>()
-            .map_err(|e| anyhow!("matmul output: {e}"))
+    /// `[rows, in_features]` -> `[rows, out_features]`.
+    pub fn forward(&self, input: &LinearInput) -> Result<Vec<f32>> {
+        match &self.weights {
+            Weights::Quantized(w) => {
+                let mut y = vec![0f32; input.rows * w.rows];
+                matmul(w, input.q, &mut y, Isa::detect());
+                Ok(y)
+            }
+            Weights::Float(w) => {
+                let cols = w.dim(1)?;
+                let x = Tensor::from_slice(input.x, (input.rows, cols), &Device::Cpu)?;
+                x.matmul(&w.t()?)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()
+                    .map_err(|e| anyhow!("matmul output: {e}"))
+            }
+        }
     }
 }

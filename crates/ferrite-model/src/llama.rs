@@ -6,8 +6,9 @@ use crate::attention::{paged_attention, AttentionMeta, AttentionParams};
 use crate::config::ModelConfig;
 use crate::gguf::GgufFile;
 use crate::kv_cache::{write_kv, KvCache};
-use crate::linear::{Linear, WeightFormat};
+use crate::linear::{Linear, LinearInput, WeightFormat};
 use crate::ops::{add_in_place, rms_norm, silu_mul, RopeTable};
+use crate::quant::activations::QuantizedActs;
 use crate::step::PackedStep;
 use anyhow::{bail, Result};
 use candle_core::quantized::QTensor;
@@ -26,7 +27,6 @@ struct Layer {
 
 pub struct LlamaModel {
     pub config: ModelConfig,
-    /// The weight format in use (`Auto` resolved).
     pub format: WeightFormat,
     embedding: Vec<f32>,
     layers: Vec<Layer>,
@@ -34,20 +34,12 @@ pub struct LlamaModel {
     lm_head: Linear,
     rope: RopeTable,
     weight_bytes: usize,
+    /// Quantized matmul inputs, reused across layers and steps.
+    acts: QuantizedActs,
 }
 
 fn f32_vec(t: QTensor) -> Result<Vec<f32>> {
     Ok(t.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?)
-}
-
-/// Projections that read the same input: one fused matmul when possible.
-fn projections(parts: Vec<QTensor>, format: WeightFormat) -> Result<Vec<Linear>> {
-    let refs: Vec<&QTensor> = parts.iter().collect();
-    if Linear::can_fuse(&refs) {
-        Ok(vec![Linear::fused(parts, format)?])
-    } else {
-        parts.into_iter().map(|p| Linear::new(p, format)).collect()
-    }
 }
 
 impl LlamaModel {
@@ -59,13 +51,6 @@ impl LlamaModel {
         mut progress: impl FnMut(usize, usize),
     ) -> Result<Self> {
         let config = ModelConfig::from_gguf(gguf)?;
-        let params: usize = gguf
-            .content
-            .tensor_infos
-            .values()
-            .map(|t| t.shape.elem_count())
-            .sum();
-        let format = format.resolve(params as u64);
         let dev = Device::Cpu;
         let embd = gguf.tensor("token_embd.weight", &dev)?;
         let (vocab, hidden) = embd.shape().dims2()?;
@@ -99,11 +84,14 @@ impl LlamaModel {
             };
             layers.push(Layer {
                 attn_norm: f32_vec(t("attn_norm.weight")?)?,
-                qkv: projections(vec![q, k, v], format)?,
+                qkv: Linear::projections(vec![q, k, v], format)?,
                 qkv_bias,
                 o: Linear::new(t("attn_output.weight")?, format)?,
                 ffn_norm: f32_vec(t("ffn_norm.weight")?)?,
-                gate_up: projections(vec![t("ffn_gate.weight")?, t("ffn_up.weight")?], format)?,
+                gate_up: Linear::projections(
+                    vec![t("ffn_gate.weight")?, t("ffn_up.weight")?],
+                    format,
+                )?,
                 down: Linear::new(t("ffn_down.weight")?, format)?,
             });
             progress(i + 1, config.num_layers);
@@ -140,6 +128,7 @@ impl LlamaModel {
             lm_head,
             rope,
             weight_bytes,
+            acts: QuantizedActs::default(),
         })
     }
 
@@ -153,7 +142,7 @@ impl LlamaModel {
     }
 
     /// Runs the packed step; returns `[logits_indices.len(), vocab]` logits, row-major.
-    pub fn forward(&self, step: &PackedStep, cache: &mut KvCache) -> Result<Vec<f32>> {
+    pub fn forward(&mut self, step: &PackedStep, cache: &mut KvCache) -> Result<Vec<f32>> {
         let c = &self.config;
         let t = step.num_tokens();
         let (h, d) = (c.hidden_size, c.head_dim);
@@ -196,7 +185,8 @@ impl LlamaModel {
         let mut act = vec![0f32; t * c.intermediate_size];
         for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
             rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
-            let mut qkv = concat_outputs(&layer.qkv, &normed, t)?;
+            let input = LinearInput::new(&normed, t, &mut self.acts);
+            let mut qkv = concat_outputs(&layer.qkv, &input, t)?;
             if let Some(b) = &layer.qkv_bias {
                 qkv.chunks_mut(b.len())
                     .for_each(|r| r.iter_mut().zip(b).for_each(|(v, b)| *v += b));
@@ -206,12 +196,23 @@ impl LlamaModel {
             self.rope.apply(&mut k, &step.positions, c.num_kv_heads, d);
             write_kv(lc, &k, &v, &step.slot_mapping, kv_w);
             paged_attention(&q, &lc.k, &lc.v, &meta, &params, &mut attn);
-            add_in_place(&mut x, &layer.o.forward(&attn, t)?);
+            add_in_place(
+                &mut x,
+                &layer
+                    .o
+                    .forward(&LinearInput::new(&attn, t, &mut self.acts))?,
+            );
 
             rms_norm(&x, &layer.ffn_norm, c.rms_norm_eps, &mut normed);
-            let gate_up = concat_outputs(&layer.gate_up, &normed, t)?;
+            let input = LinearInput::new(&normed, t, &mut self.acts);
+            let gate_up = concat_outputs(&layer.gate_up, &input, t)?;
             silu_mul(&gate_up, c.intermediate_size, &mut act);
-            add_in_place(&mut x, &layer.down.forward(&act, t)?);
+            add_in_place(
+                &mut x,
+                &layer
+                    .down
+                    .forward(&LinearInput::new(&act, t, &mut self.acts))?,
+            );
         }
         let rows = step.logits_indices.len();
         let mut sel = vec![0f32; rows * h];
@@ -220,19 +221,17 @@ impl LlamaModel {
         }
         let mut sel_normed = vec![0f32; rows * h];
         rms_norm(&sel, &self.final_norm, c.rms_norm_eps, &mut sel_normed);
-        self.lm_head.forward(&sel_normed, rows)
+        self.lm_head
+            .forward(&LinearInput::new(&sel_normed, rows, &mut self.acts))
     }
 }
 
 /// Runs projections on the same input and lays their outputs side by side per row.
-fn concat_outputs(parts: &[Linear], x: &[f32], t: usize) -> Result<Vec<f32>> {
+fn concat_outputs(parts: &[Linear], x: &LinearInput, t: usize) -> Result<Vec<f32>> {
     if let [one] = parts {
-        return one.forward(x, t);
+        return one.forward(x);
     }
-    let outs: Vec<Vec<f32>> = parts
-        .iter()
-        .map(|p| p.forward(x, t))
-        .collect::<Result<_>>()?;
+    let outs: Vec<Vec<f32>> = parts.iter().map(|p| p.forward(x)).collect::<Result<_>>()?;
     let width: usize = parts.iter().map(Linear::out_features).sum();
     let mut y = Vec::with_capacity(t * width);
     for r in 0..t {

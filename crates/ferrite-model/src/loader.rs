@@ -45,7 +45,7 @@ impl EngineArgs {
             gpu_memory_utilization: DEFAULT_CPU_MEMORY_UTILIZATION,
             kv_cache_memory: None,
             seed: None,
-            weight_format: WeightFormat::Auto,
+            weight_format: WeightFormat::Native,
             prefix_caching: Some(HashAlgo::Sha256),
         }
     }
@@ -77,9 +77,9 @@ pub fn load(args: &EngineArgs, progress: impl FnMut(usize, usize)) -> Result<Loa
             config.context_length
         );
     }
-    let model = LlamaModel::load(&mut gguf, args.weight_format, max_model_len, progress)?;
+    let mut model = LlamaModel::load(&mut gguf, args.weight_format, max_model_len, progress)?;
     let activation_bytes =
-        profile_activations(&model, args.max_num_batched_tokens, args.block_size)?;
+        profile_activations(&mut model, args.max_num_batched_tokens, args.block_size)?;
     let row = config.num_kv_heads * config.head_dim;
     let bytes_per_block = KvCache::bytes_per_block(args.block_size, row, config.num_layers) as u64;
     let plan = memory::plan(&PlanInputs {
@@ -119,8 +119,8 @@ pub fn load(args: &EngineArgs, progress: impl FnMut(usize, usize)) -> Result<Loa
 }
 
 /// Peak extra memory of one step at the full token budget, measured by running it.
-fn profile_activations(model: &LlamaModel, tokens: usize, block_size: usize) -> Result<u64> {
-    let c = &model.config;
+fn profile_activations(model: &mut LlamaModel, tokens: usize, block_size: usize) -> Result<u64> {
+    let c = model.config.clone();
     let tokens = tokens.min(model.max_positions());
     let blocks = tokens.div_ceil(block_size);
     let shape = CacheShape {

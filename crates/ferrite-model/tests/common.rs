@@ -48,7 +48,7 @@ pub fn cache_for(model: &LlamaModel, num_blocks: usize, block_size: usize) -> Kv
 }
 
 /// Logits of every position of `tokens`, run as one prefill in a fresh cache.
-pub fn all_logits(model: &LlamaModel, tokens: &[u32]) -> Vec<Vec<f32>> {
+pub fn all_logits(model: &mut LlamaModel, tokens: &[u32]) -> Vec<Vec<f32>> {
     let bs = 16;
     let blocks = tokens.len().div_ceil(bs);
     let mut cache = cache_for(model, blocks, bs);

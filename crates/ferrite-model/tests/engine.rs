@@ -23,11 +23,11 @@ fn greedy(max_tokens: i64) -> SamplingParams {
 /// requests of different lengths (prefill chunks and decodes with cached context).
 #[test]
 fn logits_do_not_depend_on_the_rest_of_the_batch() {
-    let model = load_model(WeightFormat::Auto);
+    let mut model = load_model(WeightFormat::Native);
     let fx = fixture();
     let texts = fx["teacher_forced"].as_array().unwrap();
     let a = ids(&texts[0]["token_ids"])[..61].to_vec();
-    let alone = all_logits(&model, &a);
+    let alone = all_logits(&mut model, &a);
     let alone_last = alone.last().unwrap();
 
     let bs = 16;
@@ -258,7 +258,7 @@ fn stop_strings_are_never_emitted_and_lengths_are_reported() {
 #[test]
 fn logprobs_match_the_model_distribution() {
     let (engine, tok) = engine(300, 512);
-    let model = load_model(WeightFormat::Auto);
+    let mut model = load_model(WeightFormat::Native);
     let p = tok.encode(PROMPTS[5], false).unwrap();
     let params = SamplingParams {
         logprobs: Some(3),
@@ -271,7 +271,7 @@ fn logprobs_match_the_model_distribution() {
     assert!(prompt_lp[0].is_none());
     let mut seq = p.clone();
     seq.extend(tokens_of(&outs));
-    let reference = all_logits(&model, &seq);
+    let reference = all_logits(&mut model, &seq);
     for (i, lp) in prompt_lp.iter().enumerate().skip(1) {
         let lp = lp.as_ref().unwrap();
         let row = &reference[i - 1];

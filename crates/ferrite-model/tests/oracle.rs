@@ -9,7 +9,7 @@ use ferrite_model::sampler::{argmax, log_sum_exp};
 
 /// (top-1 agreement, mean |logprob difference| of the oracle's top token), over all positions.
 fn agreement(format: WeightFormat) -> (f64, f64, usize) {
-    let model = load_model(format);
+    let mut model = load_model(format);
     let fx = fixture();
     let (mut agree, mut diff, mut n) = (0usize, 0f64, 0usize);
     for rec in fx["teacher_forced"].as_array().unwrap() {
@@ -21,7 +21,7 @@ fn agreement(format: WeightFormat) -> (f64, f64, usize) {
             .iter()
             .map(|x| x.as_f64().unwrap())
             .collect();
-        for (i, row) in all_logits(&model, &tokens).iter().enumerate() {
+        for (i, row) in all_logits(&mut model, &tokens).iter().enumerate() {
             let lse = log_sum_exp(row);
             agree += (argmax(row) == top1[i]) as usize;
             diff += ((row[top1[i] as usize] - lse) as f64 - top1_lp[i]).abs();

@@ -32,9 +32,9 @@ pub struct EngineFlags {
     /// Seed of the engine's random draws for requests without their own seed.
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Keep weights as stored (`native`), dequantize them to f32 at load (`f32`), or `auto`
-    /// (f32 up to 4 GiB of f32 weights).
-    #[arg(long, default_value = "auto", value_parser = parse_weight_format)]
+    /// `native`: quantized weights repacked for ferrite's int8 kernels; `f32`: dequantized
+    /// to f32 at load (exact, 4-8x the memory, slower).
+    #[arg(long, default_value = "native", value_parser = parse_weight_format)]
     pub weight_format: WeightFormat,
     /// Reuse the KV blocks of earlier requests with the same prefix (on by default).
     #[arg(long, overrides_with = "no_enable_prefix_caching")]
@@ -49,10 +49,9 @@ pub struct EngineFlags {
 
 fn parse_weight_format(s: &str) -> Result<WeightFormat, String> {
     match s {
-        "auto" => Ok(WeightFormat::Auto),
         "native" => Ok(WeightFormat::Native),
         "f32" => Ok(WeightFormat::F32),
-        _ => Err(format!("unknown weight format `{s}` (auto, native, f32)")),
+        _ => Err(format!("unknown weight format `{s}` (native, f32)")),
     }
 }
 

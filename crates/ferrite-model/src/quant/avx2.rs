@@ -1,0 +1,109 @@
+//! 256-bit tiles: one block per register, `vpmaddubsw` + `vpmaddwd` for the exact block
+//! dot, FMA for the scaling.
+
+use super::activations::QuantizedActs;
+use super::packed::{PackedWeight, BLOCK};
+use super::tile::{offset_term, Out};
+use std::arch::x86_64::*;
+
+#[inline(always)]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// `sum(u * q)` per 8 lanes for unsigned `u <= 128` and int8 `q` (no i16 saturation).
+#[inline(always)]
+unsafe fn dot_small(u: __m256i, q: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1))
+}
+
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn tile_u4<const R: usize, const C: usize>(
+    w: &PackedWeight,
+    r0: usize,
+    a: &QuantizedActs,
+    t0: usize,
+    out: Out,
+) {
+    let nb = w.blocks;
+    let mask = _mm256_set1_epi8(0x0F);
+    let mut acc = [[_mm256_setzero_ps(); C]; R];
+    for p in 0..nb / 2 {
+        let b = 2 * p;
+        let mut q0 = [_mm256_setzero_si256(); C];
+        let mut q1 = [_mm256_setzero_si256(); C];
+        for j in 0..C {
+            let base = a.q.as_ptr().add(((t0 + j) * nb + b) * BLOCK);
+            q0[j] = _mm256_loadu_si256(base as *const __m256i);
+            q1[j] = _mm256_loadu_si256(base.add(BLOCK) as *const __m256i);
+        }
+        for i in 0..R {
+            let r = r0 + i;
+            let x = _mm256_loadu_si256(w.data.as_ptr().add((r * nb + b) * 16) as *const __m256i);
+            let lo = _mm256_and_si256(x, mask);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), mask);
+            let d0 = _mm256_set1_ps(*w.d.get_unchecked(r * nb + b));
+            let d1 = _mm256_set1_ps(*w.d.get_unchecked(r * nb + b + 1));
+            for j in 0..C {
+                let ai = (t0 + j) * nb + b;
+                let s0 = _mm256_mul_ps(d0, _mm256_set1_ps(*a.d.get_unchecked(ai)));
+                let s1 = _mm256_mul_ps(d1, _mm256_set1_ps(*a.d.get_unchecked(ai + 1)));
+                let p0 = _mm256_cvtepi32_ps(dot_small(lo, q0[j]));
+                let p1 = _mm256_cvtepi32_ps(dot_small(hi, q1[j]));
+                acc[i][j] = _mm256_fmadd_ps(p0, s0, acc[i][j]);
+                acc[i][j] = _mm256_fmadd_ps(p1, s1, acc[i][j]);
+            }
+        }
+    }
+    for i in 0..R {
+        let r = r0 + i;
+        for j in 0..C {
+            let t = t0 + j;
+            let off = offset_term(&w.m[r * nb..][..nb], &a.s[t * nb..][..nb]);
+            out.set(t, r, hsum(acc[i][j]) + off);
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn tile_u8<const R: usize, const C: usize>(
+    w: &PackedWeight,
+    r0: usize,
+    a: &QuantizedActs,
+    t0: usize,
+    out: Out,
+) {
+    let nb = w.blocks;
+    let flip = _mm256_set1_epi8(-128);
+    let mut acc = [[_mm256_setzero_ps(); C]; R];
+    for b in 0..nb {
+        let mut q = [_mm256_setzero_si256(); C];
+        for j in 0..C {
+            q[j] =
+                _mm256_loadu_si256(a.q.as_ptr().add(((t0 + j) * nb + b) * BLOCK) as *const __m256i);
+        }
+        for i in 0..R {
+            let r = r0 + i;
+            // code - 128 as int8; |.| and the sign moved onto q keep vpmaddubsw exact.
+            let c = _mm256_xor_si256(
+                _mm256_loadu_si256(w.data.as_ptr().add((r * nb + b) * BLOCK) as *const __m256i),
+                flip,
+            );
+            let abs = _mm256_sign_epi8(c, c);
+            let dw = _mm256_set1_ps(*w.d.get_unchecked(r * nb + b));
+            for j in 0..C {
+                let s = _mm256_mul_ps(dw, _mm256_set1_ps(*a.d.get_unchecked((t0 + j) * nb + b)));
+                let p = _mm256_cvtepi32_ps(dot_small(abs, _mm256_sign_epi8(q[j], c)));
+                acc[i][j] = _mm256_fmadd_ps(p, s, acc[i][j]);
+            }
+        }
+    }
+    for i in 0..R {
+        for j in 0..C {
+            out.set(t0 + j, r0 + i, hsum(acc[i][j]));
+        }
+    }
+}

@@ -1,0 +1,75 @@
+//! Which instruction set the CPU kernels use, detected once at run time.
+
+use std::sync::OnceLock;
+
+/// Kernel instruction sets, fastest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// 512-bit registers with `vpdpbusd` (u8 x i8 dot products into i32).
+    Avx512Vnni,
+    /// 256-bit `vpmaddubsw` + `vpmaddwd`, FMA.
+    Avx2,
+    /// Plain Rust, for any CPU.
+    Portable,
+}
+
+/// Environment variable that forces a slower kernel set (benchmarks, debugging).
+pub const ISA_ENV: &str = "FERRITE_CPU_ISA";
+
+impl Isa {
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512Vnni => "avx512-vnni",
+            Isa::Avx2 => "avx2",
+            Isa::Portable => "portable",
+        }
+    }
+
+    /// True when this CPU can run the kernel set.
+    pub fn supported(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            match self {
+                Isa::Avx512Vnni => {
+                    has!("avx512f") && has!("avx512bw") && has!("avx512vnni") && has!("fma")
+                }
+                Isa::Avx2 => has!("avx2") && has!("fma"),
+                Isa::Portable => true,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Isa::Portable
+        }
+    }
+
+    /// Every kernel set this CPU can run, fastest first.
+    pub fn available() -> Vec<Isa> {
+        [Isa::Avx512Vnni, Isa::Avx2, Isa::Portable]
+            .into_iter()
+            .filter(|i| i.supported())
+            .collect()
+    }
+
+    /// The fastest supported set, or the one named by `FERRITE_CPU_ISA` when the CPU has it.
+    pub fn detect() -> Isa {
+        static ISA: OnceLock<Isa> = OnceLock::new();
+        *ISA.get_or_init(|| {
+            let best = Isa::available()[0];
+            match std::env::var(ISA_ENV) {
+                Ok(want) => match Isa::available().into_iter().find(|i| i.name() == want) {
+                    Some(i) => i,
+                    None => {
+                        tracing::warn!(
+                            "{ISA_ENV}={want} is not available here; using {}",
+                            best.name()
+                        );
+                        best
+                    }
+                },
+                Err(_) => best,
+            }
+        })
+    }
+}

@@ -1,0 +1,105 @@
+//! Quantized matmul over the packed `[T, K]` activation matrix: weights repacked at load
+//! ([`packed`]), activations quantized to int8 once per input ([`activations`]), register
+//! tiles of up to 4 weight rows x 4 tokens chosen per instruction set ([`isa`]).
+//!
+//! Every (row, token) result is computed by the same instruction sequence whatever the tile
+//! shape or thread split, so a token's output does not depend on what shares the step.
+
+pub mod activations;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+pub mod isa;
+pub mod packed;
+mod portable;
+mod tile;
+
+use activations::QuantizedActs;
+pub use isa::Isa;
+use packed::{Codes, PackedWeight};
+use rayon::prelude::*;
+use tile::Out;
+
+/// Register tile: weight rows x tokens.
+const TILE_ROWS: usize = 4;
+const TILE_TOKENS: usize = 4;
+/// Weight rows per parallel task: small enough that a decode's matmul splits into many
+/// tasks (an idle thread steals them when another process takes a core), large enough
+/// that a task's weights stay in L1 while every token tile reads them.
+const TASK_ROWS: usize = 32;
+
+/// Calls `$m::$f::<R, C>(args)` for the runtime tile shape `($r, $c)`, both in 1..=4.
+macro_rules! by_shape {
+    ($m:ident::$f:ident, $r:expr, $c:expr, $($arg:expr),*) => {
+        match ($r, $c) {
+            (4, 4) => $m::$f::<4, 4>($($arg),*), (4, 3) => $m::$f::<4, 3>($($arg),*),
+            (4, 2) => $m::$f::<4, 2>($($arg),*), (4, 1) => $m::$f::<4, 1>($($arg),*),
+            (3, 4) => $m::$f::<3, 4>($($arg),*), (3, 3) => $m::$f::<3, 3>($($arg),*),
+            (3, 2) => $m::$f::<3, 2>($($arg),*), (3, 1) => $m::$f::<3, 1>($($arg),*),
+            (2, 4) => $m::$f::<2, 4>($($arg),*), (2, 3) => $m::$f::<2, 3>($($arg),*),
+            (2, 2) => $m::$f::<2, 2>($($arg),*), (2, 1) => $m::$f::<2, 1>($($arg),*),
+            (1, 4) => $m::$f::<1, 4>($($arg),*), (1, 3) => $m::$f::<1, 3>($($arg),*),
+            (1, 2) => $m::$f::<1, 2>($($arg),*), (1, 1) => $m::$f::<1, 1>($($arg),*),
+            _ => unreachable!("tile shape"),
+        }
+    };
+}
+
+/// One register tile through the kernel set `isa` (which the CPU must support).
+#[allow(clippy::too_many_arguments)]
+fn tile(
+    isa: Isa,
+    w: &PackedWeight,
+    r0: usize,
+    nr: usize,
+    a: &QuantizedActs,
+    t0: usize,
+    nt: usize,
+    out: Out,
+) {
+    match (isa, w.codes) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `matmul` only passes an `isa` the CPU supports; indices are in bounds.
+        (Isa::Avx512Vnni, Codes::U4) => unsafe {
+            by_shape!(avx512::tile_u4, nr, nt, w, r0, a, t0, out)
+        },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512Vnni, Codes::U8) => unsafe {
+            by_shape!(avx512::tile_u8, nr, nt, w, r0, a, t0, out)
+        },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, Codes::U4) => unsafe { by_shape!(avx2::tile_u4, nr, nt, w, r0, a, t0, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, Codes::U8) => unsafe { by_shape!(avx2::tile_u8, nr, nt, w, r0, a, t0, out) },
+        (_, Codes::U4) => by_shape!(portable::tile_u4, nr, nt, w, r0, a, t0, out),
+        (_, Codes::U8) => by_shape!(portable::tile_u8, nr, nt, w, r0, a, t0, out),
+    }
+}
+
+/// `out[t, r] = sum_k a[t, k] * w[r, k]` for all `a.rows` tokens and `w.rows` rows.
+pub fn matmul(w: &PackedWeight, a: &QuantizedActs, out: &mut [f32], isa: Isa) {
+    assert!(
+        isa.supported(),
+        "{} kernels on a CPU without them",
+        isa.name()
+    );
+    assert_eq!(w.blocks, a.blocks, "weight and activation widths differ");
+    assert_eq!(out.len(), a.rows * w.rows);
+    let out = Out {
+        ptr: out.as_mut_ptr(),
+        ld: w.rows,
+    };
+    let tokens = a.rows;
+    (0..w.rows.div_ceil(TASK_ROWS))
+        .into_par_iter()
+        .for_each(|task| {
+            let rows = task * TASK_ROWS..((task + 1) * TASK_ROWS).min(w.rows);
+            for t0 in (0..tokens).step_by(TILE_TOKENS) {
+                let nt = TILE_TOKENS.min(tokens - t0);
+                for r0 in rows.clone().step_by(TILE_ROWS) {
+                    tile(isa, w, r0, TILE_ROWS.min(rows.end - r0), a, t0, nt, out);
+                }
+            }
+        });
+}

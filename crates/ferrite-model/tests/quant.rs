@@ -1,0 +1,215 @@
+//! The quantized matmul kernels against scalar references on random data: every kernel set
+//! this CPU can run (the portable one always), odd shapes, every tile remainder.
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use ferrite_model::quant::activations::QuantizedActs;
+use ferrite_model::quant::packed::{Codes, PackedWeight, BLOCK};
+use ferrite_model::quant::{matmul, Isa};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+fn random(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    // Mixed magnitudes so blocks differ in scale, with an occasional outlier.
+    (0..n)
+        .map(|i| {
+            let v: f32 = rng.random_range(-1.0..1.0);
+            if i % 97 == 0 {
+                v * 8.0
+            } else {
+                v * (1 + i % 5) as f32
+            }
+        })
+        .collect()
+}
+
+fn ggml(x: &[f32], rows: usize, cols: usize, dtype: GgmlDType) -> QTensor {
+    let t = Tensor::from_slice(x, (rows, cols), &Device::Cpu).unwrap();
+    QTensor::quantize(&t, dtype).unwrap()
+}
+
+fn dequantized(q: &QTensor) -> Vec<f32> {
+    q.dequantize(&Device::Cpu)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// Repacking keeps every weight of the exactly-decoded types bit for bit, and re-quantized
+/// types within half an 8-bit step of their block.
+#[test]
+fn repacked_weights_match_ggml_dequantization() {
+    let mut rng = StdRng::seed_from_u64(1);
+    let cases = [
+        (GgmlDType::Q4_0, 224, Codes::U4, true),
+        (GgmlDType::Q4_1, 224, Codes::U4, true),
+        (GgmlDType::Q4K, 512, Codes::U4, true),
+        (GgmlDType::Q8_0, 224, Codes::U8, true),
+        (GgmlDType::Q5_0, 224, Codes::U8, true),
+        (GgmlDType::Q5_1, 224, Codes::U8, false),
+        (GgmlDType::Q6K, 512, Codes::U8, false),
+    ];
+    for (dtype, cols, codes, exact) in cases {
+        let rows = 7;
+        let q = ggml(&random(&mut rng, rows * cols), rows, cols, dtype);
+        let want = dequantized(&q);
+        let w = PackedWeight::from_qtensor(&q).unwrap();
+        assert_eq!(w.codes, codes, "{dtype:?}");
+        assert_eq!(w.blocks, (cols / BLOCK).next_multiple_of(2));
+        for r in 0..rows {
+            for blk in want[r * cols..][..cols].chunks(BLOCK).enumerate() {
+                let (b, vals) = blk;
+                let amax = vals.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (j, &v) in vals.iter().enumerate() {
+                    let got = w.get(r, b * BLOCK + j);
+                    if exact {
+                        assert_eq!(got, v, "{dtype:?} r{r} c{}", b * BLOCK + j);
+                    } else {
+                        let tol = amax / 254.0 * 1.001 + 1e-7;
+                        assert!(
+                            (got - v).abs() <= tol,
+                            "{dtype:?}: {got} vs {v} (tol {tol})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn activations_round_to_the_nearest_step() {
+    let mut rng = StdRng::seed_from_u64(2);
+    let (rows, cols) = (5, 7 * BLOCK);
+    let mut x = random(&mut rng, rows * cols);
+    x[3 * cols..3 * cols + BLOCK].fill(0.0); // an all-zero block
+    let mut a = QuantizedActs::default();
+    a.quantize(&x, rows, cols);
+    assert_eq!(a.blocks, 8);
+    for r in 0..rows {
+        for b in 0..a.blocks {
+            let d = a.d[r * a.blocks + b];
+            let q = &a.q[(r * a.blocks + b) * BLOCK..][..BLOCK];
+            let sum: i32 = q.iter().map(|&v| v as i32).sum();
+            assert_eq!(a.s[r * a.blocks + b], d * sum as f32);
+            for (j, &qv) in q.iter().enumerate() {
+                let c = b * BLOCK + j;
+                let v = if c < cols { x[r * cols + c] } else { 0.0 };
+                assert!((d * qv as f32 - v).abs() <= d * 0.5 * 1.0001 + 1e-9);
+                assert!(qv != i8::MIN);
+            }
+        }
+    }
+}
+
+/// `sum_k w[r, k] * d[t, k] q[t, k]` in f64: the exact value of what the kernels compute.
+fn reference(w: &PackedWeight, a: &QuantizedActs) -> Vec<f64> {
+    let mut y = vec![0f64; a.rows * w.rows];
+    for t in 0..a.rows {
+        for r in 0..w.rows {
+            y[t * w.rows + r] = (0..w.cols)
+                .map(|c| {
+                    let b = c / BLOCK;
+                    let x = a.d[t * a.blocks + b] as f64 * a.q[t * a.blocks * BLOCK + c] as f64;
+                    w.get(r, c) as f64 * x
+                })
+                .sum();
+        }
+    }
+    y
+}
+
+/// Scale of the rounding error allowed for one output: `sum_k |w| |x|` times f32 epsilon,
+/// times a margin for the per-block scale products.
+fn magnitude(w: &PackedWeight, a: &QuantizedActs, t: usize, r: usize) -> f64 {
+    (0..w.cols)
+        .map(|c| {
+            let x = a.d[t * a.blocks + c / BLOCK] as f64 * a.q[t * a.blocks * BLOCK + c] as f64;
+            (w.get(r, c) as f64 * x).abs()
+        })
+        .sum()
+}
+
+#[test]
+fn every_kernel_set_matches_the_reference_on_odd_shapes() {
+    let isas = Isa::available();
+    assert!(isas.contains(&Isa::Portable));
+    println!("kernel sets on this CPU: {isas:?}");
+    let mut rng = StdRng::seed_from_u64(3);
+    let mut worst = 0f64;
+    for dtype in [
+        GgmlDType::Q4_1,
+        GgmlDType::Q4_0,
+        GgmlDType::Q8_0,
+        GgmlDType::Q4K,
+        GgmlDType::Q6K,
+    ] {
+        let col_sizes: &[usize] = if dtype == GgmlDType::Q4K || dtype == GgmlDType::Q6K {
+            &[256, 768]
+        } else {
+            &[32, 224, 576]
+        };
+        for &cols in col_sizes {
+            for (rows, tokens) in [(1, 1), (5, 3), (37, 9), (70, 17), (9, 1)] {
+                let w = PackedWeight::from_qtensor(&ggml(
+                    &random(&mut rng, rows * cols),
+                    rows,
+                    cols,
+                    dtype,
+                ))
+                .unwrap();
+                let mut a = QuantizedActs::default();
+                a.quantize(&random(&mut rng, tokens * cols), tokens, cols);
+                let want = reference(&w, &a);
+                for &isa in &isas {
+                    let mut y = vec![f32::NAN; tokens * rows];
+                    matmul(&w, &a, &mut y, isa);
+                    for t in 0..tokens {
+                        for r in 0..rows {
+                            let (got, exp) = (y[t * rows + r] as f64, want[t * rows + r]);
+                            let err = (got - exp).abs() / magnitude(&w, &a, t, r).max(1e-30);
+                            worst = worst.max(err);
+                            assert!(
+                                err < 1e-5,
+                                "{isa:?} {dtype:?} {rows}x{cols} t{t} r{r}: {got} vs {exp}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    println!("worst error / sum|w x|: {worst:.2e}");
+}
+
+/// A token's output is bit-identical whether it shares the matmul with 0 or 10 others.
+#[test]
+fn a_tokens_result_does_not_depend_on_its_neighbours() {
+    let mut rng = StdRng::seed_from_u64(4);
+    let (rows, cols, tokens) = (75, 576, 11);
+    for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+        let w =
+            PackedWeight::from_qtensor(&ggml(&random(&mut rng, rows * cols), rows, cols, dtype))
+                .unwrap();
+        let x = random(&mut rng, tokens * cols);
+        for isa in Isa::available() {
+            let mut all = QuantizedActs::default();
+            all.quantize(&x, tokens, cols);
+            let mut y = vec![0f32; tokens * rows];
+            matmul(&w, &all, &mut y, isa);
+            for t in 0..tokens {
+                let mut one = QuantizedActs::default();
+                one.quantize(&x[t * cols..][..cols], 1, cols);
+                let mut y1 = vec![0f32; rows];
+                matmul(&w, &one, &mut y1, isa);
+                assert_eq!(
+                    &y[t * rows..][..rows],
+                    &y1[..],
+                    "{isa:?} {dtype:?} token {t}"
+                );
+            }
+        }
+    }
+}
