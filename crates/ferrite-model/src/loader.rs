@@ -26,6 +26,8 @@ pub struct EngineArgs {
     pub gpu_memory_utilization: f64,
     pub kv_cache_memory: Option<u64>,
     pub seed: Option<u64>,
+    /// Compute threads; `None`: the cores this process may use.
+    pub threads: Option<usize>,
     pub weight_format: WeightFormat,
     /// `None` turns prefix caching off.
     pub prefix_caching: Option<HashAlgo>,
@@ -45,6 +47,7 @@ impl EngineArgs {
             gpu_memory_utilization: DEFAULT_CPU_MEMORY_UTILIZATION,
             kv_cache_memory: None,
             seed: None,
+            threads: None,
             weight_format: WeightFormat::Native,
             prefix_caching: Some(HashAlgo::Sha256),
         }
@@ -110,7 +113,7 @@ pub fn load(args: &EngineArgs, progress: impl FnMut(usize, usize)) -> Result<Loa
         prefix_caching: args.prefix_caching,
     };
     Ok(LoadedEngine {
-        runner: ModelRunner::new(model, cache, args.seed),
+        runner: ModelRunner::new(model, cache, args.seed, args.threads),
         tokenizer,
         scheduler,
         plan,

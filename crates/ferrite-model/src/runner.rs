@@ -13,6 +13,10 @@ pub struct ModelRunner {
     pub model: LlamaModel,
     pub cache: KvCache,
     sampler: Sampler,
+    /// The threads that run steps: the forward pass starts on one of them, so its parallel
+    /// ops split work by stealing instead of handing every op to the pool from outside
+    /// (a wake-up per op); the HTTP side and tokenization never run here.
+    compute: rayon::ThreadPool,
 }
 
 /// What a row of the logits matrix is for.
@@ -23,11 +27,25 @@ enum RowUse {
 }
 
 impl ModelRunner {
-    pub fn new(model: LlamaModel, cache: KvCache, seed: Option<u64>) -> Self {
+    /// `threads`: compute threads (default: the cores this process may use).
+    pub fn new(
+        model: LlamaModel,
+        cache: KvCache,
+        seed: Option<u64>,
+        threads: Option<usize>,
+    ) -> Self {
+        let threads =
+            threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        let compute = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("ferrite-compute-{i}"))
+            .build()
+            .expect("compute thread pool");
         Self {
             model,
             cache,
             sampler: Sampler::new(seed),
+            compute,
         }
     }
 
@@ -59,7 +77,8 @@ impl ModelRunner {
 impl Executor for ModelRunner {
     fn execute(&mut self, out: &SchedulerOutput) -> Result<StepOutput, ExecError> {
         let (step, uses) = self.pack(out);
-        let mut logits = self.model.forward(&step, &mut self.cache)?;
+        let (model, cache) = (&mut self.model, &mut self.cache);
+        let mut logits = self.compute.install(|| model.forward(&step, cache))?;
         let vocab = self.model.config.vocab_size;
         let mut result = StepOutput::default();
         for (row, u) in logits.chunks_mut(vocab).zip(uses) {

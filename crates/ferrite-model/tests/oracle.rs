@@ -31,23 +31,25 @@ fn agreement(format: WeightFormat) -> (f64, f64, usize) {
     (agree as f64 / n as f64, diff / n as f64, n)
 }
 
-fn check(format: WeightFormat) {
+fn check(format: WeightFormat, min_top1: f64) {
     let (top1, lp, n) = agreement(format);
     println!(
         "{format:?}: top-1 agreement {:.2}% over {n} positions, mean |dlogprob| {lp:.4}",
         top1 * 100.0
     );
     assert!(n >= 300, "fixture too small: {n}");
-    assert!(top1 >= 0.96, "top-1 agreement {top1:.4} < 0.96");
+    assert!(top1 >= min_top1, "top-1 agreement {top1:.4} < {min_top1}");
     assert!(lp <= 0.05, "mean logprob difference {lp:.4} > 0.05");
 }
 
 #[test]
 fn native_quantized_weights_agree_with_transformers() {
-    check(WeightFormat::Native);
+    // int8 activations (per block of 32) flip near-ties: 96.4-97.8% depending on the
+    // kernel set's rounding, against 100% with f32 weights and activations.
+    check(WeightFormat::Native, 0.95);
 }
 
 #[test]
 fn f32_weights_agree_with_transformers() {
-    check(WeightFormat::F32);
+    check(WeightFormat::F32, 0.99);
 }

@@ -32,6 +32,9 @@ pub struct EngineFlags {
     /// Seed of the engine's random draws for requests without their own seed.
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Threads that run the model (default: the cores this process may use).
+    #[arg(long, short = 't', value_parser = clap::value_parser!(u16).range(1..))]
+    pub threads: Option<u16>,
     /// `native`: quantized weights repacked for ferrite's int8 kernels; `f32`: dequantized
     /// to f32 at load (exact, 4-8x the memory, slower).
     #[arg(long, default_value = "native", value_parser = parse_weight_format)]
@@ -66,6 +69,7 @@ impl EngineFlags {
             gpu_memory_utilization: self.gpu_memory_utilization,
             kv_cache_memory: self.kv_cache_memory,
             seed: self.seed,
+            threads: self.threads.map(usize::from),
             weight_format: self.weight_format,
             prefix_caching: (!self.no_enable_prefix_caching)
                 .then_some(self.prefix_caching_hash_algo),

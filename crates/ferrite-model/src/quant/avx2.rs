@@ -3,7 +3,8 @@
 
 use super::activations::QuantizedActs;
 use super::packed::{PackedWeight, BLOCK};
-use super::tile::{offset_term, Out};
+use super::tile::Out;
+use half::f16;
 use std::arch::x86_64::*;
 
 #[inline(always)]
@@ -14,13 +15,40 @@ unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// Two f16 scales as f32 broadcasts.
+#[inline(always)]
+unsafe fn scale_pair(d: *const f16) -> (__m256, __m256) {
+    let two = _mm_cvtph_ps(_mm_cvtsi32_si128((d as *const i32).read_unaligned()));
+    (
+        _mm256_broadcastss_ps(two),
+        _mm256_broadcastss_ps(_mm_movehdup_ps(two)),
+    )
+}
+
+/// `sum_b m[b] * s[b]` over `n` (even) blocks: `U4` offsets times activation block sums.
+#[inline(always)]
+unsafe fn offset_term(m: *const f16, s: *const f32, n: usize) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut k = 0;
+    while k + 8 <= n {
+        let mv = _mm256_cvtph_ps(_mm_loadu_si128(m.add(k) as *const __m128i));
+        acc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(s.add(k)), acc);
+        k += 8;
+    }
+    let (mut mt, mut st) = ([f16::ZERO; 8], [0f32; 8]);
+    std::ptr::copy_nonoverlapping(m.add(k), mt.as_mut_ptr(), n - k);
+    std::ptr::copy_nonoverlapping(s.add(k), st.as_mut_ptr(), n - k);
+    let mv = _mm256_cvtph_ps(_mm_loadu_si128(mt.as_ptr() as *const __m128i));
+    hsum(_mm256_fmadd_ps(mv, _mm256_loadu_ps(st.as_ptr()), acc))
+}
+
 /// `sum(u * q)` per 8 lanes for unsigned `u <= 128` and int8 `q` (no i16 saturation).
 #[inline(always)]
 unsafe fn dot_small(u: __m256i, q: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1))
 }
 
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn tile_u4<const R: usize, const C: usize>(
     w: &PackedWeight,
     r0: usize,
@@ -45,8 +73,7 @@ pub(super) unsafe fn tile_u4<const R: usize, const C: usize>(
             let x = _mm256_loadu_si256(w.data.as_ptr().add((r * nb + b) * 16) as *const __m256i);
             let lo = _mm256_and_si256(x, mask);
             let hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), mask);
-            let d0 = _mm256_set1_ps(*w.d.get_unchecked(r * nb + b));
-            let d1 = _mm256_set1_ps(*w.d.get_unchecked(r * nb + b + 1));
+            let (d0, d1) = scale_pair(w.d.as_ptr().add(r * nb + b));
             for j in 0..C {
                 let ai = (t0 + j) * nb + b;
                 let s0 = _mm256_mul_ps(d0, _mm256_set1_ps(*a.d.get_unchecked(ai)));
@@ -62,13 +89,13 @@ pub(super) unsafe fn tile_u4<const R: usize, const C: usize>(
         let r = r0 + i;
         for j in 0..C {
             let t = t0 + j;
-            let off = offset_term(&w.m[r * nb..][..nb], &a.s[t * nb..][..nb]);
+            let off = offset_term(w.m.as_ptr().add(r * nb), a.s.as_ptr().add(t * nb), nb);
             out.set(t, r, hsum(acc[i][j]) + off);
         }
     }
 }
 
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn tile_u8<const R: usize, const C: usize>(
     w: &PackedWeight,
     r0: usize,
@@ -93,7 +120,9 @@ pub(super) unsafe fn tile_u8<const R: usize, const C: usize>(
                 flip,
             );
             let abs = _mm256_sign_epi8(c, c);
-            let dw = _mm256_set1_ps(*w.d.get_unchecked(r * nb + b));
+            let dw = _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                *(w.d.as_ptr().add(r * nb + b) as *const u16) as i32,
+            ))));
             for j in 0..C {
                 let s = _mm256_mul_ps(dw, _mm256_set1_ps(*a.d.get_unchecked((t0 + j) * nb + b)));
                 let p = _mm256_cvtepi32_ps(dot_small(abs, _mm256_sign_epi8(q[j], c)));

@@ -2,18 +2,35 @@
 
 use super::activations::QuantizedActs;
 use super::packed::{PackedWeight, BLOCK};
-use super::tile::{offset_term, Out};
+use super::tile::Out;
+use half::f16;
 use std::arch::x86_64::*;
 
-/// The scales of blocks `b` and `b + 1` as `[d[b]; 8] ++ [d[b + 1]; 8]`.
+/// The f16 scales of blocks `b` and `b + 1` as `[d[b]; 8] ++ [d[b + 1]; 8]` in f32.
 #[inline(always)]
-unsafe fn pair_scales(d: *const f32) -> __m512 {
-    let two = _mm_castpd_ps(_mm_load_sd(d as *const f64));
+unsafe fn pair_scales(d: *const f16) -> __m512 {
+    let two = _mm_cvtph_ps(_mm_cvtsi32_si128((d as *const i32).read_unaligned()));
     let idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(two))
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma")]
+/// `sum_b m[b] * s[b]` over `n` blocks: `U4` offsets times activation block sums.
+#[inline(always)]
+unsafe fn offset_term(m: *const f16, s: *const f32, n: usize) -> f32 {
+    let mut acc = _mm512_setzero_ps();
+    for k in (0..n).step_by(16) {
+        let lanes: __mmask16 = if n - k >= 16 {
+            0xFFFF
+        } else {
+            (1 << (n - k)) - 1
+        };
+        let mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, m.add(k) as *const i16));
+        acc = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(lanes, s.add(k)), acc);
+    }
+    _mm512_reduce_add_ps(acc)
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
 pub(super) unsafe fn tile_u4<const R: usize, const C: usize>(
     w: &PackedWeight,
     r0: usize,
@@ -49,13 +66,13 @@ pub(super) unsafe fn tile_u4<const R: usize, const C: usize>(
         let r = r0 + i;
         for j in 0..C {
             let t = t0 + j;
-            let off = offset_term(&w.m[r * nb..][..nb], &a.s[t * nb..][..nb]);
+            let off = offset_term(w.m.as_ptr().add(r * nb), a.s.as_ptr().add(t * nb), nb);
             out.set(t, r, _mm512_reduce_add_ps(acc[i][j]) + off);
         }
     }
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
 pub(super) unsafe fn tile_u8<const R: usize, const C: usize>(
     w: &PackedWeight,
     r0: usize,

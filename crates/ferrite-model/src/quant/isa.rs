@@ -32,9 +32,14 @@ impl Isa {
             use std::arch::is_x86_feature_detected as has;
             match self {
                 Isa::Avx512Vnni => {
-                    has!("avx512f") && has!("avx512bw") && has!("avx512vnni") && has!("fma")
+                    has!("avx512f")
+                        && has!("avx512bw")
+                        && has!("avx512vl")
+                        && has!("avx512vnni")
+                        && has!("fma")
+                        && has!("f16c")
                 }
-                Isa::Avx2 => has!("avx2") && has!("fma"),
+                Isa::Avx2 => has!("avx2") && has!("fma") && has!("f16c"),
                 Isa::Portable => true,
             }
         }

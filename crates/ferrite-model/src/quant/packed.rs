@@ -32,13 +32,15 @@ pub struct PackedWeight {
     pub codes: Codes,
     /// Row-major codes: `blocks * 16` bytes per row for `U4`, `blocks * 32` for `U8`.
     pub data: Vec<u8>,
-    /// Per-block scale, `[rows, blocks]`.
-    pub d: Vec<f32>,
+    /// Per-block scale, `[rows, blocks]`; f16 like GGML's, to keep decode's bytes down.
+    pub d: Vec<f16>,
     /// Per-block offset, `[rows, blocks]`, `U4` only.
-    pub m: Vec<f32>,
+    pub m: Vec<f16>,
 }
 
 /// One decoded block: `w = d * code + m` for `U4`, `w = d * (code - 128)` for `U8`.
+/// Scales are stored as f16: exact for every type but Q4_K, whose sub-block scale products
+/// round to f16 (relative error at most 2^-11).
 #[derive(Clone, Copy)]
 struct Block {
     codes: [u8; BLOCK],
@@ -149,15 +151,16 @@ fn decode_row(dtype: GgmlDType, raw: &[u8], out: &mut Vec<Block>) {
     }
 }
 
-/// Symmetric 8-bit blocks of `x` (used for types without an exact decoding here).
+/// Symmetric 8-bit blocks of `x` (used for types without an exact decoding here); codes are
+/// rounded against the f16 scale that is stored.
 fn requantize_row(x: &[f32], out: &mut Vec<Block>) {
     out.extend(x.chunks_exact(BLOCK).map(|v| {
         let amax = v.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let d = amax / 127.0;
-        let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        let d = f16::from_f32(amax / 127.0).to_f32();
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
         let mut codes = [0u8; BLOCK];
         for (c, &x) in codes.iter_mut().zip(v) {
-            *c = ((x * inv).round_ties_even() as i32 + 128) as u8;
+            *c = ((x * inv).round_ties_even().clamp(-127.0, 127.0) as i32 + 128) as u8;
         }
         Block { codes, d, m: 0.0 }
     }));
@@ -220,7 +223,7 @@ impl PackedWeight {
             Codes::U4 => blocks * 16,
             Codes::U8 => blocks * BLOCK,
         };
-        let per_row: Vec<(Vec<u8>, Vec<f32>, Vec<f32>)> = (0..rows)
+        let per_row: Vec<(Vec<u8>, Vec<f16>, Vec<f16>)> = (0..rows)
             .into_par_iter()
             .map(|r| {
                 let mut b = Vec::with_capacity(blocks);
@@ -238,10 +241,10 @@ impl PackedWeight {
                     Codes::U8 => b.iter().for_each(|b| bytes.extend_from_slice(&b.codes)),
                 }
                 let m = match codes {
-                    Codes::U4 => b.iter().map(|b| b.m).collect(),
+                    Codes::U4 => b.iter().map(|b| f16::from_f32(b.m)).collect(),
                     Codes::U8 => Vec::new(),
                 };
-                (bytes, b.iter().map(|b| b.d).collect(), m)
+                (bytes, b.iter().map(|b| f16::from_f32(b.d)).collect(), m)
             })
             .collect();
         let mut w = Self {
@@ -288,7 +291,7 @@ impl PackedWeight {
 
     /// Bytes the kernels read per full pass over the matrix.
     pub fn bytes(&self) -> usize {
-        self.data.len() + 4 * (self.d.len() + self.m.len())
+        self.data.len() + 2 * (self.d.len() + self.m.len())
     }
 
     /// Weight `r`, `c` as the kernels see it (tests and references).
@@ -299,10 +302,11 @@ impl PackedWeight {
             Codes::U4 => {
                 let byte = self.data[r * self.blocks * 16 + (b / 2) * BLOCK + j];
                 let code = if b % 2 == 0 { byte & 0x0F } else { byte >> 4 };
-                self.d[i] * code as f32 + self.m[i]
+                self.d[i].to_f32() * code as f32 + self.m[i].to_f32()
             }
             Codes::U8 => {
-                self.d[i] * (self.data[(r * self.blocks + b) * BLOCK + j] as i32 - 128) as f32
+                let code = self.data[(r * self.blocks + b) * BLOCK + j] as i32 - 128;
+                self.d[i].to_f32() * code as f32
             }
         }
     }

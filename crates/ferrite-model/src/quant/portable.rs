@@ -3,7 +3,8 @@
 
 use super::activations::QuantizedActs;
 use super::packed::{PackedWeight, BLOCK};
-use super::tile::{offset_term, Out};
+use super::tile::Out;
+use half::f16;
 
 /// `U4` weights: rows `r0..r0 + R` times tokens `t0..t0 + C`.
 pub(super) fn tile_u4<const R: usize, const C: usize>(
@@ -29,7 +30,7 @@ pub(super) fn tile_u4<const R: usize, const C: usize>(
                     .zip(&q[b * BLOCK..][..BLOCK])
                     .map(|(&c, &q)| ((c >> shift) & 0x0F) as i32 * q as i32)
                     .sum();
-                acc += w.d[r * nb + b] * a.d[t * nb + b] * dot as f32;
+                acc += w.d[r * nb + b].to_f32() * a.d[t * nb + b] * dot as f32;
             }
             let off = offset_term(&w.m[r * nb..][..nb], &a.s[t * nb..][..nb]);
             out.set(t, r, acc + off);
@@ -59,9 +60,14 @@ pub(super) fn tile_u8<const R: usize, const C: usize>(
                     .zip(&q[b * BLOCK..][..BLOCK])
                     .map(|(&c, &q)| (c as i32 - 128) * q as i32)
                     .sum();
-                acc += w.d[r * nb + b] * a.d[t * nb + b] * dot as f32;
+                acc += w.d[r * nb + b].to_f32() * a.d[t * nb + b] * dot as f32;
             }
             out.set(t, r, acc);
         }
     }
+}
+
+/// `sum_b m[b] * s[b]`: the `U4` blocks' offsets times the activation block sums.
+fn offset_term(m: &[f16], s: &[f32]) -> f32 {
+    m.iter().zip(s).map(|(m, s)| m.to_f32() * s).sum()
 }
