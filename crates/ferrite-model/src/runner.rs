@@ -49,6 +49,11 @@ impl ModelRunner {
         }
     }
 
+    /// Threads that run the model.
+    pub fn threads(&self) -> usize {
+        self.compute.current_num_threads()
+    }
+
     fn pack(&self, out: &SchedulerOutput) -> (PackedStep, Vec<RowUse>) {
         let bs = self.cache.shape.block_size;
         let mut step = PackedStep::default();

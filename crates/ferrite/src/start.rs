@@ -33,15 +33,16 @@ pub fn start(flags: &EngineFlags) -> Result<Started> {
         config,
     } = loaded?;
     tracing::info!(
-        "model {} ({}, {} layers, {} heads / {} KV heads, weights {:?}), backend cpu ({} threads), max_model_len {}",
+        "model {} ({}, {} layers, {} heads / {} KV heads, weights {:?}), backend cpu ({} threads), max_model_len {}, kernels: {}",
         flags.model.display(),
         config.architecture,
         config.num_layers,
         config.num_heads,
         config.num_kv_heads,
         runner.model.format,
-        rayon::current_num_threads(),
-        scheduler.max_model_len
+        runner.threads(),
+        scheduler.max_model_len,
+        ferrite_model::quant::Isa::detect().name()
     );
     tracing::info!("{plan}");
     let tokenizer = Arc::new(tokenizer);
