@@ -33,7 +33,8 @@ fn owner(cu: &[u32], t: usize) -> usize {
 /// Query rows per work item: each K/V block is loaded once for the whole tile.
 const Q_TILE: usize = 16;
 
-/// `q`: `[T, num_heads, head_dim]`; caches: `[num_blocks, block_size, num_kv_heads, head_dim]`;
+/// `q`: `[T, num_heads, head_dim]`; `k_cache`: `[num_blocks, num_kv_heads, head_dim,
+/// block_size]` (keys minor); `v_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]`;
 /// `out`: `[T, num_heads, head_dim]`.
 pub fn paged_attention(
     q: &[f32],
@@ -119,8 +120,16 @@ unsafe fn attend_tile_avx512(
     attend_tile(q, k_cache, v_cache, meta, p, b, rows, kvh)
 }
 
+/// Keys per softmax step: a block is walked in chunks of up to 16 keys, one register of
+/// scores (two on AVX2).
+const LANES: usize = 16;
+
 /// Online softmax for rows `rows` of request `b` and the `group` heads of KV head `kvh`,
-/// one K/V block at a time; returns `[rows, group, head_dim]`.
+/// one chunk of keys at a time; returns `[rows, group, head_dim]`.
+///
+/// Each query vector's arithmetic is fixed by its own key range and the block layout: scores
+/// over the K^T chunk (keys in lanes), masked lanes contribute exact zeros, and sums run key
+/// by key. So a row gets the same bits whatever else shares its tile or step.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn attend_tile(
@@ -151,49 +160,80 @@ fn attend_tile(
     let mut out = vec![0f32; n * group * d];
     let mut m = vec![f32::NEG_INFINITY; n * group];
     let mut l = vec![0f32; n * group];
-    let mut scores = vec![0f32; bs];
+    // K^T of a chunk narrower than LANES, zero-padded.
+    let mut padded = vec![0f32; d * LANES];
     let (lo_all, hi_all) = (span(0).0, span(n - 1).1);
     let mut blk_start = lo_all / bs * bs;
     while blk_start < hi_all {
         let blk = table[blk_start / bs] as usize;
-        for i in 0..n {
-            let (first, end) = span(i);
-            let (lo, hi) = (blk_start.max(first), (blk_start + bs).min(end));
-            if lo >= hi {
+        // This block's K^T for the head: `[head_dim, block_size]`.
+        let kt = &k_cache[(blk * p.num_kv_heads + kvh) * d * bs..][..d * bs];
+        for c0 in (0..bs).step_by(LANES) {
+            let (key0, lanes) = (blk_start + c0, LANES.min(bs - c0));
+            if key0 + lanes <= lo_all || key0 >= hi_all {
                 continue;
             }
-            let base = (blk * bs + lo % bs) * row + kvh * d;
-            let qrow = &q[((rows.start + i) * p.num_heads + kvh * group) * d..][..group * d];
-            for h in 0..group {
-                let qh = &qrow[h * d..(h + 1) * d];
-                let s_idx = i * group + h;
-                let mut tile_max = f32::NEG_INFINITY;
-                for j in 0..hi - lo {
-                    let k = &k_cache[base + j * row..][..d];
-                    let mut s = dot(qh, k) * p.scale;
+            let (k_rows, stride) = if lanes == LANES {
+                (&kt[c0..], bs)
+            } else {
+                for dd in 0..d {
+                    padded[dd * LANES..][..lanes].copy_from_slice(&kt[dd * bs + c0..][..lanes]);
+                }
+                (&padded[..], LANES)
+            };
+            for i in 0..n {
+                let (first, end) = span(i);
+                let (lo, hi) = (key0.max(first), (key0 + lanes).min(end));
+                if lo >= hi {
+                    continue;
+                }
+                let (ja, jb) = (lo - key0, hi - key0);
+                for h in 0..group {
+                    let s_idx = i * group + h;
+                    let qh = &q[((rows.start + i) * p.num_heads + kvh * group + h) * d..][..d];
+                    let mut s = chunk_scores(qh, k_rows, stride);
+                    s.iter_mut().for_each(|s| *s *= p.scale);
                     if let Some(cap) = p.softcap {
-                        s = cap * (s / cap).tanh();
+                        s.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
                     }
-                    scores[j] = s;
-                    tile_max = tile_max.max(s);
+                    for (j, s) in s.iter_mut().enumerate() {
+                        if j < ja || j >= jb {
+                            *s = f32::NEG_INFINITY;
+                        }
+                    }
+                    let m_old = m[s_idx];
+                    let m_new = s.iter().fold(m_old, |a, &b| a.max(b));
+                    let corr = if m_old == f32::NEG_INFINITY {
+                        0.0
+                    } else {
+                        exp_nonpositive(m_old - m_new)
+                    };
+                    let mut w = [0f32; LANES];
+                    for (w, &s) in w.iter_mut().zip(&s) {
+                        *w = exp_nonpositive(s - m_new);
+                    }
+                    l[s_idx] *= corr;
+                    for &wj in &w[ja..jb] {
+                        l[s_idx] += wj;
+                    }
+                    let oh = &mut out[s_idx * d..][..d];
+                    let v0 = (blk * bs + c0) * row + kvh * d;
+                    let vs = &v_cache[v0..];
+                    match d {
+                        64 => accumulate_pv::<4>(oh, corr, &w, ja..jb, vs, row),
+                        128 => accumulate_pv::<8>(oh, corr, &w, ja..jb, vs, row),
+                        _ => {
+                            oh.iter_mut().for_each(|x| *x *= corr);
+                            for j in ja..jb {
+                                let v = &vs[j * row..][..d];
+                                oh.iter_mut()
+                                    .zip(v)
+                                    .for_each(|(x, &v)| *x = w[j].mul_add(v, *x));
+                            }
+                        }
+                    }
+                    m[s_idx] = m_new;
                 }
-                let m_new = m[s_idx].max(tile_max);
-                let corr = (m[s_idx] - m_new).exp();
-                let oh = &mut out[s_idx * d..(s_idx + 1) * d];
-                if corr != 1.0 {
-                    oh.iter_mut().for_each(|x| *x *= corr);
-                }
-                l[s_idx] *= corr;
-                let weights = &mut scores[..hi - lo];
-                weights
-                    .iter_mut()
-                    .for_each(|s| *s = exp_nonpositive(*s - m_new));
-                l[s_idx] += weights.iter().sum::<f32>();
-                for (j, &w) in weights.iter().enumerate() {
-                    let v = &v_cache[base + j * row..][..d];
-                    oh.iter_mut().zip(v).for_each(|(o, v)| *o += w * v);
-                }
-                m[s_idx] = m_new;
             }
         }
         blk_start += bs;
@@ -205,6 +245,75 @@ fn attend_tile(
             .for_each(|x| *x *= inv);
     }
     out
+}
+
+/// `o = o * corr + sum_j w[j] v_j` for `o` of `C * LANES` values, every element an FMA chain
+/// over the keys in order (the same arithmetic as the plain loop for other head sizes), held
+/// in registers across the keys.
+#[inline(always)]
+fn accumulate_pv<const C: usize>(
+    o: &mut [f32],
+    corr: f32,
+    w: &[f32; LANES],
+    keys: std::ops::Range<usize>,
+    v: &[f32],
+    row: usize,
+) {
+    let mut acc = [[0f32; LANES]; C];
+    for (c, a) in acc.iter_mut().enumerate() {
+        for k in 0..LANES {
+            a[k] = o[c * LANES + k] * corr;
+        }
+    }
+    for j in keys {
+        let (wj, vr) = (w[j], &v[j * row..][..C * LANES]);
+        for (c, a) in acc.iter_mut().enumerate() {
+            for k in 0..LANES {
+                a[k] = wj.mul_add(vr[c * LANES + k], a[k]);
+            }
+        }
+    }
+    for (c, a) in acc.iter().enumerate() {
+        o[c * LANES..][..LANES].copy_from_slice(a);
+    }
+}
+
+/// `q . k_j` for the LANES keys of a K^T chunk (`k_rows[dd * stride + j]`): four independent
+/// accumulators over `dd mod 4`, combined in a fixed order.
+#[inline(always)]
+fn chunk_scores(q: &[f32], k_rows: &[f32], stride: usize) -> [f32; LANES] {
+    let (mut a0, mut a1, mut a2, mut a3) =
+        ([0f32; LANES], [0f32; LANES], [0f32; LANES], [0f32; LANES]);
+    let full = q.len() / 4 * 4;
+    for dd in (0..full).step_by(4) {
+        let k0 = &k_rows[dd * stride..][..LANES];
+        let k1 = &k_rows[(dd + 1) * stride..][..LANES];
+        let k2 = &k_rows[(dd + 2) * stride..][..LANES];
+        let k3 = &k_rows[(dd + 3) * stride..][..LANES];
+        let (q0, q1, q2, q3) = (q[dd], q[dd + 1], q[dd + 2], q[dd + 3]);
+        for j in 0..LANES {
+            a0[j] = q0.mul_add(k0[j], a0[j]);
+            a1[j] = q1.mul_add(k1[j], a1[j]);
+            a2[j] = q2.mul_add(k2[j], a2[j]);
+            a3[j] = q3.mul_add(k3[j], a3[j]);
+        }
+    }
+    for (u, dd) in (full..q.len()).enumerate() {
+        let k = &k_rows[dd * stride..][..LANES];
+        let a = match u {
+            0 => &mut a0,
+            1 => &mut a1,
+            _ => &mut a2,
+        };
+        for j in 0..LANES {
+            a[j] = q[dd].mul_add(k[j], a[j]);
+        }
+    }
+    let mut s = [0f32; LANES];
+    for j in 0..LANES {
+        s[j] = (a0[j] + a1[j]) + (a2[j] + a3[j]);
+    }
+    s
 }
 
 /// `exp(x)` for `x <= 0` as `2^k * 2^f` with `|f| <= 1/2` and a degree-6 polynomial
@@ -219,23 +328,4 @@ fn exp_nonpositive(x: f32) -> f32 {
             + f * (0.5
                 + f * (1.0 / 6.0 + f * (1.0 / 24.0 + f * (1.0 / 120.0 + f * (1.0 / 720.0))))));
     p * f32::from_bits(((k as i32 + 127) as u32) << 23)
-}
-
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Sixteen independent lanes over exact chunks: no bounds checks, so the loop vectorizes
-    // (one fixed summation order, whatever the batch).
-    let mut acc = [0f32; 16];
-    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..16 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut s = acc.iter().sum::<f32>();
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
 }

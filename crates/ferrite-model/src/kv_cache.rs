@@ -1,5 +1,7 @@
-//! The paged KV cache: one K and one V buffer per layer, `[num_blocks, block_size, kv_heads,
-//! head_dim]`, allocated once at start-up and never resized.
+//! The paged KV cache: one K and one V buffer per layer, allocated once at start-up and never
+//! resized. V is `[num_blocks, block_size, kv_heads, head_dim]`; K is stored transposed within
+//! each block, `[num_blocks, kv_heads, head_dim, block_size]`, so attention reads a block's
+//! keys for one dimension as one contiguous vector.
 
 use rayon::prelude::*;
 
@@ -50,19 +52,32 @@ impl KvCache {
 }
 
 /// Writes each new token's K/V row (`[T, kv_heads * head_dim]`) into its slot.
-pub fn write_kv(layer: &mut LayerCache, k: &[f32], v: &[f32], slot_mapping: &[u32], row: usize) {
+pub fn write_kv(
+    layer: &mut LayerCache,
+    k: &[f32],
+    v: &[f32],
+    slot_mapping: &[u32],
+    shape: &CacheShape,
+) {
     let (kc, vc) = (&mut layer.k, &mut layer.v);
+    let row = shape.row();
     rayon::join(
-        || scatter(kc, k, slot_mapping, row),
-        || scatter(vc, v, slot_mapping, row),
+        || {
+            let bs = shape.block_size;
+            for (src, &slot) in k.chunks_exact(row).zip(slot_mapping) {
+                let (blk, j) = (slot as usize / bs, slot as usize % bs);
+                for (e, &x) in src.iter().enumerate() {
+                    // Element e = (head, dim) of the row lands at [blk, head, dim, j].
+                    kc[(blk * row + e) * bs + j] = x;
+                }
+            }
+        },
+        || {
+            for (src, &slot) in v.chunks_exact(row).zip(slot_mapping) {
+                vc[slot as usize * row..][..row].copy_from_slice(src);
+            }
+        },
     );
-}
-
-fn scatter(cache: &mut [f32], src: &[f32], slots: &[u32], row: usize) {
-    for (t, &slot) in slots.iter().enumerate() {
-        let s = slot as usize * row;
-        cache[s..s + row].copy_from_slice(&src[t * row..(t + 1) * row]);
-    }
 }
 
 /// Zeroes nothing and touches every page, so the pool's memory is resident from the start

@@ -183,6 +183,7 @@ impl LlamaModel {
         let mut normed = vec![0f32; t * h];
         let mut attn = vec![0f32; t * q_w];
         let mut act = vec![0f32; t * c.intermediate_size];
+        let shape = cache.shape;
         for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
             rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
             let input = LinearInput::new(&normed, t, &mut self.acts);
@@ -194,7 +195,7 @@ impl LlamaModel {
             let (mut q, mut k, v) = split_qkv(&qkv, t, q_w, kv_w);
             self.rope.apply(&mut q, &step.positions, c.num_heads, d);
             self.rope.apply(&mut k, &step.positions, c.num_kv_heads, d);
-            write_kv(lc, &k, &v, &step.slot_mapping, kv_w);
+            write_kv(lc, &k, &v, &step.slot_mapping, &shape);
             paged_attention(&q, &lc.k, &lc.v, &meta, &params, &mut attn);
             add_in_place(
                 &mut x,

@@ -2,7 +2,7 @@
 //! random ragged steps mixing long prefill chunks and single-token decodes.
 
 use ferrite_model::attention::{paged_attention, AttentionMeta, AttentionParams};
-use ferrite_model::kv_cache::{write_kv, LayerCache};
+use ferrite_model::kv_cache::{write_kv, CacheShape, LayerCache};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -72,6 +72,12 @@ fn run_case(rng: &mut StdRng, c: &Case) -> f64 {
     let num_blocks = blocks_needed + 7;
     let mut free: Vec<u32> = (0..num_blocks as u32).collect();
     free.shuffle(rng);
+    let shape = CacheShape {
+        num_blocks,
+        block_size: c.block_size,
+        num_kv_heads: c.kv_heads,
+        head_dim: c.d,
+    };
     let mut cache = LayerCache {
         k: vec![f32::NAN; num_blocks * c.block_size * row],
         v: vec![f32::NAN; num_blocks * c.block_size * row],
@@ -101,7 +107,7 @@ fn run_case(rng: &mut StdRng, c: &Case) -> f64 {
         let slots: Vec<u32> = (0..total)
             .map(|p| table[p / c.block_size] * c.block_size as u32 + (p % c.block_size) as u32)
             .collect();
-        write_kv(&mut cache, &k.concat(), &v.concat(), &slots, row);
+        write_kv(&mut cache, &k.concat(), &v.concat(), &slots, &shape);
         for p in ctx..total {
             q.extend(rand_vec(c.heads * c.d, rng));
             positions.push((b, p));

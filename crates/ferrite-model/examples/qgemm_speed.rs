@@ -1,0 +1,56 @@
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use ferrite_model::quant::activations::QuantizedActs;
+use ferrite_model::quant::packed::PackedWeight;
+use ferrite_model::quant::{matmul, Isa};
+use std::time::Instant;
+
+fn main() {
+    let isa = Isa::detect();
+    for (n, k, t) in [
+        (3072usize, 576usize, 512usize),
+        (576, 1536, 512),
+        (960, 576, 512),
+        (3072, 576, 1),
+        (49152, 576, 1),
+    ] {
+        let x: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let q = QTensor::quantize(
+            &Tensor::from_slice(&x, (n, k), &Device::Cpu).unwrap(),
+            if n == 49152 {
+                GgmlDType::Q8_0
+            } else {
+                GgmlDType::Q4_1
+            },
+        )
+        .unwrap();
+        let w = PackedWeight::from_qtensor(&q).unwrap();
+        let a_f: Vec<f32> = (0..t * k)
+            .map(|i| ((i * 104729) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let mut a = QuantizedActs::default();
+        let mut y = vec![0f32; t * n];
+        let pool = rayon::ThreadPoolBuilder::new().build().unwrap();
+        pool.install(|| {
+            for _ in 0..3 {
+                a.quantize(&a_f, t, k);
+                matmul(&w, &a, &mut y, isa);
+            }
+            let reps = if t == 1 { 200 } else { 10 };
+            let st = Instant::now();
+            for _ in 0..reps {
+                a.quantize(&a_f, t, k);
+                matmul(&w, &a, &mut y, isa);
+            }
+            let dt = st.elapsed().as_secs_f64() / reps as f64;
+            println!(
+                "{n}x{k} t={t}: {:.3} ms, {:.1} GOPS, {:.1} GB/s weights",
+                dt * 1e3,
+                2.0 * (n * k * t) as f64 / dt / 1e9,
+                w.bytes() as f64 / dt / 1e9
+            );
+        });
+    }
+}
