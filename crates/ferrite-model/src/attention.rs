@@ -2,6 +2,8 @@
 //! prefill chunks and decodes together. Causal within each request, GQA by head grouping,
 //! online softmax in f32, K/V read through the block tables.
 
+use half::f16;
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 /// Where each request's queries and keys are, in the packed step.
@@ -33,13 +35,13 @@ fn owner(cu: &[u32], t: usize) -> usize {
 /// Query rows per work item: each K/V block is loaded once for the whole tile.
 const Q_TILE: usize = 16;
 
-/// `q`: `[T, num_heads, head_dim]`; `k_cache`: `[num_blocks, num_kv_heads, head_dim,
-/// block_size]` (keys minor); `v_cache`: `[num_blocks, block_size, num_kv_heads, head_dim]`;
-/// `out`: `[T, num_heads, head_dim]`.
+/// `q`: `[T, num_heads, head_dim]`; caches in f16, `k_cache`: `[num_blocks, num_kv_heads,
+/// head_dim, block_size]` (keys minor), `v_cache`: `[num_blocks, num_kv_heads, block_size,
+/// head_dim]`; `out`: `[T, num_heads, head_dim]`.
 pub fn paged_attention(
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[f16],
+    v_cache: &[f16],
     meta: &AttentionMeta,
     p: &AttentionParams,
     out: &mut [f32],
@@ -92,8 +94,8 @@ pub fn paged_attention(
 #[allow(clippy::too_many_arguments)]
 unsafe fn attend_tile_avx2(
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[f16],
+    v_cache: &[f16],
     meta: &AttentionMeta,
     p: &AttentionParams,
     b: usize,
@@ -109,8 +111,8 @@ unsafe fn attend_tile_avx2(
 #[allow(clippy::too_many_arguments)]
 unsafe fn attend_tile_avx512(
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[f16],
+    v_cache: &[f16],
     meta: &AttentionMeta,
     p: &AttentionParams,
     b: usize,
@@ -134,8 +136,8 @@ const LANES: usize = 16;
 #[allow(clippy::too_many_arguments)]
 fn attend_tile(
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[f16],
+    v_cache: &[f16],
     meta: &AttentionMeta,
     p: &AttentionParams,
     b: usize,
@@ -144,7 +146,6 @@ fn attend_tile(
 ) -> Vec<f32> {
     let d = p.head_dim;
     let group = p.num_heads / p.num_kv_heads;
-    let row = p.num_kv_heads * d;
     let bs = meta.block_size;
     let q_start = meta.cu_seqlens_q[b] as usize;
     let q_len = meta.cu_seqlens_q[b + 1] as usize - q_start;
@@ -160,14 +161,17 @@ fn attend_tile(
     let mut out = vec![0f32; n * group * d];
     let mut m = vec![f32::NEG_INFINITY; n * group];
     let mut l = vec![0f32; n * group];
+    // One block of this head in f32: K^T `[head_dim, block_size]`, V `[block_size, head_dim]`.
+    let (mut kt, mut vb) = (vec![0f32; d * bs], vec![0f32; bs * d]);
     // K^T of a chunk narrower than LANES, zero-padded.
     let mut padded = vec![0f32; d * LANES];
     let (lo_all, hi_all) = (span(0).0, span(n - 1).1);
     let mut blk_start = lo_all / bs * bs;
     while blk_start < hi_all {
         let blk = table[blk_start / bs] as usize;
-        // This block's K^T for the head: `[head_dim, block_size]`.
-        let kt = &k_cache[(blk * p.num_kv_heads + kvh) * d * bs..][..d * bs];
+        let at = (blk * p.num_kv_heads + kvh) * d * bs;
+        k_cache[at..][..d * bs].convert_to_f32_slice(&mut kt);
+        v_cache[at..][..d * bs].convert_to_f32_slice(&mut vb);
         for c0 in (0..bs).step_by(LANES) {
             let (key0, lanes) = (blk_start + c0, LANES.min(bs - c0));
             if key0 + lanes <= lo_all || key0 >= hi_all {
@@ -217,15 +221,14 @@ fn attend_tile(
                         l[s_idx] += wj;
                     }
                     let oh = &mut out[s_idx * d..][..d];
-                    let v0 = (blk * bs + c0) * row + kvh * d;
-                    let vs = &v_cache[v0..];
+                    let vs = &vb[c0 * d..];
                     match d {
-                        64 => accumulate_pv::<4>(oh, corr, &w, ja..jb, vs, row),
-                        128 => accumulate_pv::<8>(oh, corr, &w, ja..jb, vs, row),
+                        64 => accumulate_pv::<4>(oh, corr, &w, ja..jb, vs, d),
+                        128 => accumulate_pv::<8>(oh, corr, &w, ja..jb, vs, d),
                         _ => {
                             oh.iter_mut().for_each(|x| *x *= corr);
                             for j in ja..jb {
-                                let v = &vs[j * row..][..d];
+                                let v = &vs[j * d..][..d];
                                 oh.iter_mut()
                                     .zip(v)
                                     .for_each(|(x, &v)| *x = w[j].mul_add(v, *x));
@@ -278,36 +281,36 @@ fn accumulate_pv<const C: usize>(
     }
 }
 
+/// `a[j] += q * k[j]` as one fused multiply-add per lane.
+#[inline(always)]
+fn fma_lanes(a: &mut [f32; LANES], q: f32, k: &[f32]) {
+    let k: &[f32; LANES] = k[..LANES].try_into().expect("LANES keys");
+    for j in 0..LANES {
+        a[j] = q.mul_add(k[j], a[j]);
+    }
+}
+
 /// `q . k_j` for the LANES keys of a K^T chunk (`k_rows[dd * stride + j]`): four independent
 /// accumulators over `dd mod 4`, combined in a fixed order.
 #[inline(always)]
 fn chunk_scores(q: &[f32], k_rows: &[f32], stride: usize) -> [f32; LANES] {
-    let (mut a0, mut a1, mut a2, mut a3) =
-        ([0f32; LANES], [0f32; LANES], [0f32; LANES], [0f32; LANES]);
-    let full = q.len() / 4 * 4;
-    for dd in (0..full).step_by(4) {
-        let k0 = &k_rows[dd * stride..][..LANES];
-        let k1 = &k_rows[(dd + 1) * stride..][..LANES];
-        let k2 = &k_rows[(dd + 2) * stride..][..LANES];
-        let k3 = &k_rows[(dd + 3) * stride..][..LANES];
-        let (q0, q1, q2, q3) = (q[dd], q[dd + 1], q[dd + 2], q[dd + 3]);
-        for j in 0..LANES {
-            a0[j] = q0.mul_add(k0[j], a0[j]);
-            a1[j] = q1.mul_add(k1[j], a1[j]);
-            a2[j] = q2.mul_add(k2[j], a2[j]);
-            a3[j] = q3.mul_add(k3[j], a3[j]);
-        }
+    let [mut a0, mut a1, mut a2, mut a3] = [[0f32; LANES]; 4];
+    let mut quads = q.chunks_exact(4);
+    for (c, qq) in quads.by_ref().enumerate() {
+        let k = &k_rows[4 * c * stride..];
+        fma_lanes(&mut a0, qq[0], k);
+        fma_lanes(&mut a1, qq[1], &k[stride..]);
+        fma_lanes(&mut a2, qq[2], &k[2 * stride..]);
+        fma_lanes(&mut a3, qq[3], &k[3 * stride..]);
     }
-    for (u, dd) in (full..q.len()).enumerate() {
-        let k = &k_rows[dd * stride..][..LANES];
+    let tail = q.len() - quads.remainder().len();
+    for (u, &qd) in quads.remainder().iter().enumerate() {
         let a = match u {
             0 => &mut a0,
             1 => &mut a1,
             _ => &mut a2,
         };
-        for j in 0..LANES {
-            a[j] = q[dd].mul_add(k[j], a[j]);
-        }
+        fma_lanes(a, qd, &k_rows[(tail + u) * stride..]);
     }
     let mut s = [0f32; LANES];
     for j in 0..LANES {

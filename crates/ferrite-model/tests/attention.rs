@@ -3,6 +3,7 @@
 
 use ferrite_model::attention::{paged_attention, AttentionMeta, AttentionParams};
 use ferrite_model::kv_cache::{write_kv, CacheShape, LayerCache};
+use half::f16;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -54,6 +55,10 @@ fn reference(
         .collect()
 }
 
+fn as_f16(x: Vec<f32>) -> Vec<f32> {
+    x.into_iter().map(|v| f16::from_f32(v).to_f32()).collect()
+}
+
 fn run_case(rng: &mut StdRng, c: &Case) -> f64 {
     let row = c.kv_heads * c.d;
     let nreq = rng.random_range(1..7);
@@ -79,8 +84,8 @@ fn run_case(rng: &mut StdRng, c: &Case) -> f64 {
         head_dim: c.d,
     };
     let mut cache = LayerCache {
-        k: vec![f32::NAN; num_blocks * c.block_size * row],
-        v: vec![f32::NAN; num_blocks * c.block_size * row],
+        k: vec![f16::NAN; num_blocks * c.block_size * row],
+        v: vec![f16::NAN; num_blocks * c.block_size * row],
     };
     let max_blocks = shapes
         .iter()
@@ -101,8 +106,9 @@ fn run_case(rng: &mut StdRng, c: &Case) -> f64 {
             .map(|_| free.pop().unwrap())
             .collect();
         tables[b * max_blocks..b * max_blocks + table.len()].copy_from_slice(&table);
-        let k: Vec<Vec<f32>> = (0..total).map(|_| rand_vec(row, rng)).collect();
-        let v: Vec<Vec<f32>> = (0..total).map(|_| rand_vec(row, rng)).collect();
+        // K/V as the f16 cache holds them, so the reference sees the same inputs.
+        let k: Vec<Vec<f32>> = (0..total).map(|_| as_f16(rand_vec(row, rng))).collect();
+        let v: Vec<Vec<f32>> = (0..total).map(|_| as_f16(rand_vec(row, rng))).collect();
         // Every position goes in through the slot-mapping write op.
         let slots: Vec<u32> = (0..total)
             .map(|p| table[p / c.block_size] * c.block_size as u32 + (p % c.block_size) as u32)
