@@ -40,13 +40,22 @@ bench_server() {
   kill "$pid"; wait "$pid" 2>/dev/null || true
 }
 
-# REPORT_ONLY=1 rebuilds the report and charts from the result files already in $res.
+# REPORT_ONLY=1 rebuilds the report and charts from the result files already in $res;
+# ENGINES=ferrite (say) re-runs only the named servers and keeps the others' result files.
+engines=",${ENGINES:-ferrite,llamacpp,llamacpp-p4},"
+wanted() { [[ $engines == *",$1,"* ]]; }
 if [ -z "${REPORT_ONLY:-}" ]; then
-bench_server ferrite ferrite env RAYON_NUM_THREADS="$threads" $ferrite serve "$model" --port $port \
-  --max-model-len 4096 --kv-cache-memory 1600000000 --log-level warn
-bench_server "llama.cpp" llamacpp "$LLAMA_BIN/llama-server" -m "$model" --port $port -t "$threads"
-bench_server "llama.cpp --parallel 4" llamacpp-p4 "$LLAMA_BIN/llama-server" -m "$model" --port $port \
-  -t "$threads" --parallel 4
+  if wanted ferrite; then
+    bench_server ferrite ferrite $ferrite serve "$model" --port $port --threads "$threads" \
+      --max-model-len 4096 --kv-cache-memory 1600000000 --log-level warn
+  fi
+  if wanted llamacpp; then
+    bench_server "llama.cpp" llamacpp "$LLAMA_BIN/llama-server" -m "$model" --port $port -t "$threads"
+  fi
+  if wanted llamacpp-p4; then
+    bench_server "llama.cpp --parallel 4" llamacpp-p4 "$LLAMA_BIN/llama-server" -m "$model" \
+      --port $port -t "$threads" --parallel 4
+  fi
 fi
 $ferrite bench plot "$res/ferrite.json" "$res/llamacpp.json" "$res/llamacpp-p4.json" --out-dir "$res" > /dev/null
 rm -rf "$res"/*-charts

@@ -170,7 +170,20 @@ impl<E: Executor> EngineCore<E> {
             self.publish_stats();
             return !self.scheduler.has_work();
         }
-        match self.executor.execute(&output) {
+        // A panic in the model (a bug, never bad input) fails this step's requests and leaves
+        // the engine serving the others.
+        let executor = &mut self.executor;
+        let run =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| executor.execute(&output)))
+                .unwrap_or_else(|panic| {
+                    let msg = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "unknown panic".into());
+                    Err(format!("internal error in the model step: {msg}").into())
+                });
+        match run {
             Ok(result) => self.apply(&output, result),
             Err(e) => {
                 tracing::error!("model step failed: {e}");

@@ -2,6 +2,7 @@
 //! prefill chunks and decodes together. Causal within each request, GQA by head grouping,
 //! online softmax in f32, K/V read through the block tables.
 
+use crate::disjoint::DisjointSlice;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
@@ -46,45 +47,89 @@ pub fn paged_attention(
     p: &AttentionParams,
     out: &mut [f32],
 ) {
-    let d = p.head_dim;
     let group = p.num_heads / p.num_kv_heads;
-    // One work item = up to Q_TILE query rows of one request x one KV head (its `group` query
-    // heads share the K/V loads). Tiles are cut by row index, so a row's arithmetic does not
-    // depend on which other rows share its tile.
-    let mut items = Vec::new();
-    let num_rows = *meta.cu_seqlens_q.last().unwrap_or(&0) as usize;
-    let mut t = 0;
-    while t < num_rows {
-        let b = owner(meta.cu_seqlens_q, t);
-        let end = (t + Q_TILE).min(meta.cu_seqlens_q[b + 1] as usize);
-        for kvh in 0..p.num_kv_heads {
-            items.push((b, t, end, kvh));
-        }
-        t = end;
-    }
-    let tiles: Vec<Vec<f32>> = items
-        .par_iter()
-        .map(|&(b, t0, t1, kvh)| {
-            let rows = t0..t1;
-            #[cfg(target_arch = "x86_64")]
-            if std::is_x86_feature_detected!("avx512f") {
-                // SAFETY: the CPU supports the features the function is compiled for.
-                return unsafe { attend_tile_avx512(q, k_cache, v_cache, meta, p, b, rows, kvh) };
+    ITEMS.with_borrow_mut(|items| {
+        // One work item = up to Q_TILE query rows of one request x one KV head (its `group`
+        // query heads share the K/V loads). Tiles are cut by row index, so a row's arithmetic
+        // does not depend on which other rows share its tile.
+        items.clear();
+        let num_rows = *meta.cu_seqlens_q.last().unwrap_or(&0) as usize;
+        let mut t = 0;
+        while t < num_rows {
+            let b = owner(meta.cu_seqlens_q, t);
+            let end = (t + Q_TILE).min(meta.cu_seqlens_q[b + 1] as usize);
+            for kvh in 0..p.num_kv_heads {
+                items.push(Item {
+                    b,
+                    rows: t..end,
+                    kvh,
+                });
             }
-            #[cfg(target_arch = "x86_64")]
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                // SAFETY: as above.
-                return unsafe { attend_tile_avx2(q, k_cache, v_cache, meta, p, b, rows, kvh) };
-            }
-            attend_tile(q, k_cache, v_cache, meta, p, b, rows, kvh)
-        })
-        .collect();
-    for (&(_, t0, t1, kvh), tile) in items.iter().zip(&tiles) {
-        for (i, t) in (t0..t1).enumerate() {
-            out[(t * p.num_heads + kvh * group) * d..][..group * d]
-                .copy_from_slice(&tile[i * group * d..][..group * d]);
+            t = end;
         }
+        let out = DisjointSlice::new(out);
+        items.par_iter().for_each(|it| {
+            SCRATCH.with_borrow_mut(|s| {
+                attend(q, k_cache, v_cache, meta, p, it, s);
+                let width = group * p.head_dim;
+                for (i, t) in it.rows.clone().enumerate() {
+                    let at = (t * p.num_heads + it.kvh * group) * p.head_dim;
+                    // SAFETY: rows x the KV head's query heads belong to this item alone.
+                    unsafe { out.range(at, width) }.copy_from_slice(&s.out[i * width..][..width]);
+                }
+            })
+        });
+    });
+}
+
+/// Up to Q_TILE query rows of request `b` and KV head `kvh`.
+#[derive(Clone)]
+struct Item {
+    b: usize,
+    rows: std::ops::Range<usize>,
+    kvh: usize,
+}
+
+/// A compute thread's buffers for one tile, reused across tiles, layers and steps.
+#[derive(Default)]
+struct TileScratch {
+    /// `[rows, group, head_dim]` result.
+    out: Vec<f32>,
+    m: Vec<f32>,
+    l: Vec<f32>,
+    /// One block of the head in f32: K^T `[head_dim, block_size]`, V `[block_size, head_dim]`.
+    kt: Vec<f32>,
+    vb: Vec<f32>,
+    /// K^T of a chunk narrower than LANES, zero-padded.
+    padded: Vec<f32>,
+}
+
+thread_local! {
+    static ITEMS: std::cell::RefCell<Vec<Item>> = const { std::cell::RefCell::new(Vec::new()) };
+    static SCRATCH: std::cell::RefCell<TileScratch> = std::cell::RefCell::default();
+}
+
+/// [`attend_tile`] through the widest instruction set the CPU has.
+fn attend(
+    q: &[f32],
+    k_cache: &[f16],
+    v_cache: &[f16],
+    meta: &AttentionMeta,
+    p: &AttentionParams,
+    it: &Item,
+    s: &mut TileScratch,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU supports the features the function is compiled for.
+        return unsafe { attend_tile_avx512(q, k_cache, v_cache, meta, p, it, s) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: as above.
+        return unsafe { attend_tile_avx2(q, k_cache, v_cache, meta, p, it, s) };
+    }
+    attend_tile(q, k_cache, v_cache, meta, p, it, s)
 }
 
 /// [`attend_tile`] compiled with AVX2 and FMA (chosen at run time; the default target
@@ -98,11 +143,10 @@ unsafe fn attend_tile_avx2(
     v_cache: &[f16],
     meta: &AttentionMeta,
     p: &AttentionParams,
-    b: usize,
-    rows: std::ops::Range<usize>,
-    kvh: usize,
-) -> Vec<f32> {
-    attend_tile(q, k_cache, v_cache, meta, p, b, rows, kvh)
+    it: &Item,
+    s: &mut TileScratch,
+) {
+    attend_tile(q, k_cache, v_cache, meta, p, it, s)
 }
 
 /// [`attend_tile`] compiled with AVX-512: the 16-lane dot and exp fill one register.
@@ -115,19 +159,18 @@ unsafe fn attend_tile_avx512(
     v_cache: &[f16],
     meta: &AttentionMeta,
     p: &AttentionParams,
-    b: usize,
-    rows: std::ops::Range<usize>,
-    kvh: usize,
-) -> Vec<f32> {
-    attend_tile(q, k_cache, v_cache, meta, p, b, rows, kvh)
+    it: &Item,
+    s: &mut TileScratch,
+) {
+    attend_tile(q, k_cache, v_cache, meta, p, it, s)
 }
 
 /// Keys per softmax step: a block is walked in chunks of up to 16 keys, one register of
 /// scores (two on AVX2).
 const LANES: usize = 16;
 
-/// Online softmax for rows `rows` of request `b` and the `group` heads of KV head `kvh`,
-/// one chunk of keys at a time; returns `[rows, group, head_dim]`.
+/// Online softmax for the item's rows and the `group` heads of its KV head, one chunk of keys
+/// at a time, into `s.out` (`[rows, group, head_dim]`).
 ///
 /// Each query vector's arithmetic is fixed by its own key range and the block layout: scores
 /// over the K^T chunk (keys in lanes), masked lanes contribute exact zeros, and sums run key
@@ -140,10 +183,10 @@ fn attend_tile(
     v_cache: &[f16],
     meta: &AttentionMeta,
     p: &AttentionParams,
-    b: usize,
-    rows: std::ops::Range<usize>,
-    kvh: usize,
-) -> Vec<f32> {
+    it: &Item,
+    s: &mut TileScratch,
+) {
+    let (b, rows, kvh) = (it.b, it.rows.clone(), it.kvh);
     let d = p.head_dim;
     let group = p.num_heads / p.num_kv_heads;
     let bs = meta.block_size;
@@ -158,20 +201,32 @@ fn attend_tile(
         let first = p.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
         (first, pos + 1)
     };
-    let mut out = vec![0f32; n * group * d];
-    let mut m = vec![f32::NEG_INFINITY; n * group];
-    let mut l = vec![0f32; n * group];
-    // One block of this head in f32: K^T `[head_dim, block_size]`, V `[block_size, head_dim]`.
-    let (mut kt, mut vb) = (vec![0f32; d * bs], vec![0f32; bs * d]);
-    // K^T of a chunk narrower than LANES, zero-padded.
-    let mut padded = vec![0f32; d * LANES];
+    let TileScratch {
+        out,
+        m,
+        l,
+        kt,
+        vb,
+        padded,
+    } = s;
+    for (buf, len, init) in [
+        (&mut *out, n * group * d, 0.0),
+        (&mut *m, n * group, f32::NEG_INFINITY),
+        (&mut *l, n * group, 0.0),
+        (&mut *kt, d * bs, 0.0),
+        (&mut *vb, d * bs, 0.0),
+        (&mut *padded, d * LANES, 0.0),
+    ] {
+        buf.clear();
+        buf.resize(len, init);
+    }
     let (lo_all, hi_all) = (span(0).0, span(n - 1).1);
     let mut blk_start = lo_all / bs * bs;
     while blk_start < hi_all {
         let blk = table[blk_start / bs] as usize;
         let at = (blk * p.num_kv_heads + kvh) * d * bs;
-        k_cache[at..][..d * bs].convert_to_f32_slice(&mut kt);
-        v_cache[at..][..d * bs].convert_to_f32_slice(&mut vb);
+        k_cache[at..][..d * bs].convert_to_f32_slice(kt);
+        v_cache[at..][..d * bs].convert_to_f32_slice(vb);
         for c0 in (0..bs).step_by(LANES) {
             let (key0, lanes) = (blk_start + c0, LANES.min(bs - c0));
             if key0 + lanes <= lo_all || key0 >= hi_all {
@@ -247,7 +302,6 @@ fn attend_tile(
             .iter_mut()
             .for_each(|x| *x *= inv);
     }
-    out
 }
 
 /// `o = o * corr + sum_j w[j] v_j` for `o` of `C * LANES` values, every element an FMA chain

@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod chat_template;
 pub mod config;
+pub mod disjoint;
 pub mod gguf;
 pub mod kv_cache;
 pub mod linear;

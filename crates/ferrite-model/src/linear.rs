@@ -40,9 +40,8 @@ pub struct LinearInput<'a> {
 }
 
 impl<'a> LinearInput<'a> {
-    /// Quantizes `x` (`[rows, cols]`) into `scratch`, whose buffers are reused.
-    pub fn new(x: &'a [f32], rows: usize, scratch: &'a mut QuantizedActs) -> Self {
-        let cols = if rows == 0 { 0 } else { x.len() / rows };
+    /// Quantizes `x` (`[rows, cols]`, `rows` may be 0) into `scratch`, whose buffers are reused.
+    pub fn new(x: &'a [f32], rows: usize, cols: usize, scratch: &'a mut QuantizedActs) -> Self {
         scratch.quantize(x, rows, cols);
         Self {
             x,
@@ -127,22 +126,47 @@ impl Linear {
         }
     }
 
-    /// `[rows, in_features]` -> `[rows, out_features]`.
-    pub fn forward(&self, input: &LinearInput) -> Result<Vec<f32>> {
+    /// `[rows, in_features]` -> `[rows, out_features]` into `out` (reused; it grows only
+    /// past its capacity).
+    pub fn forward(&self, input: &LinearInput, out: &mut Vec<f32>) -> Result<()> {
+        out.resize(input.rows * self.out_features, 0.0);
         match &self.weights {
-            Weights::Quantized(w) => {
-                let mut y = vec![0f32; input.rows * w.rows];
-                matmul(w, input.q, &mut y, Isa::detect());
-                Ok(y)
-            }
+            Weights::Quantized(w) => matmul(w, input.q, out, Isa::detect()),
             Weights::Float(w) => {
                 let cols = w.dim(1)?;
                 let x = Tensor::from_slice(input.x, (input.rows, cols), &Device::Cpu)?;
-                x.matmul(&w.t()?)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()
-                    .map_err(|e| anyhow!("matmul output: {e}"))
+                let y = x.matmul(&w.t()?)?.flatten_all()?;
+                out.copy_from_slice(
+                    &y.to_vec1::<f32>()
+                        .map_err(|e| anyhow!("matmul output: {e}"))?,
+                );
             }
         }
+        Ok(())
     }
+}
+
+/// Projections of one input (`parts`) laid side by side per row in `out`; `part` holds one
+/// projection's output when they are not stacked into one weight.
+pub fn project(
+    parts: &[Linear],
+    input: &LinearInput,
+    out: &mut Vec<f32>,
+    part: &mut Vec<f32>,
+) -> Result<()> {
+    if let [one] = parts {
+        return one.forward(input, out);
+    }
+    let width: usize = parts.iter().map(Linear::out_features).sum();
+    out.resize(input.rows * width, 0.0);
+    let mut col = 0;
+    for p in parts {
+        p.forward(input, part)?;
+        let n = p.out_features();
+        for (dst, src) in out.chunks_mut(width).zip(part.chunks(n)) {
+            dst[col..col + n].copy_from_slice(src);
+        }
+        col += n;
+    }
+    Ok(())
 }

@@ -6,7 +6,7 @@ use crate::attention::{paged_attention, AttentionMeta, AttentionParams};
 use crate::config::ModelConfig;
 use crate::gguf::GgufFile;
 use crate::kv_cache::{write_kv, KvCache};
-use crate::linear::{Linear, LinearInput, WeightFormat};
+use crate::linear::{project, Linear, LinearInput, WeightFormat};
 use crate::ops::{add_in_place, rms_norm, silu_mul, RopeTable};
 use crate::quant::activations::QuantizedActs;
 use crate::step::PackedStep;
@@ -34,8 +34,35 @@ pub struct LlamaModel {
     lm_head: Linear,
     rope: RopeTable,
     weight_bytes: usize,
-    /// Quantized matmul inputs, reused across layers and steps.
+    ws: Workspace,
+}
+
+/// Buffers of one step. They grow to the largest step (the start-up profile runs one at the
+/// full token budget) and are reused, so later steps allocate nothing here.
+#[derive(Default)]
+struct Workspace {
+    x: Vec<f32>,
+    normed: Vec<f32>,
+    qkv: Vec<f32>,
+    /// One projection's output when Q/K/V or gate/up are not stacked.
+    part: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    /// Output of the attention and FFN down projections.
+    proj: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    /// Quantized matmul input.
     acts: QuantizedActs,
+    logits: Vec<f32>,
+}
+
+/// `buf` resized to `len` (allocating only past its capacity).
+fn sized(buf: &mut Vec<f32>, len: usize) -> &mut Vec<f32> {
+    buf.resize(len, 0.0);
+    buf
 }
 
 fn f32_vec(t: QTensor) -> Result<Vec<f32>> {
@@ -128,7 +155,7 @@ impl LlamaModel {
             lm_head,
             rope,
             weight_bytes,
-            acts: QuantizedActs::default(),
+            ws: Workspace::default(),
         })
     }
 
@@ -142,7 +169,7 @@ impl LlamaModel {
     }
 
     /// Runs the packed step; returns `[logits_indices.len(), vocab]` logits, row-major.
-    pub fn forward(&mut self, step: &PackedStep, cache: &mut KvCache) -> Result<Vec<f32>> {
+    pub fn forward(&mut self, step: &PackedStep, cache: &mut KvCache) -> Result<&mut [f32]> {
         let c = &self.config;
         let t = step.num_tokens();
         let (h, d) = (c.hidden_size, c.head_dim);
@@ -155,14 +182,19 @@ impl LlamaModel {
                 );
             }
         }
-        let mut x = vec![0f32; t * h];
+        if let Some(&id) = step
+            .input_ids
+            .iter()
+            .find(|&&id| id as usize >= c.vocab_size)
+        {
+            bail!(
+                "token id {id} is outside the vocabulary of {}",
+                c.vocab_size
+            );
+        }
+        let ws = &mut self.ws;
+        let x = sized(&mut ws.x, t * h);
         for (row, &id) in x.chunks_mut(h).zip(&step.input_ids) {
-            if id as usize >= c.vocab_size {
-                bail!(
-                    "token id {id} is outside the vocabulary of {}",
-                    c.vocab_size
-                );
-            }
             row.copy_from_slice(&self.embedding[id as usize * h..][..h]);
         }
         let meta = AttentionMeta {
@@ -180,79 +212,63 @@ impl LlamaModel {
             sliding_window: c.sliding_window,
             softcap: None,
         };
-        let mut normed = vec![0f32; t * h];
-        let mut attn = vec![0f32; t * q_w];
-        let mut act = vec![0f32; t * c.intermediate_size];
+        let normed = sized(&mut ws.normed, t * h);
+        let attn = sized(&mut ws.attn, t * q_w);
+        let act = sized(&mut ws.act, t * c.intermediate_size);
+        let (q, k, v) = (
+            sized(&mut ws.q, t * q_w),
+            sized(&mut ws.k, t * kv_w),
+            sized(&mut ws.v, t * kv_w),
+        );
         let shape = cache.shape;
         for (layer, lc) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
-            let input = LinearInput::new(&normed, t, &mut self.acts);
-            let mut qkv = concat_outputs(&layer.qkv, &input, t)?;
+            rms_norm(x, &layer.attn_norm, c.rms_norm_eps, normed);
+            let input = LinearInput::new(normed, t, h, &mut ws.acts);
+            project(&layer.qkv, &input, &mut ws.qkv, &mut ws.part)?;
             if let Some(b) = &layer.qkv_bias {
-                qkv.chunks_mut(b.len())
+                ws.qkv
+                    .chunks_mut(b.len())
                     .for_each(|r| r.iter_mut().zip(b).for_each(|(v, b)| *v += b));
             }
-            let (mut q, mut k, v) = split_qkv(&qkv, t, q_w, kv_w);
-            self.rope.apply(&mut q, &step.positions, c.num_heads, d);
-            self.rope.apply(&mut k, &step.positions, c.num_kv_heads, d);
-            write_kv(lc, &k, &v, &step.slot_mapping, &shape);
-            paged_attention(&q, &lc.k, &lc.v, &meta, &params, &mut attn);
-            add_in_place(
-                &mut x,
-                &layer
-                    .o
-                    .forward(&LinearInput::new(&attn, t, &mut self.acts))?,
-            );
+            for (((r, q), k), v) in ws
+                .qkv
+                .chunks(q_w + 2 * kv_w)
+                .zip(q.chunks_mut(q_w))
+                .zip(k.chunks_mut(kv_w))
+                .zip(v.chunks_mut(kv_w))
+            {
+                q.copy_from_slice(&r[..q_w]);
+                k.copy_from_slice(&r[q_w..q_w + kv_w]);
+                v.copy_from_slice(&r[q_w + kv_w..]);
+            }
+            self.rope.apply(q, &step.positions, c.num_heads, d);
+            self.rope.apply(k, &step.positions, c.num_kv_heads, d);
+            write_kv(lc, k, v, &step.slot_mapping, &shape);
+            paged_attention(q, &lc.k, &lc.v, &meta, &params, attn);
+            let input = LinearInput::new(attn, t, q_w, &mut ws.acts);
+            layer.o.forward(&input, &mut ws.proj)?;
+            add_in_place(x, &ws.proj);
 
-            rms_norm(&x, &layer.ffn_norm, c.rms_norm_eps, &mut normed);
-            let input = LinearInput::new(&normed, t, &mut self.acts);
-            let gate_up = concat_outputs(&layer.gate_up, &input, t)?;
-            silu_mul(&gate_up, c.intermediate_size, &mut act);
-            add_in_place(
-                &mut x,
-                &layer
-                    .down
-                    .forward(&LinearInput::new(&act, t, &mut self.acts))?,
-            );
+            rms_norm(x, &layer.ffn_norm, c.rms_norm_eps, normed);
+            let input = LinearInput::new(normed, t, h, &mut ws.acts);
+            project(&layer.gate_up, &input, &mut ws.gate_up, &mut ws.part)?;
+            silu_mul(&ws.gate_up, c.intermediate_size, act);
+            let input = LinearInput::new(act, t, c.intermediate_size, &mut ws.acts);
+            layer.down.forward(&input, &mut ws.proj)?;
+            add_in_place(x, &ws.proj);
         }
+        // Only the rows that need logits go through the final norm and the LM head.
         let rows = step.logits_indices.len();
-        let mut sel = vec![0f32; rows * h];
+        let sel = sized(&mut ws.q, rows * h);
         for (dst, &i) in sel.chunks_mut(h).zip(&step.logits_indices) {
             dst.copy_from_slice(&x[i as usize * h..][..h]);
         }
-        let mut sel_normed = vec![0f32; rows * h];
-        rms_norm(&sel, &self.final_norm, c.rms_norm_eps, &mut sel_normed);
-        self.lm_head
-            .forward(&LinearInput::new(&sel_normed, rows, &mut self.acts))
+        let sel_normed = sized(&mut ws.normed, rows * h);
+        rms_norm(&ws.q, &self.final_norm, c.rms_norm_eps, sel_normed);
+        self.lm_head.forward(
+            &LinearInput::new(sel_normed, rows, h, &mut ws.acts),
+            &mut ws.logits,
+        )?;
+        Ok(&mut ws.logits)
     }
-}
-
-/// Runs projections on the same input and lays their outputs side by side per row.
-fn concat_outputs(parts: &[Linear], x: &LinearInput, t: usize) -> Result<Vec<f32>> {
-    if let [one] = parts {
-        return one.forward(x);
-    }
-    let outs: Vec<Vec<f32>> = parts.iter().map(|p| p.forward(x)).collect::<Result<_>>()?;
-    let width: usize = parts.iter().map(Linear::out_features).sum();
-    let mut y = Vec::with_capacity(t * width);
-    for r in 0..t {
-        for (o, p) in outs.iter().zip(parts) {
-            let n = p.out_features();
-            y.extend_from_slice(&o[r * n..(r + 1) * n]);
-        }
-    }
-    Ok(y)
-}
-
-fn split_qkv(qkv: &[f32], t: usize, q_w: usize, kv_w: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let w = q_w + 2 * kv_w;
-    let mut q = Vec::with_capacity(t * q_w);
-    let mut k = Vec::with_capacity(t * kv_w);
-    let mut v = Vec::with_capacity(t * kv_w);
-    for r in qkv.chunks(w) {
-        q.extend_from_slice(&r[..q_w]);
-        k.extend_from_slice(&r[q_w..q_w + kv_w]);
-        v.extend_from_slice(&r[q_w + kv_w..]);
-    }
-    (q, k, v)
 }

@@ -82,9 +82,9 @@ impl ModelRunner {
 impl Executor for ModelRunner {
     fn execute(&mut self, out: &SchedulerOutput) -> Result<StepOutput, ExecError> {
         let (step, uses) = self.pack(out);
-        let (model, cache) = (&mut self.model, &mut self.cache);
-        let mut logits = self.compute.install(|| model.forward(&step, cache))?;
         let vocab = self.model.config.vocab_size;
+        let (model, cache) = (&mut self.model, &mut self.cache);
+        let logits = self.compute.install(|| model.forward(&step, cache))?;
         let mut result = StepOutput::default();
         for (row, u) in logits.chunks_mut(vocab).zip(uses) {
             match u {

@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use ferrite_core::engine::EngineError;
+use ferrite_core::engine::{EngineError, EngineHandle};
 use ferrite_core::request::FinishReason;
 use ferrite_core::sampling::SamplingParams;
 use ferrite_model::linear::WeightFormat;
@@ -140,6 +140,21 @@ fn greedy_outputs_identical_at_concurrency_1_and_8() {
         "engine not idle after all requests finished: {:?}",
         engine.stats()
     );
+}
+
+#[test]
+fn a_prompt_longer_than_the_step_budget_gives_the_same_tokens_in_chunks() {
+    // A 16-token budget prefills the prompt over several steps that sample no row.
+    let (chunked, tok) = engine(600, 16);
+    let (whole, _) = engine(600, 512);
+    let ids = tok.encode(&PROMPTS.join(" "), false).unwrap();
+    assert!(ids.len() > 3 * 16, "prompt of {} tokens", ids.len());
+    let run = |e: &EngineHandle| {
+        tokens_of(&collect(e.add_request(ids.clone(), greedy(8)).unwrap()).unwrap())
+    };
+    let a = run(&chunked);
+    assert!(!a.is_empty());
+    assert_eq!(a, run(&whole));
 }
 
 #[test]

@@ -25,7 +25,7 @@ pub struct QuantizedActs {
 impl QuantizedActs {
     /// Quantizes row-major `x` of `rows` rows, `cols` (a multiple of 32) wide.
     pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize) {
-        assert!(cols % BLOCK == 0 && x.len() == rows * cols);
+        assert!(cols.is_multiple_of(BLOCK) && x.len() == rows * cols);
         let blocks = (cols / BLOCK).next_multiple_of(2);
         self.rows = rows;
         self.blocks = blocks;

@@ -1,6 +1,10 @@
 //! 256-bit tiles: one block per register, `vpmaddubsw` + `vpmaddwd` for the exact block
 //! dot, FMA for the scaling.
 
+// Tiles index accumulators, codes and activations by the same (row, token); range loops
+// say that more plainly than zipped iterators.
+#![allow(clippy::needless_range_loop)]
+
 use super::activations::QuantizedActs;
 use super::packed::{PackedWeight, BLOCK};
 use super::tile::Out;
@@ -54,7 +58,7 @@ pub(super) unsafe fn tile_u4<const R: usize, const C: usize>(
     r0: usize,
     a: &QuantizedActs,
     t0: usize,
-    out: Out,
+    out: Out<'_>,
 ) {
     let nb = w.blocks;
     let mask = _mm256_set1_epi8(0x0F);
@@ -101,7 +105,7 @@ pub(super) unsafe fn tile_u8<const R: usize, const C: usize>(
     r0: usize,
     a: &QuantizedActs,
     t0: usize,
-    out: Out,
+    out: Out<'_>,
 ) {
     let nb = w.blocks;
     let flip = _mm256_set1_epi8(-128);

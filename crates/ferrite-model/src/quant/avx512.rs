@@ -1,5 +1,9 @@
 //! 512-bit tiles: two blocks per register and `vpdpbusd` for the exact block dots.
 
+// Tiles index accumulators, codes and activations by the same (row, token); range loops
+// say that more plainly than zipped iterators.
+#![allow(clippy::needless_range_loop)]
+
 use super::activations::QuantizedActs;
 use super::packed::{PackedWeight, BLOCK};
 use super::tile::Out;
@@ -36,7 +40,7 @@ pub(super) unsafe fn tile_u4<const R: usize, const C: usize>(
     r0: usize,
     a: &QuantizedActs,
     t0: usize,
-    out: Out,
+    out: Out<'_>,
 ) {
     let nb = w.blocks;
     let mask = _mm256_set1_epi8(0x0F);
@@ -78,7 +82,7 @@ pub(super) unsafe fn tile_u8<const R: usize, const C: usize>(
     r0: usize,
     a: &QuantizedActs,
     t0: usize,
-    out: Out,
+    out: Out<'_>,
 ) {
     let nb = w.blocks;
     let mut acc = [[_mm512_setzero_ps(); C]; R];

@@ -15,6 +15,7 @@ pub mod packed;
 mod portable;
 mod tile;
 
+use crate::disjoint::DisjointSlice;
 use activations::QuantizedActs;
 pub use isa::Isa;
 use packed::{Codes, PackedWeight};
@@ -87,7 +88,7 @@ pub fn matmul(w: &PackedWeight, a: &QuantizedActs, out: &mut [f32], isa: Isa) {
     assert_eq!(w.blocks, a.blocks, "weight and activation widths differ");
     assert_eq!(out.len(), a.rows * w.rows);
     let out = Out {
-        ptr: out.as_mut_ptr(),
+        y: DisjointSlice::new(out),
         ld: w.rows,
     };
     let tokens = a.rows;

@@ -202,7 +202,7 @@ impl PackedWeight {
 
     /// Symmetric 8-bit blocks of a row-major f32 matrix.
     pub fn from_f32(rows: usize, cols: usize, x: &[f32]) -> Self {
-        assert!(cols % BLOCK == 0 && x.len() == rows * cols);
+        assert!(cols.is_multiple_of(BLOCK) && x.len() == rows * cols);
         Self::pack(rows, cols, Codes::U8, |r, out| {
             requantize_row(&x[r * cols..][..cols], out)
         })

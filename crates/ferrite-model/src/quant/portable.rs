@@ -12,7 +12,7 @@ pub(super) fn tile_u4<const R: usize, const C: usize>(
     r0: usize,
     a: &QuantizedActs,
     t0: usize,
-    out: Out,
+    out: Out<'_>,
 ) {
     let nb = w.blocks;
     for i in 0..R {
@@ -44,7 +44,7 @@ pub(super) fn tile_u8<const R: usize, const C: usize>(
     r0: usize,
     a: &QuantizedActs,
     t0: usize,
-    out: Out,
+    out: Out<'_>,
 ) {
     let nb = w.blocks;
     for i in 0..R {

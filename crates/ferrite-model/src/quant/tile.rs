@@ -1,20 +1,18 @@
 //! The output handle every kernel set writes through.
 
+use crate::disjoint::DisjointSlice;
+
 /// The `[tokens, rows]` output matrix, written by disjoint tiles from several threads.
 #[derive(Clone, Copy)]
-pub(super) struct Out {
-    pub ptr: *mut f32,
+pub(super) struct Out<'a> {
+    pub y: DisjointSlice<'a>,
     pub ld: usize,
 }
 
-// SAFETY: tiles write disjoint elements; the matmul waits for every tile before returning.
-unsafe impl Send for Out {}
-unsafe impl Sync for Out {}
-
-impl Out {
+impl Out<'_> {
     #[inline(always)]
     pub fn set(self, t: usize, r: usize, v: f32) {
-        // SAFETY: the matmul checked that `t < tokens` and `r < rows`, the buffer's shape.
-        unsafe { *self.ptr.add(t * self.ld + r) = v }
+        // SAFETY: every (token, row) element belongs to exactly one tile.
+        unsafe { self.y.range(t * self.ld + r, 1)[0] = v }
     }
 }

@@ -1,0 +1,85 @@
+//! A panic inside the model step fails that step's requests with an error and leaves the
+//! engine serving the next ones, with every KV block returned.
+
+use ferrite_core::engine::{EngineError, EngineHandle, ExecError, Executor};
+use ferrite_core::output::{SampledToken, StepOutput};
+use ferrite_core::sampling::SamplingParams;
+use ferrite_core::scheduler::{SchedulerConfig, SchedulerOutput};
+use std::collections::HashMap;
+use std::sync::Arc;
+use tokenizers::models::wordlevel::WordLevel;
+use tokenizers::Tokenizer;
+
+/// Answers token 1 for every sampled row, and panics on a step that holds token 13.
+struct Fragile;
+
+impl Executor for Fragile {
+    fn execute(&mut self, out: &SchedulerOutput) -> Result<StepOutput, ExecError> {
+        if out.requests.iter().any(|r| r.token_ids.contains(&13)) {
+            panic!("kernel bug");
+        }
+        let mut step = StepOutput::default();
+        for r in out.requests.iter().filter(|r| r.sample.is_some()) {
+            step.sampled.insert(
+                r.req_id,
+                SampledToken {
+                    token_id: 1,
+                    logprobs: None,
+                },
+            );
+        }
+        Ok(step)
+    }
+}
+
+fn tokenizer() -> Arc<Tokenizer> {
+    let vocab: HashMap<String, u32> = (0..32).map(|i| (format!("t{i}"), i)).collect();
+    let model = WordLevel::builder()
+        .vocab(vocab.into_iter().collect())
+        .unk_token("t0".into())
+        .build()
+        .unwrap();
+    Arc::new(Tokenizer::new(model))
+}
+
+fn run(engine: &EngineHandle, prompt: Vec<u32>) -> Result<usize, EngineError> {
+    let params = SamplingParams {
+        max_tokens: Some(4),
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let mut stream = engine.add_request(prompt, params)?;
+    let mut tokens = 0;
+    while let Some(out) = stream.blocking_next() {
+        let out = out?;
+        tokens += out.token_ids.len();
+        if out.finish_reason.is_some() {
+            break;
+        }
+    }
+    Ok(tokens)
+}
+
+#[test]
+fn a_panicking_step_fails_its_requests_and_the_engine_lives_on() {
+    let config = SchedulerConfig {
+        max_num_batched_tokens: 64,
+        max_num_seqs: 8,
+        max_model_len: 64,
+        block_size: 4,
+        num_blocks: 32,
+        prefix_caching: None,
+    };
+    let engine = EngineHandle::spawn(config, Fragile, tokenizer(), vec![]);
+    match run(&engine, vec![2, 13, 5]) {
+        Err(EngineError::Step(msg)) => assert!(msg.contains("kernel bug"), "{msg}"),
+        other => panic!("expected a step error, got {other:?}"),
+    }
+    assert_eq!(run(&engine, vec![2, 3, 5]).unwrap(), 4);
+    let idle = (0..200).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let st = engine.stats();
+        st.num_running + st.num_waiting == 0 && st.kv_usage == 0.0
+    });
+    assert!(idle, "blocks not returned: {:?}", engine.stats());
+}
