@@ -51,19 +51,29 @@ pub fn paged_attention(
     ITEMS.with_borrow_mut(|items| {
         // One work item = up to Q_TILE query rows of one request x one KV head (its `group`
         // query heads share the K/V loads). Tiles are cut by row index, so a row's arithmetic
-        // does not depend on which other rows share its tile.
+        // does not depend on which other rows share its tile. Tiles of a few rows (decodes)
+        // split further by query head, so a lone decode still spreads over the threads; each
+        // query head's arithmetic is the same either way.
         items.clear();
         let num_rows = *meta.cu_seqlens_q.last().unwrap_or(&0) as usize;
         let mut t = 0;
         while t < num_rows {
             let b = owner(meta.cu_seqlens_q, t);
             let end = (t + Q_TILE).min(meta.cu_seqlens_q[b + 1] as usize);
+            let per_item = if end - t < SPLIT_HEADS_BELOW {
+                1
+            } else {
+                group
+            };
             for kvh in 0..p.num_kv_heads {
-                items.push(Item {
-                    b,
-                    rows: t..end,
-                    kvh,
-                });
+                for h0 in (0..group).step_by(per_item) {
+                    items.push(Item {
+                        b,
+                        rows: t..end,
+                        kvh,
+                        heads: h0..h0 + per_item,
+                    });
+                }
             }
             t = end;
         }
@@ -71,10 +81,10 @@ pub fn paged_attention(
         items.par_iter().for_each(|it| {
             SCRATCH.with_borrow_mut(|s| {
                 attend(q, k_cache, v_cache, meta, p, it, s);
-                let width = group * p.head_dim;
+                let width = it.heads.len() * p.head_dim;
                 for (i, t) in it.rows.clone().enumerate() {
-                    let at = (t * p.num_heads + it.kvh * group) * p.head_dim;
-                    // SAFETY: rows x the KV head's query heads belong to this item alone.
+                    let at = (t * p.num_heads + it.kvh * group + it.heads.start) * p.head_dim;
+                    // SAFETY: rows x the item's query heads belong to this item alone.
                     unsafe { out.range(at, width) }.copy_from_slice(&s.out[i * width..][..width]);
                 }
             })
@@ -82,18 +92,23 @@ pub fn paged_attention(
     });
 }
 
-/// Up to Q_TILE query rows of request `b` and KV head `kvh`.
+/// Tiles with fewer rows than this get one item per query head.
+const SPLIT_HEADS_BELOW: usize = 4;
+
+/// Up to Q_TILE query rows of request `b`, KV head `kvh`, its query heads `heads`
+/// (`0..group` unless split).
 #[derive(Clone)]
 struct Item {
     b: usize,
     rows: std::ops::Range<usize>,
     kvh: usize,
+    heads: std::ops::Range<usize>,
 }
 
 /// A compute thread's buffers for one tile, reused across tiles, layers and steps.
 #[derive(Default)]
 struct TileScratch {
-    /// `[rows, group, head_dim]` result.
+    /// `[rows, heads, head_dim]` result.
     out: Vec<f32>,
     m: Vec<f32>,
     l: Vec<f32>,
@@ -129,7 +144,7 @@ fn attend(
         // SAFETY: as above.
         return unsafe { attend_tile_avx2(q, k_cache, v_cache, meta, p, it, s) };
     }
-    attend_tile(q, k_cache, v_cache, meta, p, it, s)
+    attend_tile(q, k_cache, v_cache, meta, p, it, s, chunk_scores)
 }
 
 /// [`attend_tile`] compiled with AVX2 and FMA (chosen at run time; the default target
@@ -146,7 +161,7 @@ unsafe fn attend_tile_avx2(
     it: &Item,
     s: &mut TileScratch,
 ) {
-    attend_tile(q, k_cache, v_cache, meta, p, it, s)
+    attend_tile(q, k_cache, v_cache, meta, p, it, s, chunk_scores)
 }
 
 /// [`attend_tile`] compiled with AVX-512: the 16-lane dot and exp fill one register.
@@ -162,19 +177,56 @@ unsafe fn attend_tile_avx512(
     it: &Item,
     s: &mut TileScratch,
 ) {
-    attend_tile(q, k_cache, v_cache, meta, p, it, s)
+    // SAFETY: this function runs only where the CPU has AVX-512F.
+    let scores = |q: &[f32], k: &[f32], stride: usize| unsafe { scores_avx512(q, k, stride) };
+    attend_tile(q, k_cache, v_cache, meta, p, it, s, scores)
+}
+
+/// [`chunk_scores`] with one 16-lane register per accumulator (the compiler's own
+/// vectorization of the generic loop splits them across narrower registers and the stack).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn scores_avx512(q: &[f32], k_rows: &[f32], stride: usize) -> [f32; LANES] {
+    use std::arch::x86_64::*;
+    let d = q.len();
+    assert!(d > 0 && k_rows.len() >= (d - 1) * stride + LANES);
+    let k = k_rows.as_ptr();
+    let fma = |acc: __m512, dd: usize| {
+        _mm512_fmadd_ps(
+            _mm512_set1_ps(q[dd]),
+            _mm512_loadu_ps(k.add(dd * stride)),
+            acc,
+        )
+    };
+    let [mut a0, mut a1, mut a2, mut a3] = [_mm512_setzero_ps(); 4];
+    let full = d / 4 * 4;
+    for dd in (0..full).step_by(4) {
+        a0 = fma(a0, dd);
+        a1 = fma(a1, dd + 1);
+        a2 = fma(a2, dd + 2);
+        a3 = fma(a3, dd + 3);
+    }
+    for (u, dd) in (full..d).enumerate() {
+        match u {
+            0 => a0 = fma(a0, dd),
+            1 => a1 = fma(a1, dd),
+            _ => a2 = fma(a2, dd),
+        }
+    }
+    std::mem::transmute(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)))
 }
 
 /// Keys per softmax step: a block is walked in chunks of up to 16 keys, one register of
 /// scores (two on AVX2).
 const LANES: usize = 16;
 
-/// Online softmax for the item's rows and the `group` heads of its KV head, one chunk of keys
-/// at a time, into `s.out` (`[rows, group, head_dim]`).
+/// Online softmax for the item's rows and query heads, one chunk of keys at a time, into
+/// `s.out` (`[rows, heads, head_dim]`).
 ///
 /// Each query vector's arithmetic is fixed by its own key range and the block layout: scores
-/// over the K^T chunk (keys in lanes), masked lanes contribute exact zeros, and sums run key
-/// by key. So a row gets the same bits whatever else shares its tile or step.
+/// over the K^T chunk (keys in lanes), masked lanes contribute exact zeros, the denominator
+/// keeps one partial sum per lane and the output sums run key by key. So a row gets the same
+/// bits whatever else shares its tile or step.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn attend_tile(
@@ -185,10 +237,12 @@ fn attend_tile(
     p: &AttentionParams,
     it: &Item,
     s: &mut TileScratch,
+    chunk_scores: impl Fn(&[f32], &[f32], usize) -> [f32; LANES],
 ) {
     let (b, rows, kvh) = (it.b, it.rows.clone(), it.kvh);
     let d = p.head_dim;
     let group = p.num_heads / p.num_kv_heads;
+    let nh = it.heads.len();
     let bs = meta.block_size;
     let q_start = meta.cu_seqlens_q[b] as usize;
     let q_len = meta.cu_seqlens_q[b + 1] as usize - q_start;
@@ -210,9 +264,9 @@ fn attend_tile(
         padded,
     } = s;
     for (buf, len, init) in [
-        (&mut *out, n * group * d, 0.0),
-        (&mut *m, n * group, f32::NEG_INFINITY),
-        (&mut *l, n * group, 0.0),
+        (&mut *out, n * nh * d, 0.0),
+        (&mut *m, n * nh, f32::NEG_INFINITY),
+        (&mut *l, n * nh * LANES, 0.0),
         (&mut *kt, d * bs, 0.0),
         (&mut *vb, d * bs, 0.0),
         (&mut *padded, d * LANES, 0.0),
@@ -225,8 +279,8 @@ fn attend_tile(
     while blk_start < hi_all {
         let blk = table[blk_start / bs] as usize;
         let at = (blk * p.num_kv_heads + kvh) * d * bs;
-        k_cache[at..][..d * bs].convert_to_f32_slice(kt);
-        v_cache[at..][..d * bs].convert_to_f32_slice(vb);
+        widen(&k_cache[at..][..d * bs], kt);
+        widen(&v_cache[at..][..d * bs], vb);
         for c0 in (0..bs).step_by(LANES) {
             let (key0, lanes) = (blk_start + c0, LANES.min(bs - c0));
             if key0 + lanes <= lo_all || key0 >= hi_all {
@@ -247,8 +301,8 @@ fn attend_tile(
                     continue;
                 }
                 let (ja, jb) = (lo - key0, hi - key0);
-                for h in 0..group {
-                    let s_idx = i * group + h;
+                for (hi, h) in it.heads.clone().enumerate() {
+                    let s_idx = i * nh + hi;
                     let qh = &q[((rows.start + i) * p.num_heads + kvh * group + h) * d..][..d];
                     let mut s = chunk_scores(qh, k_rows, stride);
                     s.iter_mut().for_each(|s| *s *= p.scale);
@@ -268,12 +322,15 @@ fn attend_tile(
                         exp_nonpositive(m_old - m_new)
                     };
                     let mut w = [0f32; LANES];
-                    for (w, &s) in w.iter_mut().zip(&s) {
-                        *w = exp_nonpositive(s - m_new);
+                    for (j, (w, &s)) in w.iter_mut().zip(&s).enumerate() {
+                        let e = exp_nonpositive(s - m_new);
+                        *w = if j >= ja && j < jb { e } else { 0.0 };
                     }
-                    l[s_idx] *= corr;
-                    for &wj in &w[ja..jb] {
-                        l[s_idx] += wj;
+                    // The softmax denominator, one partial sum per key lane.
+                    let lv: &mut [f32; LANES] =
+                        (&mut l[s_idx * LANES..][..LANES]).try_into().unwrap();
+                    for j in 0..LANES {
+                        lv[j] = lv[j] * corr + w[j];
                     }
                     let oh = &mut out[s_idx * d..][..d];
                     let vs = &vb[c0 * d..];
@@ -296,7 +353,8 @@ fn attend_tile(
         }
         blk_start += bs;
     }
-    for (s_idx, &li) in l.iter().enumerate() {
+    for (s_idx, lv) in l.chunks_exact(LANES).enumerate() {
+        let li: f32 = lv.iter().sum();
         let inv = if li > 0.0 { 1.0 / li } else { 0.0 };
         out[s_idx * d..(s_idx + 1) * d]
             .iter_mut()
@@ -333,6 +391,31 @@ fn accumulate_pv<const C: usize>(
     for (c, a) in acc.iter().enumerate() {
         o[c * LANES..][..LANES].copy_from_slice(a);
     }
+}
+
+/// f16 -> f32, 16 values per instruction where the CPU has AVX-512 (half's slice conversion
+/// goes 8 at a time through a feature check per chunk, most of a decode's attention time).
+fn widen(src: &[f16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F; the lengths are equal.
+        unsafe { widen_avx512(src, dst) };
+        return;
+    }
+    src.convert_to_f32_slice(dst);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn widen_avx512(src: &[f16], dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = src.len() / 16 * 16;
+    for i in (0..n).step_by(16) {
+        let h = _mm256_loadu_si256(src.as_ptr().add(i) as *const __m256i);
+        _mm512_storeu_ps(dst.as_mut_ptr().add(i), _mm512_cvtph_ps(h));
+    }
+    src[n..].convert_to_f32_slice(&mut dst[n..]);
 }
 
 /// `a[j] += q * k[j]` as one fused multiply-add per lane.
