@@ -190,11 +190,25 @@ fn draw(
             cand.truncate(k);
         }
     }
-    cand.sort_by(by_logit);
-    let m = cand[0].1;
+    // Only top-p needs the candidates in order; plain temperature sampling and min-p walk
+    // them as they are (sorting 49K logits costs more than the rest of the step's sampling).
+    if top_p < 1.0 {
+        cand.sort_by(by_logit);
+    }
+    let m = cand.iter().fold(f32::NEG_INFINITY, |m, c| m.max(c.1));
     let mut probs: Vec<f32> = cand.iter().map(|c| (c.1 - m).exp()).collect();
     let total: f32 = probs.iter().sum();
     probs.iter_mut().for_each(|p| *p /= total);
+    if min_p > 0.0 {
+        // The most likely candidate has probability exp(0) / total.
+        let floor = min_p / total;
+        let mut i = 0;
+        cand.retain(|_| {
+            i += 1;
+            probs[i - 1] >= floor
+        });
+        probs.retain(|&p| p >= floor);
+    }
     let mut keep = probs.len();
     if top_p < 1.0 {
         let mut acc = 0.0;
@@ -206,10 +220,6 @@ fn draw(
             }
         }
     }
-    if min_p > 0.0 {
-        let floor = probs[0] * min_p;
-        keep = keep.min(probs.iter().take_while(|&&p| p >= floor).count().max(1));
-    }
     let mass: f32 = probs[..keep].iter().sum();
     let mut target = u * mass;
     for i in 0..keep {
@@ -219,4 +229,43 @@ fn draw(
         }
     }
     cand[keep - 1].0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::draw;
+    use std::collections::BTreeSet;
+
+    /// Probabilities proportional to e^0 .. e^4: about 0.012, 0.032, 0.086, 0.234, 0.636.
+    const LOGITS: [f32; 5] = [0.0, 1.0, 2.0, 3.0, 4.0];
+
+    fn drawn(top_k: Option<usize>, top_p: f32, min_p: f32) -> BTreeSet<u32> {
+        (0..2000)
+            .map(|i| draw(&LOGITS, 1.0, top_k, top_p, min_p, (i as f32 + 0.5) / 2000.0))
+            .collect()
+    }
+
+    #[test]
+    fn draws_follow_the_distribution_and_its_cuts() {
+        let z: f64 = LOGITS.iter().map(|&l| (l as f64).exp()).sum();
+        let mut counts = [0usize; 5];
+        let n = 20_000;
+        for i in 0..n {
+            counts[draw(&LOGITS, 1.0, None, 1.0, 0.0, (i as f32 + 0.5) / n as f32) as usize] += 1;
+        }
+        for (t, &c) in counts.iter().enumerate() {
+            let p = (LOGITS[t] as f64).exp() / z;
+            assert!(
+                (c as f64 / n as f64 - p).abs() < 1e-3,
+                "token {t}: {c} of {n}, p = {p}"
+            );
+        }
+        assert_eq!(drawn(None, 1.0, 0.0), BTreeSet::from([0, 1, 2, 3, 4]));
+        assert_eq!(drawn(Some(2), 1.0, 0.0), BTreeSet::from([3, 4]));
+        // 0.636 < 0.8 <= 0.636 + 0.234.
+        assert_eq!(drawn(None, 0.8, 0.0), BTreeSet::from([3, 4]));
+        // Floor 0.3 * 0.636 = 0.19.
+        assert_eq!(drawn(None, 1.0, 0.3), BTreeSet::from([3, 4]));
+        assert_eq!(drawn(Some(3), 0.95, 0.1), BTreeSet::from([2, 3, 4]));
+    }
 }
