@@ -13,12 +13,29 @@ use candle_core::{Device, Tensor};
 /// How weights are kept in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum WeightFormat {
+    /// `F32` when the dequantized weights stay under [`AUTO_F32_LIMIT_BYTES`] (tiny models,
+    /// whose answers int8 activations change visibly), else `Native`.
+    #[default]
+    Auto,
     /// Quantized weights repacked for the int8 kernels (activations quantized per block of
     /// 32); float weights as f32.
-    #[default]
     Native,
     /// Everything dequantized to f32 at load: exact weights and activations, 4-8x the memory.
     F32,
+}
+
+/// Largest f32 weight set `Auto` picks.
+pub const AUTO_F32_LIMIT_BYTES: u64 = 1 << 30;
+
+impl WeightFormat {
+    /// Resolves `Auto` for a model of `params` weights.
+    pub fn resolve(self, params: u64) -> Self {
+        match self {
+            WeightFormat::Auto if params * 4 <= AUTO_F32_LIMIT_BYTES => WeightFormat::F32,
+            WeightFormat::Auto => WeightFormat::Native,
+            f => f,
+        }
+    }
 }
 
 enum Weights {

@@ -48,7 +48,7 @@ impl EngineArgs {
             kv_cache_memory: None,
             seed: None,
             threads: None,
-            weight_format: WeightFormat::Native,
+            weight_format: WeightFormat::Auto,
             prefix_caching: Some(HashAlgo::Sha256),
         }
     }

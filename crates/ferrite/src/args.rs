@@ -36,8 +36,9 @@ pub struct EngineFlags {
     #[arg(long, short = 't', value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: Option<u16>,
     /// `native`: quantized weights repacked for ferrite's int8 kernels; `f32`: dequantized
-    /// to f32 at load (exact, 4-8x the memory, slower).
-    #[arg(long, default_value = "native", value_parser = parse_weight_format)]
+    /// to f32 at load (exact, 4-8x the memory, slower); `auto`: f32 up to 1 GiB of f32
+    /// weights (models so small that int8 activations change their answers), else native.
+    #[arg(long, default_value = "auto", value_parser = parse_weight_format)]
     pub weight_format: WeightFormat,
     /// Reuse the KV blocks of earlier requests with the same prefix (on by default).
     #[arg(long, overrides_with = "no_enable_prefix_caching")]
@@ -52,9 +53,10 @@ pub struct EngineFlags {
 
 fn parse_weight_format(s: &str) -> Result<WeightFormat, String> {
     match s {
+        "auto" => Ok(WeightFormat::Auto),
         "native" => Ok(WeightFormat::Native),
         "f32" => Ok(WeightFormat::F32),
-        _ => Err(format!("unknown weight format `{s}` (native, f32)")),
+        _ => Err(format!("unknown weight format `{s}` (auto, native, f32)")),
     }
 }
 
