@@ -273,7 +273,8 @@ fn stop_strings_are_never_emitted_and_lengths_are_reported() {
 #[test]
 fn logprobs_match_the_model_distribution() {
     let (engine, tok) = engine(300, 512);
-    let mut model = load_model(WeightFormat::Native);
+    // The format the engine resolves by default.
+    let mut model = load_model(WeightFormat::Auto);
     let p = tok.encode(PROMPTS[5], false).unwrap();
     let params = SamplingParams {
         logprobs: Some(3),
