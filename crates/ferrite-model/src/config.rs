@@ -91,6 +91,53 @@ impl ModelConfig {
         })
     }
 
+    /// From a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3). Hugging Face
+    /// checkpoints keep Q/K unpermuted, so rotary pairs are halves (NeoX style).
+    pub fn from_hf_config(path: &std::path::Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
+        let j: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| anyhow::anyhow!("{} is not JSON: {e}", path.display()))?;
+        let num = |k: &str| j.get(k).and_then(|v| v.as_u64()).map(|v| v as usize);
+        let need = |k: &str| {
+            num(k).ok_or_else(|| anyhow::anyhow!("{} has no integer `{k}`", path.display()))
+        };
+        let model_type = j.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
+        let architecture = match model_type {
+            "llama" | "mistral" | "qwen2" | "qwen3" => model_type.to_string(),
+            _ => bail!(
+                "unsupported model_type `{model_type}` in {} (supported: llama, mistral, qwen2, qwen3)",
+                path.display()
+            ),
+        };
+        let hidden_size = need("hidden_size")?;
+        let num_heads = need("num_attention_heads")?;
+        let num_kv_heads = num("num_key_value_heads").unwrap_or(num_heads);
+        if num_heads % num_kv_heads != 0 {
+            bail!("{num_heads} attention heads are not a multiple of {num_kv_heads} KV heads");
+        }
+        let head_dim = num("head_dim").unwrap_or(hidden_size / num_heads);
+        let float = |k: &str| j.get(k).and_then(|v| v.as_f64()).map(|v| v as f32);
+        Ok(Self {
+            num_layers: need("num_hidden_layers")?,
+            hidden_size,
+            intermediate_size: need("intermediate_size")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size: need("vocab_size")?,
+            rms_norm_eps: float("rms_norm_eps").unwrap_or(1e-6),
+            rope_theta: float("rope_theta").unwrap_or(10_000.0),
+            rope_dim: head_dim,
+            rope_style: RopeStyle::Neox,
+            context_length: num("max_position_embeddings").unwrap_or(4096),
+            // Qwen2 configs name a window but turn it off.
+            sliding_window: num("sliding_window")
+                .filter(|_| j.get("use_sliding_window").and_then(|v| v.as_bool()) != Some(false)),
+            architecture,
+        })
+    }
+
     /// K and V bytes of one token across all layers, at `elem_bytes` per element.
     pub fn kv_bytes_per_token(&self, elem_bytes: usize) -> usize {
         2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_bytes

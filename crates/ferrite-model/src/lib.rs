@@ -4,6 +4,9 @@
 pub mod attention;
 pub mod chat_template;
 pub mod config;
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod disjoint;
 pub mod gguf;
 pub mod kv_cache;

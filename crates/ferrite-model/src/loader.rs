@@ -2,6 +2,7 @@
 //! and hand back a runner and the scheduler's configuration.
 
 use crate::config::ModelConfig;
+use crate::cpu::CpuModel;
 use crate::gguf::GgufFile;
 use crate::kv_cache::{prefault, CacheShape, KvCache};
 use crate::linear::WeightFormat;
@@ -31,10 +32,60 @@ pub struct EngineArgs {
     pub weight_format: WeightFormat,
     /// `None` turns prefix caching off.
     pub prefix_caching: Option<HashAlgo>,
+    pub device: DeviceKind,
+    pub load_format: LoadFormat,
+}
+
+/// Where the model runs (`--device`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    Cpu,
+    /// A CUDA GPU by ordinal.
+    Cuda(usize),
+}
+
+impl std::str::FromStr for DeviceKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Self::Cuda)
+                .ok_or_else(|| format!("unknown device `{s}` (cpu, cuda, cuda:N)")),
+        }
+    }
+}
+
+/// How weights are obtained (`--load-format`, as in vLLM).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoadFormat {
+    /// From the model file.
+    Auto,
+    /// Random weights built on the device from the model's config alone (benchmarks of large
+    /// shapes on hosts without the checkpoint).
+    Dummy,
+}
+
+impl std::str::FromStr for LoadFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "dummy" => Ok(Self::Dummy),
+            _ => Err(format!("unknown load format `{s}` (auto, dummy)")),
+        }
+    }
 }
 
 /// On the CPU the "device" is the whole machine's RAM, shared with everything else.
 pub const DEFAULT_CPU_MEMORY_UTILIZATION: f64 = 0.25;
+/// A dedicated GPU, as vLLM's default.
+pub const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
 
 impl EngineArgs {
     pub fn new(model: impl Into<PathBuf>) -> Self {
@@ -50,6 +101,8 @@ impl EngineArgs {
             threads: None,
             weight_format: WeightFormat::Auto,
             prefix_caching: Some(HashAlgo::Sha256),
+            device: DeviceKind::Cpu,
+            load_format: LoadFormat::Auto,
         }
     }
 }
@@ -66,6 +119,21 @@ pub struct LoadedEngine {
 pub fn load(args: &EngineArgs, progress: impl FnMut(usize, usize)) -> Result<LoadedEngine> {
     if args.block_size == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
         bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be positive");
+    }
+    match args.device {
+        DeviceKind::Cpu => load_cpu(args, progress),
+        #[cfg(feature = "cuda")]
+        DeviceKind::Cuda(ordinal) => crate::cuda::loader::load(args, ordinal, progress),
+        #[cfg(not(feature = "cuda"))]
+        DeviceKind::Cuda(_) => bail!(
+            "--device cuda: this ferrite was built without CUDA support (build with `cargo build --release --features cuda`)"
+        ),
+    }
+}
+
+fn load_cpu(args: &EngineArgs, progress: impl FnMut(usize, usize)) -> Result<LoadedEngine> {
+    if args.load_format == LoadFormat::Dummy {
+        bail!("--load-format dummy needs --device cuda");
     }
     let mut gguf = GgufFile::open(&args.model)?;
     let config = ModelConfig::from_gguf(&gguf)?;
@@ -113,7 +181,11 @@ pub fn load(args: &EngineArgs, progress: impl FnMut(usize, usize)) -> Result<Loa
         prefix_caching: args.prefix_caching,
     };
     Ok(LoadedEngine {
-        runner: ModelRunner::new(model, cache, args.seed, args.threads),
+        runner: ModelRunner::new(
+            Box::new(CpuModel::new(model, cache, args.threads)),
+            args.block_size,
+            args.seed,
+        ),
         tokenizer,
         scheduler,
         plan,

@@ -44,6 +44,11 @@ pub struct RopeTable {
 }
 
 impl RopeTable {
+    /// `[max_pos, rope_dim / 2]` cosines and sines, row-major.
+    pub fn tables(&self) -> (&[f32], &[f32]) {
+        (&self.cos, &self.sin)
+    }
+
     pub fn new(rope_dim: usize, theta: f32, max_pos: usize, style: RopeStyle) -> Self {
         let half = rope_dim / 2;
         let mut cos = Vec::with_capacity(max_pos * half);

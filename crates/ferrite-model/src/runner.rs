@@ -1,22 +1,43 @@
 //! The model runner: packs a [`SchedulerOutput`] into one flat step, runs the model once,
 //! samples the rows that need a token and computes requested prompt logprobs.
 
-use crate::kv_cache::KvCache;
-use crate::llama::LlamaModel;
-use crate::sampler::{log_sum_exp, logprob_and_rank, top_k_logprobs, Sampler};
+use crate::sampler::{argmax, log_sum_exp, logprob_and_rank, top_k_logprobs, Sampler};
 use crate::step::PackedStep;
+use anyhow::Result;
 use ferrite_core::engine::{ExecError, Executor};
-use ferrite_core::output::{StepOutput, TokenLogprob};
-use ferrite_core::scheduler::SchedulerOutput;
+use ferrite_core::output::{SampledToken, StepOutput, TokenLogprob};
+use ferrite_core::scheduler::{SampleSpec, SchedulerOutput};
+
+/// A model with its KV cache on some device: what the runner drives each step.
+pub trait StepModel: Send {
+    /// Runs the packed step; returns `[logits_indices.len(), vocab]` logits on the host.
+    fn forward(&mut self, step: &PackedStep) -> Result<&mut [f32]>;
+
+    /// Runs the step and returns the argmax of each logits row. A device overrides this to
+    /// send token ids to the host instead of whole logits rows.
+    fn forward_argmax(&mut self, step: &PackedStep) -> Result<Vec<u32>> {
+        let vocab = self.vocab_size();
+        Ok(self.forward(step)?.chunks(vocab).map(argmax).collect())
+    }
+
+    fn vocab_size(&self) -> usize;
+
+    /// Backend, threads and weight format, for the start-up log line.
+    fn describe(&self) -> String;
+}
 
 pub struct ModelRunner {
-    pub model: LlamaModel,
-    pub cache: KvCache,
+    pub model: Box<dyn StepModel>,
     sampler: Sampler,
-    /// The threads that run steps: the forward pass starts on one of them, so its parallel
-    /// ops split work by stealing instead of handing every op to the pool from outside
-    /// (a wake-up per op); the HTTP side and tokenization never run here.
-    compute: rayon::ThreadPool,
+    block_size: usize,
+}
+
+/// A sampled row that needs nothing but the argmax of the raw logits.
+fn plain_greedy(spec: &SampleSpec) -> bool {
+    spec.params.is_greedy()
+        && spec.params.logprobs.is_none()
+        && spec.banned_token_ids.is_empty()
+        && spec.penalty_context.is_none()
 }
 
 /// What a row of the logits matrix is for.
@@ -27,35 +48,16 @@ enum RowUse {
 }
 
 impl ModelRunner {
-    /// `threads`: compute threads (default: the cores this process may use).
-    pub fn new(
-        model: LlamaModel,
-        cache: KvCache,
-        seed: Option<u64>,
-        threads: Option<usize>,
-    ) -> Self {
-        let threads =
-            threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-        let compute = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("ferrite-compute-{i}"))
-            .build()
-            .expect("compute thread pool");
+    pub fn new(model: Box<dyn StepModel>, block_size: usize, seed: Option<u64>) -> Self {
         Self {
             model,
-            cache,
             sampler: Sampler::new(seed),
-            compute,
+            block_size,
         }
     }
 
-    /// Threads that run the model.
-    pub fn threads(&self) -> usize {
-        self.compute.current_num_threads()
-    }
-
     fn pack(&self, out: &SchedulerOutput) -> (PackedStep, Vec<RowUse>) {
-        let bs = self.cache.shape.block_size;
+        let bs = self.block_size;
         let mut step = PackedStep::default();
         let mut uses = Vec::new();
         for (i, r) in out.requests.iter().enumerate() {
@@ -82,10 +84,28 @@ impl ModelRunner {
 impl Executor for ModelRunner {
     fn execute(&mut self, out: &SchedulerOutput) -> Result<StepOutput, ExecError> {
         let (step, uses) = self.pack(out);
-        let vocab = self.model.config.vocab_size;
-        let (model, cache) = (&mut self.model, &mut self.cache);
-        let logits = self.compute.install(|| model.forward(&step, cache))?;
         let mut result = StepOutput::default();
+        let all_plain_greedy = uses.iter().all(|u| match u {
+            RowUse::Sample(i) => out.requests[*i].sample.as_ref().is_some_and(plain_greedy),
+            RowUse::PromptLogprob(..) => false,
+        });
+        if all_plain_greedy {
+            let tokens = self.model.forward_argmax(&step)?;
+            for (token_id, u) in tokens.into_iter().zip(uses) {
+                if let RowUse::Sample(i) = u {
+                    result.sampled.insert(
+                        out.requests[i].req_id,
+                        SampledToken {
+                            token_id,
+                            logprobs: None,
+                        },
+                    );
+                }
+            }
+            return Ok(result);
+        }
+        let vocab = self.model.vocab_size();
+        let logits = self.model.forward(&step)?;
         for (row, u) in logits.chunks_mut(vocab).zip(uses) {
             match u {
                 RowUse::Sample(i) => {

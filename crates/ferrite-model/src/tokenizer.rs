@@ -53,6 +53,35 @@ impl ModelTokenizer {
         })
     }
 
+    /// For a model given by its config alone (`--load-format dummy`): `tokenizer.json`
+    /// beside the config when there is one, else a placeholder vocabulary in which token `i`
+    /// is the word `<i>`, so token ids still decode to text.
+    pub fn for_config(config_path: &std::path::Path, vocab_size: usize) -> Result<Self> {
+        let beside = config_path.with_file_name("tokenizer.json");
+        let tokenizer = if beside.exists() {
+            load_json(&beside)?
+        } else {
+            let vocab = (0..vocab_size as u32)
+                .map(|i| (format!("<{i}>"), i))
+                .collect();
+            let model = tokenizers::models::wordlevel::WordLevel::builder()
+                .vocab(vocab)
+                .unk_token("<0>".into())
+                .build()
+                .map_err(|e| anyhow::anyhow!("placeholder vocabulary: {e}"))?;
+            let mut t = Tokenizer::new(model);
+            t.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::whitespace::Whitespace {}));
+            t
+        };
+        Ok(Self {
+            tokenizer,
+            bos_token_id: None,
+            eos_token_ids: Vec::new(),
+            add_bos: false,
+            chat_template: None,
+        })
+    }
+
     /// Encodes a raw prompt. `add_special_tokens` adds BOS where the model expects one;
     /// text produced by a chat template already carries its own.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {

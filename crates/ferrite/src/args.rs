@@ -4,7 +4,10 @@ use clap::Args;
 use ferrite_core::prefix_hash::HashAlgo;
 use ferrite_core::sampling::SamplingParams;
 use ferrite_model::linear::WeightFormat;
-use ferrite_model::loader::{EngineArgs, DEFAULT_CPU_MEMORY_UTILIZATION};
+use ferrite_model::loader::{
+    DeviceKind, EngineArgs, LoadFormat, DEFAULT_CPU_MEMORY_UTILIZATION,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+};
 use std::path::PathBuf;
 
 #[derive(Args, Debug, Clone)]
@@ -23,9 +26,10 @@ pub struct EngineFlags {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Share of device memory for weights, activations and the KV cache (on CPU: of RAM).
-    #[arg(long, default_value_t = DEFAULT_CPU_MEMORY_UTILIZATION)]
-    pub gpu_memory_utilization: f64,
+    /// Share of device memory for weights, activations and the KV cache (default: 0.9 of a
+    /// GPU's memory; on CPU, 0.25 of RAM).
+    #[arg(long)]
+    pub gpu_memory_utilization: Option<f64>,
     /// Size the KV cache directly, in bytes (overrides --gpu-memory-utilization).
     #[arg(long)]
     pub kv_cache_memory: Option<u64>,
@@ -49,6 +53,13 @@ pub struct EngineFlags {
     /// token by token).
     #[arg(long, default_value = "sha256", value_parser = HashAlgo::parse)]
     pub prefix_caching_hash_algo: HashAlgo,
+    /// Where the model runs: cpu, cuda or cuda:N (CUDA needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceKind,
+    /// `auto`: weights from the model file; `dummy`: random weights from the model's config
+    /// alone (benchmarks; `MODEL` may then be a Hugging Face `config.json`).
+    #[arg(long, default_value = "auto")]
+    pub load_format: LoadFormat,
 }
 
 fn parse_weight_format(s: &str) -> Result<WeightFormat, String> {
@@ -68,13 +79,18 @@ impl EngineFlags {
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
             block_size: self.block_size,
-            gpu_memory_utilization: self.gpu_memory_utilization,
+            gpu_memory_utilization: self.gpu_memory_utilization.unwrap_or(match self.device {
+                DeviceKind::Cpu => DEFAULT_CPU_MEMORY_UTILIZATION,
+                DeviceKind::Cuda(_) => DEFAULT_GPU_MEMORY_UTILIZATION,
+            }),
             kv_cache_memory: self.kv_cache_memory,
             seed: self.seed,
             threads: self.threads.map(usize::from),
             weight_format: self.weight_format,
             prefix_caching: (!self.no_enable_prefix_caching)
                 .then_some(self.prefix_caching_hash_algo),
+            device: self.device,
+            load_format: self.load_format,
         }
     }
 }

@@ -1,6 +1,8 @@
 //! ferrite: an LLM serving engine in one binary.
 
 mod args;
+#[cfg(feature = "cuda")]
+mod bench_device;
 mod bench_offline;
 mod bench_serve;
 mod generate;
@@ -43,6 +45,9 @@ enum BenchCommand {
     Serve(Box<bench_serve::ServeBenchArgs>),
     /// Charts of several result files, one line per engine.
     Plot(bench_serve::PlotArgs),
+    /// CUDA step times against the device's measured matmul rate and bandwidth.
+    #[cfg(feature = "cuda")]
+    Device(bench_device::DeviceBenchArgs),
 }
 
 fn main() {
@@ -59,6 +64,8 @@ fn main() {
         Command::Bench(BenchCommand::Offline(a)) => bench_offline::run(a),
         Command::Bench(BenchCommand::Serve(a)) => bench_serve::serve(*a),
         Command::Bench(BenchCommand::Plot(a)) => bench_serve::plot(a),
+        #[cfg(feature = "cuda")]
+        Command::Bench(BenchCommand::Device(a)) => bench_device::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

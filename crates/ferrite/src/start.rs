@@ -33,16 +33,14 @@ pub fn start(flags: &EngineFlags) -> Result<Started> {
         config,
     } = loaded?;
     tracing::info!(
-        "model {} ({}, {} layers, {} heads / {} KV heads, weights {:?}), backend cpu ({} threads), max_model_len {}, kernels: {}",
+        "model {} ({}, {} layers, {} heads / {} KV heads), max_model_len {}, {}",
         flags.model.display(),
         config.architecture,
         config.num_layers,
         config.num_heads,
         config.num_kv_heads,
-        runner.model.format,
-        runner.threads(),
         scheduler.max_model_len,
-        ferrite_model::quant::Isa::detect().name()
+        runner.model.describe()
     );
     tracing::info!("{plan}");
     let tokenizer = Arc::new(tokenizer);

@@ -1,0 +1,329 @@
+// ferrite's CUDA kernels: everything of a Llama-family step except the matmuls (cuBLAS via
+// candle). bf16 in and out, f32 arithmetic; the residual stream stays in f32.
+// Paged KV layout: K and V `[num_blocks, num_kv_heads, block_size, head_dim]`.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+typedef __nv_bfloat16 bf16;
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block; `red` holds 32 floats of shared memory.
+__device__ float block_sum(float v, float* red) {
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  v = warp_sum(v);
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.f;
+  v = warp_sum(v);
+  __syncthreads();
+  return v;
+}
+
+// x[t, :] = table[ids[t], :] widened to f32. Grid: T blocks.
+extern "C" __global__ void embed_bf16(const uint32_t* ids, const bf16* table, float* x,
+                                      int hidden) {
+  const bf16* row = table + (size_t)ids[blockIdx.x] * hidden;
+  float* out = x + (size_t)blockIdx.x * hidden;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[i] = __bfloat162float(row[i]);
+}
+
+// Residual add and RMSNorm. Output row r reads residual row s = rows ? rows[r] : r; with
+// `delta`, x[s] += delta[s] first (written back: x is the residual stream).
+// Grid: one block per output row.
+extern "C" __global__ void add_rms_norm_bf16(float* x, const bf16* delta, const uint32_t* rows,
+                                             const bf16* w, bf16* out, int hidden, float eps) {
+  __shared__ float red[32];
+  size_t r = blockIdx.x, s = rows ? rows[r] : r;
+  float* xr = x + s * hidden;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+    float v = xr[i];
+    if (delta) {
+      v += __bfloat162float(delta[s * hidden + i]);
+      xr[i] = v;
+    }
+    ss += v * v;
+  }
+  float inv = rsqrtf(block_sum(ss, red) / hidden + eps);
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+    out[r * hidden + i] = __float2bfloat16(xr[i] * inv * __bfloat162float(w[i]));
+}
+
+// out[t, j] = silu(gu[t, j]) * gu[t, inter + j]: gate and up come stacked from one matmul.
+extern "C" __global__ void silu_mul_bf16(const bf16* gu, bf16* out, int inter, size_t n) {
+  size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  size_t t = i / inter, j = i % inter;
+  float g = __bfloat162float(gu[t * 2 * inter + j]);
+  float u = __bfloat162float(gu[t * 2 * inter + inter + j]);
+  out[i] = __float2bfloat16(g / (1.f + __expf(-g)) * u);
+}
+
+// Splits one token's fused QKV row, adds the bias, applies the per-head Q/K RMSNorm (Qwen3),
+// rotates Q and K, writes Q to `q_out [T, H, D]` and K/V into the cache at the token's slot.
+// Grid: T blocks; a warp per head; dynamic shared memory: D floats per warp.
+extern "C" __global__ void qkv_rope_write_bf16(
+    const bf16* qkv, const bf16* bias, const bf16* q_norm, const bf16* k_norm, float eps,
+    const uint32_t* positions, const float* cos_t, const float* sin_t, const uint32_t* slots,
+    bf16* q_out, bf16* k_cache, bf16* v_cache, int H, int Hkv, int D, int rope_dim, int neox,
+    int block_size) {
+  extern __shared__ float sh[];
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  size_t t = blockIdx.x;
+  const bf16* row = qkv + t * (size_t)(H + 2 * Hkv) * D;
+  int pos = positions[t], half = rope_dim / 2;
+  size_t slot = slots[t], blk = slot / block_size, off = slot % block_size;
+  float* v = sh + warp * D;
+  for (int h = warp; h < H + 2 * Hkv; h += nwarps) {
+    for (int d = lane; d < D; d += 32) {
+      float x = __bfloat162float(row[h * D + d]);
+      if (bias) x += __bfloat162float(bias[h * D + d]);
+      v[d] = x;
+    }
+    __syncwarp();
+    bool is_q = h < H, is_k = !is_q && h < H + Hkv;
+    const bf16* nw = is_q ? q_norm : (is_k ? k_norm : nullptr);
+    float scale = 1.f;
+    if (nw) {
+      float ss = 0.f;
+      for (int d = lane; d < D; d += 32) ss += v[d] * v[d];
+      scale = rsqrtf(warp_sum(ss) / D + eps);
+    }
+    for (int d = lane; d < D; d += 32) {
+      float r = v[d] * scale * (nw ? __bfloat162float(nw[d]) : 1.f);
+      if ((is_q || is_k) && d < rope_dim) {
+        int i, partner;
+        float sign;
+        if (neox) {
+          i = d % half;
+          partner = d < half ? d + half : d - half;
+          sign = d < half ? -1.f : 1.f;
+        } else {
+          i = d / 2;
+          partner = d ^ 1;
+          sign = (d & 1) ? 1.f : -1.f;
+        }
+        float p = v[partner] * scale * (nw ? __bfloat162float(nw[partner]) : 1.f);
+        r = r * cos_t[pos * half + i] + sign * p * sin_t[pos * half + i];
+      }
+      bf16 o = __float2bfloat16(r);
+      if (is_q) {
+        q_out[(t * H + h) * D + d] = o;
+      } else {
+        int hk = is_k ? h - H : h - H - Hkv;
+        size_t at = ((blk * Hkv + hk) * block_size + off) * D + d;
+        (is_k ? k_cache : v_cache)[at] = o;
+      }
+    }
+    __syncwarp();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Paged varlen attention over one packed step: prefill chunks and decodes in one launch.
+// Program (tile, kv_head, split): a tile is up to TQ = ROWS / G consecutive query tokens of one
+// request, all G query heads of the KV head (so each K/V row read serves ROWS query rows). Tile
+// t of request i starts at cu_q[i] / TQ + i, so the request is found by binary search (vLLM's
+// unified-attention layout) and the grid is sized from T and B alone. A split covers a share of
+// the tile's key range; with splits > 1 it writes unnormalized partials for `merge_splits`.
+constexpr int ROWS = 16;
+constexpr int KCHUNK = 128;  // keys per pass = threads per block
+
+template <int D>
+__device__ void attention_tile(const bf16* __restrict__ q, const bf16* __restrict__ kc,
+                               const bf16* __restrict__ vc, const uint32_t* cu_q,
+                               const uint32_t* seq_k, const uint32_t* tables, int max_blocks,
+                               int num_seqs, int H, int Hkv, int block_size, float scale,
+                               int window, float softcap, int splits, bf16* out, float* part_acc,
+                               float* part_ml) {
+  constexpr int DPT = D >= 128 ? D / 128 : 1;       // dims per thread in P.V
+  constexpr int RSTRIDE = D >= 128 ? 1 : 128 / D;  // threads sharing a dim split the rows
+  constexpr int NR = ROWS / RSTRIDE;
+  __shared__ float qs[ROWS][D];
+  __shared__ float ps[ROWS][KCHUNK];
+  __shared__ float m_s[ROWS], l_s[ROWS], alpha_s[ROWS];
+  const int G = H / Hkv, TQ = ROWS / G;
+  const int tile = blockIdx.x, hk = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
+  int lo = 0, hi = num_seqs - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if ((int)(cu_q[mid] / TQ) + mid <= tile) lo = mid; else hi = mid - 1;
+  }
+  const int seq = lo, q0 = cu_q[seq], qlen = cu_q[seq + 1] - q0;
+  const int t_begin = (tile - ((int)(cu_q[seq] / TQ) + seq)) * TQ;
+  if (t_begin >= qlen) return;
+  const int nt = min(TQ, qlen - t_begin), nrows = nt * G;
+  const int first_pos = (int)seq_k[seq] - qlen + t_begin;  // position of the tile's first token
+  const int k_end = first_pos + nt;
+  const int k_start = window > 0 ? max(0, first_pos - window + 1) : 0;
+  const int per = (k_end - k_start + splits - 1) / splits;
+  const int s_begin = k_start + split * per, s_end = min(k_end, s_begin + per);
+  const uint32_t* table = tables + (size_t)seq * max_blocks;
+
+  for (int i = tid; i < ROWS * D; i += blockDim.x) {
+    int r = i / D, d = i % D;
+    float x = 0.f;
+    if (r < nrows)
+      x = __bfloat162float(q[((size_t)(q0 + t_begin + r / G) * H + hk * G + r % G) * D + d]);
+    qs[r][d] = x * scale;
+  }
+  if (tid < ROWS) {
+    m_s[tid] = -INFINITY;
+    l_s[tid] = 0.f;
+  }
+  float acc[NR][DPT];
+#pragma unroll
+  for (int i = 0; i < NR; i++)
+#pragma unroll
+    for (int j = 0; j < DPT; j++) acc[i][j] = 0.f;
+  const int dim0 = tid % (D >= 128 ? 128 : D), rgroup = tid / (D >= 128 ? 128 : D);
+  __syncthreads();
+
+  for (int c0 = s_begin; c0 < s_end; c0 += KCHUNK) {
+    // Scores: one key per thread, every row of the tile.
+    const int k = c0 + tid;
+    float s[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) s[r] = 0.f;
+    if (k < s_end) {
+      const uint32_t page = table[k / block_size];
+      const uint4* krow = reinterpret_cast<const uint4*>(
+          kc + (((size_t)page * Hkv + hk) * block_size + k % block_size) * D);
+#pragma unroll 4
+      for (int c = 0; c < D / 8; c++) {
+        uint4 raw = __ldg(krow + c);
+        const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+        float kf[8];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          float2 f = __bfloat1622float2(h2[e]);
+          kf[2 * e] = f.x;
+          kf[2 * e + 1] = f.y;
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+          if (r < nrows) {
+            const float4* qv = reinterpret_cast<const float4*>(&qs[r][c * 8]);
+            float4 a = qv[0], b = qv[1];
+            s[r] += a.x * kf[0] + a.y * kf[1] + a.z * kf[2] + a.w * kf[3] + b.x * kf[4] +
+                    b.y * kf[5] + b.z * kf[6] + b.w * kf[7];
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+      const int pos = first_pos + r / G;
+      bool ok = r < nrows && k < s_end && k <= pos && (window <= 0 || k > pos - window);
+      float x = s[r];
+      if (softcap > 0.f) x = softcap * tanhf(x / softcap);
+      ps[r][tid] = ok ? x : -INFINITY;
+    }
+    __syncthreads();
+    // Online softmax per row: a warp per row.
+    const int warp = tid >> 5, lane = tid & 31;
+    for (int r = warp; r < ROWS; r += blockDim.x >> 5) {
+      float mx = -INFINITY;
+      for (int j = lane; j < KCHUNK; j += 32) mx = fmaxf(mx, ps[r][j]);
+      mx = warp_max(mx);
+      const float m_old = m_s[r], m_new = fmaxf(m_old, mx);
+      float sum = 0.f;
+      for (int j = lane; j < KCHUNK; j += 32) {
+        float p = m_new == -INFINITY ? 0.f : __expf(ps[r][j] - m_new);
+        ps[r][j] = p;
+        sum += p;
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) {
+        float a = m_old == -INFINITY ? 0.f : __expf(m_old - m_new);
+        alpha_s[r] = a;
+        l_s[r] = l_s[r] * a + sum;
+        m_s[r] = m_new;
+      }
+    }
+    __syncthreads();
+    // P.V: each thread owns DPT dims of NR rows.
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+      const float a = alpha_s[i * RSTRIDE + rgroup];
+#pragma unroll
+      for (int j = 0; j < DPT; j++) acc[i][j] *= a;
+    }
+    const int n = min(KCHUNK, s_end - c0);
+    for (int kk = 0; kk < n; kk++) {
+      const int key = c0 + kk;
+      const uint32_t page = table[key / block_size];
+      const bf16* vrow = vc + (((size_t)page * Hkv + hk) * block_size + key % block_size) * D;
+      float vv[DPT];
+#pragma unroll
+      for (int j = 0; j < DPT; j++) vv[j] = __bfloat162float(vrow[dim0 + j * 128]);
+#pragma unroll
+      for (int i = 0; i < NR; i++) {
+        const float p = ps[i * RSTRIDE + rgroup][kk];
+#pragma unroll
+        for (int j = 0; j < DPT; j++) acc[i][j] += p * vv[j];
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int i = 0; i < NR; i++) {
+    const int r = i * RSTRIDE + rgroup;
+    if (r >= nrows) continue;
+    const size_t row = (size_t)(q0 + t_begin + r / G) * H + hk * G + r % G;
+#pragma unroll
+    for (int j = 0; j < DPT; j++) {
+      const int d = dim0 + j * 128;
+      if (splits == 1) {
+        const float l = l_s[r];
+        out[row * D + d] = __float2bfloat16(l > 0.f ? acc[i][j] / l : 0.f);
+      } else {
+        part_acc[(row * splits + split) * D + d] = acc[i][j];
+        if (d == 0) {
+          part_ml[(row * splits + split) * 2] = m_s[r];
+          part_ml[(row * splits + split) * 2 + 1] = l_s[r];
+        }
+      }
+    }
+  }
+}
+
+#define ATTENTION(D)                                                                         \
+  extern "C" __global__ void __launch_bounds__(KCHUNK) paged_attention_d##D##_bf16(          \
+      const bf16* q, const bf16* kc, const bf16* vc, const uint32_t* cu_q,                   \
+      const uint32_t* seq_k, const uint32_t* tables, int max_blocks, int num_seqs, int H,    \
+      int Hkv, int block_size, float scale, int window, float softcap, int splits, bf16* out, \
+      float* part_acc, float* part_ml) {                                                     \
+    attention_tile<D>(q, kc, vc, cu_q, seq_k, tables, max_blocks, num_seqs, H, Hkv,         \
+                      block_size, scale, window, softcap, splits, out, part_acc, part_ml);   \
+  }
+ATTENTION(64)
+ATTENTION(128)
+ATTENTION(256)
+
+// Combines the splits of each query row: grid T*H blocks, D threads.
+extern "C" __global__ void merge_splits_bf16(const float* part_acc, const float* part_ml,
+                                             bf16* out, int splits, int D) {
+  const size_t row = blockIdx.x;
+  float m = -INFINITY;
+  for (int s = 0; s < splits; s++) m = fmaxf(m, part_ml[(row * splits + s) * 2]);
+  float l = 0.f, acc = 0.f;
+  for (int s = 0; s < splits; s++) {
+    const float ms = part_ml[(row * splits + s) * 2];
+    if (ms == -INFINITY) continue;
+    const float w = __expf(ms - m);
+    l += part_ml[(row * splits + s) * 2 + 1] * w;
+    acc += part_acc[(row * splits + s) * D + threadIdx.x] * w;
+  }
+  out[row * D + threadIdx.x] = __float2bfloat16(l > 0.f ? acc / l : 0.f);
+}

@@ -1,0 +1,393 @@
+//! Launches of ferrite's own CUDA kernels (`kernels/ferrite.cu`), on candle tensors: each
+//! wrapper checks shapes, allocates its output on the device's stream and launches once.
+
+use anyhow::{bail, ensure, Context, Result};
+use candle_core::cuda::cudarc::driver::{
+    CudaFunction, CudaModule, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda::cudarc::nvrtc::Ptx;
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, DType, Shape, Storage, Tensor};
+use half::bf16;
+use std::sync::Arc;
+
+/// sm_80 and sm_90 machine code plus sm_90 PTX, built by `build.rs`.
+static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/ferrite.fatbin"));
+
+const ATTENTION_THREADS: u32 = 128;
+/// Query rows (tokens x heads of one KV head) per attention program; the kernel's `ROWS`.
+pub const ATTENTION_ROWS: usize = 16;
+
+pub struct Kernels {
+    dev: CudaDevice,
+    _module: Arc<CudaModule>,
+    embed: CudaFunction,
+    add_rms_norm: CudaFunction,
+    silu_mul: CudaFunction,
+    qkv_rope_write: CudaFunction,
+    attention: [CudaFunction; 3],
+    merge_splits: CudaFunction,
+    multiprocessors: u32,
+}
+
+/// Device address of a contiguous tensor's first element.
+fn ptr(t: &Tensor) -> Result<u64> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(s) = &*storage else {
+        bail!("tensor is not on a CUDA device")
+    };
+    let (start, _) = layout
+        .contiguous_offsets()
+        .context("kernel input must be contiguous")?;
+    let stream = s.device.cuda_stream();
+    let base = match t.dtype() {
+        DType::BF16 => s.as_cuda_slice::<bf16>()?.device_ptr(&stream).0,
+        DType::F32 => s.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+        DType::U32 => s.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
+        d => bail!("no kernel takes {d:?}"),
+    };
+    Ok(base + (start * t.dtype().size_in_bytes()) as u64)
+}
+
+fn cfg(grid: (u32, u32, u32), block: u32, shared: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: shared,
+    }
+}
+
+/// Paged varlen attention inputs of one step, already on the device.
+pub struct AttentionMeta<'a> {
+    /// `[B + 1]` u32
+    pub cu_seqlens_q: &'a Tensor,
+    /// `[B]` u32
+    pub seq_lens_k: &'a Tensor,
+    /// `[B, max_blocks]` u32
+    pub block_tables: &'a Tensor,
+    pub max_blocks: usize,
+    pub num_seqs: usize,
+    pub num_tokens: usize,
+    /// Longest K/V length in the step (sizes the split of long decodes).
+    pub max_seq_len: usize,
+}
+
+pub struct AttentionShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub scale: f32,
+    /// 0: none.
+    pub sliding_window: usize,
+    /// 0: none.
+    pub softcap: f32,
+}
+
+/// The rotary, bias and per-head norm options of [`Kernels::qkv_rope_write`].
+pub struct QkvParams<'a> {
+    pub bias: Option<&'a Tensor>,
+    pub q_norm: Option<&'a Tensor>,
+    pub k_norm: Option<&'a Tensor>,
+    pub eps: f32,
+    pub rope_cos: &'a Tensor,
+    pub rope_sin: &'a Tensor,
+    pub rope_dim: usize,
+    pub neox: bool,
+}
+
+impl Kernels {
+    pub fn load(dev: &CudaDevice) -> Result<Self> {
+        let stream = dev.cuda_stream();
+        let module = stream
+            .context()
+            .load_module(Ptx::from_binary(FATBIN.to_vec()))
+            .context(
+                "loading ferrite's CUDA kernels (no sm_80/sm_90 code or PTX this driver takes)",
+            )?;
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .with_context(|| format!("kernel {name}"))
+        };
+        let multiprocessors = stream.context().attribute(
+            candle_core::cuda::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as u32;
+        Ok(Self {
+            dev: dev.clone(),
+            embed: f("embed_bf16")?,
+            add_rms_norm: f("add_rms_norm_bf16")?,
+            silu_mul: f("silu_mul_bf16")?,
+            qkv_rope_write: f("qkv_rope_write_bf16")?,
+            attention: [
+                f("paged_attention_d64_bf16")?,
+                f("paged_attention_d128_bf16")?,
+                f("paged_attention_d256_bf16")?,
+            ],
+            merge_splits: f("merge_splits_bf16")?,
+            multiprocessors,
+            _module: module,
+        })
+    }
+
+    /// An uninitialized tensor of `shape`; every kernel writes all of its output.
+    fn output(&self, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
+        let shape = shape.into();
+        let n = shape.elem_count();
+        // SAFETY: the launching kernel writes every element before anything reads it.
+        let storage = unsafe {
+            match dtype {
+                DType::BF16 => {
+                    CudaStorage::wrap_cuda_slice(self.dev.alloc::<bf16>(n)?, self.dev.clone())
+                }
+                DType::F32 => {
+                    CudaStorage::wrap_cuda_slice(self.dev.alloc::<f32>(n)?, self.dev.clone())
+                }
+                d => bail!("no kernel writes {d:?}"),
+            }
+        };
+        Ok(Tensor::from_storage(
+            Storage::Cuda(storage),
+            shape,
+            BackpropOp::none(),
+            false,
+        ))
+    }
+
+    fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        let stream = self.dev.cuda_stream();
+        let mut b = stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::P(p) => b.arg(p),
+                Arg::I(i) => b.arg(i),
+                Arg::F(x) => b.arg(x),
+                Arg::Z(z) => b.arg(z),
+            };
+        }
+        // SAFETY: argument lists match the kernels' signatures in ferrite.cu.
+        unsafe { b.launch(cfg) }.context("kernel launch")?;
+        Ok(())
+    }
+
+    /// `[T]` ids into `[vocab, hidden]` bf16 rows, widened to an f32 `[T, hidden]`.
+    pub fn embed(&self, ids: &Tensor, table: &Tensor) -> Result<Tensor> {
+        let t = ids.dim(0)?;
+        let hidden = table.dim(1)?;
+        let x = self.output((t, hidden), DType::F32)?;
+        if t > 0 {
+            self.launch(
+                &self.embed,
+                cfg((t as u32, 1, 1), 256, 0),
+                &[
+                    Arg::P(ptr(ids)?),
+                    Arg::P(ptr(table)?),
+                    Arg::P(ptr(&x)?),
+                    Arg::I(hidden as i32),
+                ],
+            )?;
+        }
+        Ok(x)
+    }
+
+    /// `x += delta` (when given) on the residual stream, then RMSNorm into bf16. With `rows`,
+    /// only those rows of `x` are read, updated and normalized, in that order.
+    pub fn add_rms_norm(
+        &self,
+        x: &Tensor,
+        delta: Option<&Tensor>,
+        rows: Option<&Tensor>,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<Tensor> {
+        let (t, hidden) = x.dims2()?;
+        let n = rows.map_or(Ok(t), |r| r.dim(0))?;
+        let out = self.output((n, hidden), DType::BF16)?;
+        if n > 0 {
+            self.launch(
+                &self.add_rms_norm,
+                cfg((n as u32, 1, 1), 256, 0),
+                &[
+                    Arg::P(ptr(x)?),
+                    opt(delta)?,
+                    opt(rows)?,
+                    Arg::P(ptr(weight)?),
+                    Arg::P(ptr(&out)?),
+                    Arg::I(hidden as i32),
+                    Arg::F(eps),
+                ],
+            )?;
+        }
+        Ok(out)
+    }
+
+    /// `[T, 2I]` stacked gate|up into `silu(gate) * up`, `[T, I]`.
+    pub fn silu_mul(&self, gate_up: &Tensor) -> Result<Tensor> {
+        let (t, two_i) = gate_up.dims2()?;
+        let inter = two_i / 2;
+        let out = self.output((t, inter), DType::BF16)?;
+        let n = t * inter;
+        if n > 0 {
+            self.launch(
+                &self.silu_mul,
+                cfg((n.div_ceil(256) as u32, 1, 1), 256, 0),
+                &[
+                    Arg::P(ptr(gate_up)?),
+                    Arg::P(ptr(&out)?),
+                    Arg::I(inter as i32),
+                    Arg::Z(n),
+                ],
+            )?;
+        }
+        Ok(out)
+    }
+
+    /// Splits `[T, (H + 2 Hkv) D]` QKV rows: Q rotated into the returned `[T, H * D]`, K
+    /// rotated and V into the caches at `slots`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qkv_rope_write(
+        &self,
+        qkv: &Tensor,
+        positions: &Tensor,
+        slots: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        shape: &AttentionShape,
+        p: &QkvParams,
+    ) -> Result<Tensor> {
+        let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
+        let (t, width) = qkv.dims2()?;
+        ensure!(width == (h + 2 * hkv) * d, "qkv is {width} wide");
+        let q = self.output((t, h * d), DType::BF16)?;
+        if t > 0 {
+            const WARPS: u32 = 8;
+            self.launch(
+                &self.qkv_rope_write,
+                cfg((t as u32, 1, 1), 32 * WARPS, WARPS * d as u32 * 4),
+                &[
+                    Arg::P(ptr(qkv)?),
+                    opt(p.bias)?,
+                    opt(p.q_norm)?,
+                    opt(p.k_norm)?,
+                    Arg::F(p.eps),
+                    Arg::P(ptr(positions)?),
+                    Arg::P(ptr(p.rope_cos)?),
+                    Arg::P(ptr(p.rope_sin)?),
+                    Arg::P(ptr(slots)?),
+                    Arg::P(ptr(&q)?),
+                    Arg::P(ptr(k_cache)?),
+                    Arg::P(ptr(v_cache)?),
+                    Arg::I(h as i32),
+                    Arg::I(hkv as i32),
+                    Arg::I(d as i32),
+                    Arg::I(p.rope_dim as i32),
+                    Arg::I(p.neox as i32),
+                    Arg::I(shape.block_size as i32),
+                ],
+            )?;
+        }
+        Ok(q)
+    }
+
+    /// Attention of every query row of the step over its request's paged K/V; `[T, H * D]`.
+    pub fn paged_attention(
+        &self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        meta: &AttentionMeta,
+        s: &AttentionShape,
+    ) -> Result<Tensor> {
+        let (h, hkv, d) = (s.num_heads, s.num_kv_heads, s.head_dim);
+        let group = h / hkv;
+        ensure!(
+            group <= ATTENTION_ROWS,
+            "{group} query heads per KV head (at most {ATTENTION_ROWS})"
+        );
+        let f = match d {
+            64 => &self.attention[0],
+            128 => &self.attention[1],
+            256 => &self.attention[2],
+            _ => bail!("head_dim {d} (the CUDA attention kernel takes 64, 128, 256)"),
+        };
+        let t = meta.num_tokens;
+        let out = self.output((t, h * d), DType::BF16)?;
+        if t == 0 {
+            return Ok(out);
+        }
+        let tokens_per_tile = ATTENTION_ROWS / group;
+        let tiles = t / tokens_per_tile + meta.num_seqs;
+        let splits = self.splits(tiles * hkv, meta.max_seq_len);
+        // Partials only when the key range is split.
+        let (acc, ml) = if splits > 1 {
+            (
+                self.output((t * h * splits, d), DType::F32)?,
+                self.output((t * h * splits, 2), DType::F32)?,
+            )
+        } else {
+            (out.clone(), out.clone())
+        };
+        self.launch(
+            f,
+            cfg(
+                (tiles as u32, hkv as u32, splits as u32),
+                ATTENTION_THREADS,
+                0,
+            ),
+            &[
+                Arg::P(ptr(q)?),
+                Arg::P(ptr(k_cache)?),
+                Arg::P(ptr(v_cache)?),
+                Arg::P(ptr(meta.cu_seqlens_q)?),
+                Arg::P(ptr(meta.seq_lens_k)?),
+                Arg::P(ptr(meta.block_tables)?),
+                Arg::I(meta.max_blocks as i32),
+                Arg::I(meta.num_seqs as i32),
+                Arg::I(h as i32),
+                Arg::I(hkv as i32),
+                Arg::I(s.block_size as i32),
+                Arg::F(s.scale),
+                Arg::I(s.sliding_window as i32),
+                Arg::F(s.softcap),
+                Arg::I(splits as i32),
+                Arg::P(ptr(&out)?),
+                Arg::P(ptr(&acc)?),
+                Arg::P(ptr(&ml)?),
+            ],
+        )?;
+        if splits > 1 {
+            self.launch(
+                &self.merge_splits,
+                cfg(((t * h) as u32, 1, 1), d as u32, 0),
+                &[
+                    Arg::P(ptr(&acc)?),
+                    Arg::P(ptr(&ml)?),
+                    Arg::P(ptr(&out)?),
+                    Arg::I(splits as i32),
+                    Arg::I(d as i32),
+                ],
+            )?;
+        }
+        Ok(out)
+    }
+
+    /// Splits of each tile's key range: enough programs for two waves over the
+    /// multiprocessors, no split shorter than 256 keys.
+    fn splits(&self, programs: usize, max_seq_len: usize) -> usize {
+        let want = (2 * self.multiprocessors as usize).div_ceil(programs.max(1));
+        want.min(max_seq_len.div_ceil(256)).max(1)
+    }
+}
+
+/// A kernel argument: device pointer, int, float or size.
+enum Arg {
+    P(u64),
+    I(i32),
+    F(f32),
+    Z(usize),
+}
+
+/// An optional input: its address or a null pointer.
+fn opt(t: Option<&Tensor>) -> Result<Arg> {
+    Ok(Arg::P(t.map(ptr).transpose()?.unwrap_or(0)))
+}

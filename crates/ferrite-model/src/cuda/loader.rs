@@ -1,0 +1,154 @@
+//! Start-up on a GPU: weights onto the device, one profiling step at the full token budget,
+//! the KV pool sized from the device's memory and reserved once.
+
+use super::model::CudaModel;
+use super::weights::Weights;
+use crate::config::ModelConfig;
+use crate::gguf::GgufFile;
+use crate::kv_cache::KvCache;
+use crate::loader::{EngineArgs, LoadFormat, LoadedEngine};
+use crate::memory::{self, PlanInputs};
+use crate::runner::ModelRunner;
+use crate::step::PackedStep;
+use crate::tokenizer::ModelTokenizer;
+use anyhow::{anyhow, bail, Result};
+use candle_core::Device;
+use ferrite_core::scheduler::SchedulerConfig;
+use std::path::{Path, PathBuf};
+
+fn is_gguf(p: &Path) -> bool {
+    p.extension().is_some_and(|e| e == "gguf")
+}
+
+/// `MODEL` for `--load-format dummy`: a GGUF (its metadata), a `config.json`, or a folder
+/// holding one.
+fn dummy_config(model: &Path) -> Result<(ModelConfig, ModelTokenizer)> {
+    if is_gguf(model) {
+        let g = GgufFile::open(model)?;
+        return Ok((ModelConfig::from_gguf(&g)?, ModelTokenizer::load(&g)?));
+    }
+    let path: PathBuf = if model.is_dir() {
+        model.join("config.json")
+    } else {
+        model.to_path_buf()
+    };
+    let config = ModelConfig::from_hf_config(&path)?;
+    let tokenizer = ModelTokenizer::for_config(&path, config.vocab_size)?;
+    Ok((config, tokenizer))
+}
+
+pub fn load(
+    args: &EngineArgs,
+    ordinal: usize,
+    progress: impl FnMut(usize, usize),
+) -> Result<LoadedEngine> {
+    let device = Device::new_cuda(ordinal)
+        .map_err(|e| anyhow!("--device cuda:{ordinal}: no usable CUDA GPU ({e})"))?;
+    let Device::Cuda(dev) = &device else {
+        unreachable!("new_cuda gives a CUDA device")
+    };
+    let ctx = dev.cuda_stream().context().clone();
+    let gpu_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+    let (config, tokenizer, weights) = match args.load_format {
+        LoadFormat::Dummy => {
+            let (config, tokenizer) = dummy_config(&args.model)?;
+            let weights = Weights::dummy(&config, &device, progress)?;
+            (config, tokenizer, weights)
+        }
+        LoadFormat::Auto => {
+            if !is_gguf(&args.model) {
+                bail!(
+                    "--device cuda loads GGUF files (or a config.json with --load-format dummy); \
+                     got {}",
+                    args.model.display()
+                );
+            }
+            let mut g = GgufFile::open(&args.model)?;
+            let config = ModelConfig::from_gguf(&g)?;
+            let tokenizer = ModelTokenizer::load(&g)?;
+            let weights = Weights::from_gguf(&mut g, &config, &device, progress)?;
+            (config, tokenizer, weights)
+        }
+    };
+    let mut config = config;
+    config.vocab_size = weights.embedding.dim(0)?;
+    let max_model_len = args.max_model_len.unwrap_or(config.context_length);
+    if max_model_len == 0 {
+        bail!("--max-model-len must be positive");
+    }
+    let mut model = CudaModel::new(
+        config.clone(),
+        device.clone(),
+        weights,
+        max_model_len,
+        format!("cuda:{ordinal} ({gpu_name})"),
+    )?;
+    let tokens = args.max_num_batched_tokens.min(max_model_len);
+    let activation_bytes = profile_step(&mut model, tokens, args.block_size)?;
+    let (_, total) = ctx.mem_get_info()?;
+    let row = config.num_kv_heads * config.head_dim;
+    let bytes_per_block = KvCache::bytes_per_block(args.block_size, row, config.num_layers) as u64;
+    let plan = memory::plan(&PlanInputs {
+        device_bytes: total as u64,
+        utilization: args.gpu_memory_utilization,
+        kv_cache_memory: args.kv_cache_memory,
+        weight_bytes: model.weight_bytes() as u64,
+        activation_bytes,
+        bytes_per_block,
+        block_size: args.block_size,
+        max_model_len,
+        max_num_seqs: args.max_num_seqs,
+    })?;
+    model.allocate_cache(plan.num_blocks, args.block_size)?;
+    let scheduler = SchedulerConfig {
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_num_seqs: args.max_num_seqs,
+        max_model_len,
+        block_size: args.block_size,
+        num_blocks: plan.num_blocks,
+        prefix_caching: args.prefix_caching,
+    };
+    Ok(LoadedEngine {
+        runner: ModelRunner::new(Box::new(model), args.block_size, args.seed),
+        tokenizer,
+        scheduler,
+        plan,
+        config,
+    })
+}
+
+/// Runs one step of `tokens` prompt tokens against a scratch cache (compiling nothing: the
+/// kernels ship as machine code, but cuBLAS picks its algorithms here) and returns the
+/// activation memory to reserve: the larger of what the step took from the device and a
+/// count of every intermediate tensor it allocates.
+fn profile_step(model: &mut CudaModel, tokens: usize, block_size: usize) -> Result<u64> {
+    let c = model.config.clone();
+    let blocks = tokens.div_ceil(block_size);
+    model.allocate_cache(blocks, block_size)?;
+    let Device::Cuda(dev) = model.device() else {
+        unreachable!()
+    };
+    let ctx = dev.cuda_stream().context().clone();
+    let (free_before, _) = ctx.mem_get_info()?;
+    let mut step = PackedStep::default();
+    let ids: Vec<u32> = (0..tokens as u32)
+        .map(|i| i % c.vocab_size as u32)
+        .collect();
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    step.push(&ids, 0, &table, block_size);
+    step.logits_indices.push(tokens as u32 - 1);
+    step.finish();
+    model.forward_logits(&step)?;
+    dev.cuda_stream().synchronize()?;
+    let (free_after, _) = ctx.mem_get_info()?;
+    let q_w = c.num_heads * c.head_dim;
+    let per_token = 4 * c.hidden_size
+        + 2 * (3 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+        + 2 * 2 * q_w
+        + 2 * 3 * c.intermediate_size
+        + 4 * 8;
+    const CUBLAS_WORKSPACE: usize = 64 << 20;
+    let counted = (tokens * per_token + c.vocab_size * 6 + CUBLAS_WORKSPACE) as u64;
+    model.allocate_cache(0, block_size)?;
+    Ok(counted.max(free_before.saturating_sub(free_after) as u64))
+}

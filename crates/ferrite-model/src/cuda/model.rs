@@ -1,0 +1,217 @@
+//! The Llama family on a CUDA GPU as one packed forward pass per step: bf16 weights, matmuls
+//! through cuBLAS (candle), everything else in ferrite's kernels; the residual stream in f32.
+
+use super::kernels::{AttentionMeta, AttentionShape, Kernels, QkvParams};
+use super::weights::Weights;
+use crate::config::{ModelConfig, RopeStyle};
+use crate::ops::RopeTable;
+use crate::runner::StepModel;
+use crate::step::PackedStep;
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor};
+
+pub struct CudaModel {
+    pub config: ModelConfig,
+    device: Device,
+    kernels: Kernels,
+    weights: Weights,
+    /// Per layer: K and V `[num_blocks, kv_heads, block_size, head_dim]` bf16.
+    cache: Vec<(Tensor, Tensor)>,
+    block_size: usize,
+    rope_cos: Tensor,
+    rope_sin: Tensor,
+    max_positions: usize,
+    logits: Vec<f32>,
+    name: String,
+}
+
+impl CudaModel {
+    pub fn new(
+        config: ModelConfig,
+        device: Device,
+        weights: Weights,
+        max_positions: usize,
+        name: String,
+    ) -> Result<Self> {
+        let Device::Cuda(dev) = &device else {
+            bail!("not a CUDA device")
+        };
+        let kernels = Kernels::load(dev)?;
+        let rope = RopeTable::new(
+            config.rope_dim,
+            config.rope_theta,
+            max_positions,
+            config.rope_style,
+        );
+        let (cos, sin) = rope.tables();
+        let half = config.rope_dim / 2;
+        Ok(Self {
+            rope_cos: Tensor::from_slice(cos, (max_positions, half), &device)?,
+            rope_sin: Tensor::from_slice(sin, (max_positions, half), &device)?,
+            config,
+            kernels,
+            weights,
+            cache: Vec::new(),
+            block_size: 0,
+            max_positions,
+            logits: Vec::new(),
+            name,
+            device,
+        })
+    }
+
+    /// Allocates the KV pool once: `num_blocks` blocks of `block_size` tokens in every layer.
+    pub fn allocate_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
+        let c = &self.config;
+        let shape = (num_blocks, c.num_kv_heads, block_size, c.head_dim);
+        self.cache.clear();
+        for _ in 0..c.num_layers {
+            self.cache.push((
+                Tensor::zeros(shape, DType::BF16, &self.device)?,
+                Tensor::zeros(shape, DType::BF16, &self.device)?,
+            ));
+        }
+        self.block_size = block_size;
+        Ok(())
+    }
+
+    /// Fills the KV pool with random values (benchmarks time attention on real-looking data).
+    pub fn randomize_cache(&mut self) -> Result<()> {
+        for (k, v) in &mut self.cache {
+            *k = Tensor::randn(0f32, 1.0, k.shape(), &self.device)?.to_dtype(DType::BF16)?;
+            *v = Tensor::randn(0f32, 1.0, v.shape(), &self.device)?.to_dtype(DType::BF16)?;
+        }
+        Ok(())
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        self.weights.bytes()
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn u32s(&self, v: &[u32]) -> Result<Tensor> {
+        Ok(Tensor::from_slice(v, v.len(), &self.device)?)
+    }
+
+    /// Runs the step; `[logits_indices.len(), vocab]` bf16 logits on the device.
+    pub fn forward_logits(&self, step: &PackedStep) -> Result<Tensor> {
+        let c = &self.config;
+        let w = &self.weights;
+        if self.cache.is_empty() {
+            bail!("KV cache not allocated");
+        }
+        if let Some(&p) = step.positions.iter().max() {
+            if p as usize >= self.max_positions {
+                bail!(
+                    "position {p} is beyond the model's {} positions",
+                    self.max_positions
+                );
+            }
+        }
+        if let Some(&id) = step
+            .input_ids
+            .iter()
+            .find(|&&id| id as usize >= c.vocab_size)
+        {
+            bail!(
+                "token id {id} is outside the vocabulary of {}",
+                c.vocab_size
+            );
+        }
+        let t = step.num_tokens();
+        let ids = self.u32s(&step.input_ids)?;
+        let positions = self.u32s(&step.positions)?;
+        let slots = self.u32s(&step.slot_mapping)?;
+        let cu_q = self.u32s(&step.cu_seqlens_q)?;
+        let seq_k = self.u32s(&step.seq_lens_k)?;
+        let tables = if step.block_tables.is_empty() {
+            self.u32s(&[0])?
+        } else {
+            self.u32s(&step.block_tables)?
+        };
+        let rows = self.u32s(&step.logits_indices)?;
+        let meta = AttentionMeta {
+            cu_seqlens_q: &cu_q,
+            seq_lens_k: &seq_k,
+            block_tables: &tables,
+            max_blocks: step.max_blocks,
+            num_seqs: step.num_seqs(),
+            num_tokens: t,
+            max_seq_len: step.seq_lens_k.iter().copied().max().unwrap_or(0) as usize,
+        };
+        let shape = AttentionShape {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            block_size: self.block_size,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+            sliding_window: c.sliding_window.unwrap_or(0),
+            softcap: 0.0,
+        };
+        let k = &self.kernels;
+        let eps = c.rms_norm_eps;
+        let x = k.embed(&ids, &w.embedding)?;
+        let mut delta: Option<Tensor> = None;
+        for (l, (kc, vc)) in w.layers.iter().zip(&self.cache) {
+            let normed = k.add_rms_norm(&x, delta.as_ref(), None, &l.attn_norm, eps)?;
+            let qkv = normed.matmul(&l.qkv.t()?)?;
+            let q = k.qkv_rope_write(
+                &qkv,
+                &positions,
+                &slots,
+                kc,
+                vc,
+                &shape,
+                &QkvParams {
+                    bias: l.qkv_bias.as_ref(),
+                    q_norm: l.q_norm.as_ref(),
+                    k_norm: l.k_norm.as_ref(),
+                    eps,
+                    rope_cos: &self.rope_cos,
+                    rope_sin: &self.rope_sin,
+                    rope_dim: c.rope_dim,
+                    neox: c.rope_style == RopeStyle::Neox,
+                },
+            )?;
+            let attn = k.paged_attention(&q, kc, vc, &meta, &shape)?;
+            let o = attn.matmul(&l.o.t()?)?;
+            let normed = k.add_rms_norm(&x, Some(&o), None, &l.ffn_norm, eps)?;
+            let gate_up = normed.matmul(&l.gate_up.t()?)?;
+            let act = k.silu_mul(&gate_up)?;
+            delta = Some(act.matmul(&l.down.t()?)?);
+        }
+        // Only the rows that need logits get the last residual add, the final norm and the head.
+        let last = k.add_rms_norm(&x, delta.as_ref(), Some(&rows), &w.final_norm, eps)?;
+        Ok(last.matmul(&w.lm_head.t()?)?)
+    }
+}
+
+impl StepModel for CudaModel {
+    fn forward(&mut self, step: &PackedStep) -> Result<&mut [f32]> {
+        let logits = self.forward_logits(step)?.to_dtype(DType::F32)?;
+        self.logits = logits.flatten_all()?.to_vec1()?;
+        Ok(&mut self.logits)
+    }
+
+    fn forward_argmax(&mut self, step: &PackedStep) -> Result<Vec<u32>> {
+        let logits = self.forward_logits(step)?;
+        if logits.dim(0)? == 0 {
+            return Ok(Vec::new());
+        }
+        Ok(logits.argmax(1)?.to_vec1()?)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "backend {} (bf16 weights), kernels: ferrite CUDA + cuBLAS",
+            self.name
+        )
+    }
+}

@@ -1,0 +1,136 @@
+//! bf16 weights on the GPU, from a GGUF file (dequantized on the host) or random from the
+//! config alone (`--load-format dummy`). Q|K|V and gate|up are stacked so each is one matmul.
+
+use crate::config::ModelConfig;
+use crate::gguf::GgufFile;
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+
+pub struct LayerWeights {
+    pub attn_norm: Tensor,
+    /// `[(H + 2 Hkv) D, hidden]`
+    pub qkv: Tensor,
+    pub qkv_bias: Option<Tensor>,
+    /// Per-head RMSNorm of Q and K (Qwen3), `[D]`.
+    pub q_norm: Option<Tensor>,
+    pub k_norm: Option<Tensor>,
+    pub o: Tensor,
+    pub ffn_norm: Tensor,
+    /// `[2 I, hidden]`: gate rows, then up rows.
+    pub gate_up: Tensor,
+    pub down: Tensor,
+}
+
+pub struct Weights {
+    pub embedding: Tensor,
+    pub layers: Vec<LayerWeights>,
+    pub final_norm: Tensor,
+    pub lm_head: Tensor,
+}
+
+impl Weights {
+    pub fn bytes(&self) -> usize {
+        let size = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let opt = |t: &Option<Tensor>| t.as_ref().map_or(0, size);
+        let mut n = size(&self.embedding) + size(&self.final_norm) + size(&self.lm_head);
+        for l in &self.layers {
+            n += [&l.attn_norm, &l.qkv, &l.o, &l.ffn_norm, &l.gate_up, &l.down]
+                .into_iter()
+                .map(size)
+                .sum::<usize>()
+                + opt(&l.qkv_bias)
+                + opt(&l.q_norm)
+                + opt(&l.k_norm);
+        }
+        n
+    }
+
+    /// Every tensor of a GGUF Llama-family file, dequantized to bf16 on `dev`.
+    pub fn from_gguf(
+        gguf: &mut GgufFile,
+        config: &ModelConfig,
+        dev: &Device,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<Self> {
+        let mut get = |name: &str| -> Result<Tensor> {
+            let q = gguf.tensor(name, &Device::Cpu)?;
+            Ok(q.dequantize(&Device::Cpu)?
+                .to_dtype(DType::BF16)?
+                .to_device(dev)?)
+        };
+        let embedding = get("token_embd.weight")?;
+        let final_norm = get("output_norm.weight")?;
+        let lm_head =
+            get("output.weight").or_else(|_| Ok::<_, anyhow::Error>(embedding.clone()))?;
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for i in 0..config.num_layers {
+            let mut t = |n: &str| get(&format!("blk.{i}.{n}"));
+            let qkv_bias = match t("attn_q.bias") {
+                Ok(q) => Some(Tensor::cat(&[q, t("attn_k.bias")?, t("attn_v.bias")?], 0)?),
+                Err(_) => None,
+            };
+            layers.push(LayerWeights {
+                attn_norm: t("attn_norm.weight")?,
+                qkv: Tensor::cat(
+                    &[
+                        t("attn_q.weight")?,
+                        t("attn_k.weight")?,
+                        t("attn_v.weight")?,
+                    ],
+                    0,
+                )?,
+                qkv_bias,
+                q_norm: t("attn_q_norm.weight").ok(),
+                k_norm: t("attn_k_norm.weight").ok(),
+                o: t("attn_output.weight")?,
+                ffn_norm: t("ffn_norm.weight")?,
+                gate_up: Tensor::cat(&[t("ffn_gate.weight")?, t("ffn_up.weight")?], 0)?,
+                down: t("ffn_down.weight")?,
+            });
+            progress(i + 1, config.num_layers);
+        }
+        Ok(Self {
+            embedding,
+            layers,
+            final_norm,
+            lm_head,
+        })
+    }
+
+    /// Random weights of the config's shapes, drawn on the device: normal with std 0.02 for
+    /// matrices (so activations keep a realistic scale), ones for norms.
+    pub fn dummy(
+        config: &ModelConfig,
+        dev: &Device,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<Self> {
+        let c = config;
+        let (h, d) = (c.hidden_size, c.head_dim);
+        let matrix = |rows: usize, cols: usize| -> Result<Tensor> {
+            Ok(Tensor::randn(0f32, 0.02, (rows, cols), dev)?.to_dtype(DType::BF16)?)
+        };
+        let ones = |n: usize| -> Result<Tensor> { Ok(Tensor::ones(n, DType::BF16, dev)?) };
+        let embedding = matrix(c.vocab_size, h)?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            layers.push(LayerWeights {
+                attn_norm: ones(h)?,
+                qkv: matrix((c.num_heads + 2 * c.num_kv_heads) * d, h)?,
+                qkv_bias: None,
+                q_norm: None,
+                k_norm: None,
+                o: matrix(h, c.num_heads * d)?,
+                ffn_norm: ones(h)?,
+                gate_up: matrix(2 * c.intermediate_size, h)?,
+                down: matrix(h, c.intermediate_size)?,
+            });
+            progress(i + 1, c.num_layers);
+        }
+        Ok(Self {
+            lm_head: matrix(c.vocab_size, h)?,
+            embedding,
+            layers,
+            final_norm: ones(h)?,
+        })
+    }
+}

@@ -1,0 +1,562 @@
+//! ferrite's CUDA kernels and CUDA model against independent references, on the device
+//! (built only with `--features cuda`; run on a GPU host by `scripts/cuda/check.sh`).
+//! Attention: a naive f64 host computation over the same bf16 K/V, random ragged steps with
+//! prefill chunks up to 8K tokens and decodes at contexts up to 32K, several GQA ratios, head
+//! sizes and block sizes. Model: the CPU backend (f32 weights) on the same GGUF, teacher-forced.
+#![cfg(feature = "cuda")]
+
+use candle_core::{DType, Device, Tensor};
+use ferrite_model::config::{ModelConfig, RopeStyle};
+use ferrite_model::cpu::CpuModel;
+use ferrite_model::cuda::kernels::{AttentionMeta, AttentionShape, Kernels, QkvParams};
+use ferrite_model::cuda::model::CudaModel;
+use ferrite_model::cuda::weights::Weights;
+use ferrite_model::gguf::GgufFile;
+use ferrite_model::kv_cache::{CacheShape, KvCache};
+use ferrite_model::linear::WeightFormat;
+use ferrite_model::llama::LlamaModel;
+use ferrite_model::ops::RopeTable;
+use ferrite_model::runner::StepModel;
+use ferrite_model::sampler::argmax;
+use ferrite_model::step::PackedStep;
+use ferrite_model::tokenizer::ModelTokenizer;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
+
+fn device() -> Device {
+    Device::new_cuda(0).expect("a CUDA GPU (these tests run on the GPU host)")
+}
+
+fn kernels(dev: &Device) -> Kernels {
+    let Device::Cuda(d) = dev else { unreachable!() };
+    Kernels::load(d).unwrap()
+}
+
+fn host(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+fn u32s(v: &[u32], dev: &Device) -> Tensor {
+    Tensor::from_slice(v, v.len(), dev).unwrap()
+}
+
+struct Case {
+    name: &'static str,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    block_size: usize,
+    /// (new query tokens, K/V length after the step) per request.
+    seqs: Vec<(usize, usize)>,
+    window: usize,
+    softcap: f32,
+    /// Check every `stride`-th query token (the reference is slow on 8K prefills).
+    stride: usize,
+}
+
+/// One query row, naive softmax attention in f64 over the request's keys.
+#[allow(clippy::too_many_arguments)]
+fn reference_row(
+    q: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    table: &[u32],
+    pos: usize,
+    kvh: usize,
+    c: &Case,
+) -> Vec<f64> {
+    let (d, bs) = (c.d, c.block_size);
+    let at = |k: usize| ((table[k / bs] as usize * c.kv_heads + kvh) * bs + k % bs) * d;
+    let first = if c.window > 0 {
+        (pos + 1).saturating_sub(c.window)
+    } else {
+        0
+    };
+    let scale = 1.0 / (d as f64).sqrt();
+    let scores: Vec<f64> = (first..=pos)
+        .map(|k| {
+            let s = (0..d)
+                .map(|i| q[i] as f64 * kc[at(k) + i] as f64)
+                .sum::<f64>()
+                * scale;
+            if c.softcap > 0.0 {
+                c.softcap as f64 * (s / c.softcap as f64).tanh()
+            } else {
+                s
+            }
+        })
+        .collect();
+    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+    let z: f64 = w.iter().sum();
+    (0..d)
+        .map(|i| {
+            (first..=pos)
+                .zip(&w)
+                .map(|(k, w)| w * vc[at(k) + i] as f64)
+                .sum::<f64>()
+                / z
+        })
+        .collect()
+}
+
+fn run_attention_case(c: &Case, seed: u64) {
+    let dev = device();
+    let k = kernels(&dev);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (h, hkv, d, bs) = (c.heads, c.kv_heads, c.d, c.block_size);
+    let blocks_needed: usize = c.seqs.iter().map(|&(_, ctx)| ctx.div_ceil(bs)).sum();
+    let num_blocks = blocks_needed + 3;
+    let mut pages: Vec<u32> = (0..num_blocks as u32).collect();
+    pages.shuffle(&mut rng);
+    let mut step = PackedStep::default();
+    let mut tables = Vec::new();
+    let mut next = 0;
+    for &(qlen, ctx) in &c.seqs {
+        let n = ctx.div_ceil(bs);
+        let table = pages[next..next + n].to_vec();
+        next += n;
+        let ids = vec![0u32; qlen];
+        step.push(&ids, ctx - qlen, &table, bs);
+        tables.push(table);
+    }
+    step.finish();
+    let t = step.num_tokens();
+    let cache_shape = (num_blocks, hkv, bs, d);
+    let kc = Tensor::randn(0f32, 1.0, cache_shape, &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let vc = Tensor::randn(0f32, 1.0, cache_shape, &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let q = Tensor::randn(0f32, 1.0, (t, h * d), &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let cu = u32s(&step.cu_seqlens_q, &dev);
+    let sk = u32s(&step.seq_lens_k, &dev);
+    let bt = u32s(&step.block_tables, &dev);
+    let meta = AttentionMeta {
+        cu_seqlens_q: &cu,
+        seq_lens_k: &sk,
+        block_tables: &bt,
+        max_blocks: step.max_blocks,
+        num_seqs: step.num_seqs(),
+        num_tokens: t,
+        max_seq_len: *step.seq_lens_k.iter().max().unwrap() as usize,
+    };
+    let shape = AttentionShape {
+        num_heads: h,
+        num_kv_heads: hkv,
+        head_dim: d,
+        block_size: bs,
+        scale: 1.0 / (d as f32).sqrt(),
+        sliding_window: c.window,
+        softcap: c.softcap,
+    };
+    let out = host(&k.paged_attention(&q, &kc, &vc, &meta, &shape).unwrap());
+    let (qh, kh, vh) = (host(&q), host(&kc), host(&vc));
+    // (token row, request, position) of every checked query token.
+    let mut rows = Vec::new();
+    for (i, &(qlen, ctx)) in c.seqs.iter().enumerate() {
+        let first = step.cu_seqlens_q[i] as usize;
+        for j in (0..qlen).filter(|j| j % c.stride == 0 || *j == qlen - 1) {
+            rows.push((first + j, i, ctx - qlen + j));
+        }
+    }
+    let errs: Vec<(f64, f64, f64)> = rows
+        .par_iter()
+        .flat_map_iter(|&(row, seq, pos)| {
+            let (qh, kh, vh, out, tables) = (&qh, &kh, &vh, &out, &tables);
+            (0..h).map(move |head| {
+                let r = reference_row(
+                    &qh[(row * h + head) * d..][..d],
+                    kh,
+                    vh,
+                    &tables[seq],
+                    pos,
+                    head / (h / hkv),
+                    c,
+                );
+                let got = &out[(row * h + head) * d..][..d];
+                let mut worst = 0f64;
+                let (mut e2, mut r2) = (0f64, 0f64);
+                for (g, r) in got.iter().zip(&r) {
+                    let e = (*g as f64 - r).abs();
+                    assert!(e.is_finite(), "{}: non-finite output", c.name);
+                    worst = worst.max(e / (1.0 + r.abs()));
+                    e2 += e * e;
+                    r2 += r * r;
+                }
+                (worst, e2, r2)
+            })
+        })
+        .collect();
+    let worst = errs.iter().map(|e| e.0).fold(0f64, f64::max);
+    let rel_l2 =
+        (errs.iter().map(|e| e.1).sum::<f64>() / errs.iter().map(|e| e.2).sum::<f64>()).sqrt();
+    println!(
+        "attention {:<28} T={t:<6} rows checked {:<7} max |err|/(1+|ref|) {worst:.2e}  rel L2 {rel_l2:.2e}",
+        c.name,
+        errs.len()
+    );
+    // bf16 output: half an ulp is 2^-9 of the value; f32 accumulation adds far less.
+    assert!(worst < 8e-3, "{}: max error {worst}", c.name);
+    assert!(rel_l2 < 4e-3, "{}: relative L2 error {rel_l2}", c.name);
+}
+
+#[test]
+fn attention_ragged_steps() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut mixed = |n: usize, max_ctx: usize| -> Vec<(usize, usize)> {
+        (0..n)
+            .map(|_| {
+                let ctx = rng.random_range(1..=max_ctx);
+                let q = if rng.random_bool(0.5) {
+                    1
+                } else {
+                    rng.random_range(1..=ctx.min(300))
+                };
+                (q, ctx)
+            })
+            .collect()
+    };
+    let cases = [
+        Case {
+            name: "mha d64 bs16",
+            heads: 4,
+            kv_heads: 4,
+            d: 64,
+            block_size: 16,
+            seqs: mixed(9, 700),
+            window: 0,
+            softcap: 0.0,
+            stride: 1,
+        },
+        Case {
+            name: "gqa4 d128 bs16",
+            heads: 32,
+            kv_heads: 8,
+            d: 128,
+            block_size: 16,
+            seqs: mixed(12, 3000),
+            window: 0,
+            softcap: 0.0,
+            stride: 3,
+        },
+        Case {
+            name: "gqa3 d64 bs32 (SmolLM2)",
+            heads: 9,
+            kv_heads: 3,
+            d: 64,
+            block_size: 32,
+            seqs: mixed(8, 1500),
+            window: 0,
+            softcap: 0.0,
+            stride: 2,
+        },
+        Case {
+            name: "gqa7 d128 bs16 (Qwen2)",
+            heads: 28,
+            kv_heads: 4,
+            d: 128,
+            block_size: 16,
+            seqs: mixed(6, 2000),
+            window: 0,
+            softcap: 0.0,
+            stride: 3,
+        },
+        Case {
+            name: "gqa16 d256 bs64",
+            heads: 16,
+            kv_heads: 1,
+            d: 256,
+            block_size: 64,
+            seqs: mixed(5, 1200),
+            window: 0,
+            softcap: 0.0,
+            stride: 3,
+        },
+        Case {
+            name: "window 256 + softcap 30",
+            heads: 8,
+            kv_heads: 2,
+            d: 128,
+            block_size: 16,
+            seqs: mixed(7, 1500),
+            window: 256,
+            softcap: 30.0,
+            stride: 2,
+        },
+    ];
+    for (i, c) in cases.iter().enumerate() {
+        run_attention_case(c, i as u64);
+    }
+}
+
+#[test]
+fn attention_long_prefill_and_decodes() {
+    let cases = [
+        Case {
+            name: "8K prefill chunk + decodes",
+            heads: 8,
+            kv_heads: 2,
+            d: 128,
+            block_size: 16,
+            seqs: vec![(8192, 8192), (1, 100), (1, 5000), (512, 9000)],
+            window: 0,
+            softcap: 0.0,
+            stride: 61,
+        },
+        Case {
+            name: "decodes at 32K, gqa4",
+            heads: 32,
+            kv_heads: 8,
+            d: 128,
+            block_size: 16,
+            seqs: vec![(1, 32768), (1, 32000), (1, 17), (1, 20000)],
+            window: 0,
+            softcap: 0.0,
+            stride: 1,
+        },
+        Case {
+            name: "lone decode at 32K, bs32",
+            heads: 32,
+            kv_heads: 8,
+            d: 128,
+            block_size: 32,
+            seqs: vec![(1, 32768)],
+            window: 0,
+            softcap: 0.0,
+            stride: 1,
+        },
+    ];
+    for (i, c) in cases.iter().enumerate() {
+        run_attention_case(c, 100 + i as u64);
+    }
+}
+
+/// The fused split + bias + Q/K norm + rotary + cache write against a host computation.
+#[test]
+fn qkv_rope_write_matches_host() {
+    let dev = device();
+    let k = kernels(&dev);
+    let (h, hkv, d, bs, t, blocks) = (6, 2, 64, 16, 37, 8);
+    let mut rng = StdRng::seed_from_u64(3);
+    for (style, norm, bias) in [
+        (RopeStyle::Interleaved, false, false),
+        (RopeStyle::Neox, true, true),
+    ] {
+        let width = (h + 2 * hkv) * d;
+        let qkv = Tensor::randn(0f32, 1.0, (t, width), &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let positions: Vec<u32> = (0..t).map(|_| rng.random_range(0..500)).collect();
+        let mut slots: Vec<u32> = (0..(blocks * bs) as u32).collect();
+        slots.shuffle(&mut rng);
+        slots.truncate(t);
+        let rope = RopeTable::new(d, 10000.0, 512, style);
+        let (cos, sin) = rope.tables();
+        let cos_t = Tensor::from_slice(cos, (512, d / 2), &dev).unwrap();
+        let sin_t = Tensor::from_slice(sin, (512, d / 2), &dev).unwrap();
+        let rand_vec = |n: usize| {
+            Tensor::randn(0f32, 1.0, n, &dev)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap()
+        };
+        let bias_t = bias.then(|| rand_vec(width));
+        let qn = norm.then(|| rand_vec(d));
+        let kn = norm.then(|| rand_vec(d));
+        let kc = Tensor::zeros((blocks, hkv, bs, d), DType::BF16, &dev).unwrap();
+        let vc = Tensor::zeros((blocks, hkv, bs, d), DType::BF16, &dev).unwrap();
+        let shape = AttentionShape {
+            num_heads: h,
+            num_kv_heads: hkv,
+            head_dim: d,
+            block_size: bs,
+            scale: 1.0,
+            sliding_window: 0,
+            softcap: 0.0,
+        };
+        let q = k
+            .qkv_rope_write(
+                &qkv,
+                &u32s(&positions, &dev),
+                &u32s(&slots, &dev),
+                &kc,
+                &vc,
+                &shape,
+                &QkvParams {
+                    bias: bias_t.as_ref(),
+                    q_norm: qn.as_ref(),
+                    k_norm: kn.as_ref(),
+                    eps: 1e-6,
+                    rope_cos: &cos_t,
+                    rope_sin: &sin_t,
+                    rope_dim: d,
+                    neox: style == RopeStyle::Neox,
+                },
+            )
+            .unwrap();
+        let (qh, kh, vh, x) = (host(&q), host(&kc), host(&vc), host(&qkv));
+        let b = bias_t.as_ref().map(host);
+        let (qnh, knh) = (qn.as_ref().map(host), kn.as_ref().map(host));
+        let mut worst = 0f64;
+        for tok in 0..t {
+            for head in 0..h + 2 * hkv {
+                let mut v: Vec<f64> = (0..d)
+                    .map(|i| {
+                        let j = head * d + i;
+                        x[tok * width + j] as f64 + b.as_ref().map_or(0.0, |b| b[j] as f64)
+                    })
+                    .collect();
+                let w = if head < h {
+                    qnh.as_ref()
+                } else if head < h + hkv {
+                    knh.as_ref()
+                } else {
+                    None
+                };
+                if let Some(w) = w {
+                    let inv = 1.0 / (v.iter().map(|x| x * x).sum::<f64>() / d as f64 + 1e-6).sqrt();
+                    v.iter_mut().zip(w).for_each(|(x, w)| *x *= inv * *w as f64);
+                }
+                if head < h + hkv {
+                    let p = positions[tok] as usize;
+                    let rotated: Vec<f64> = (0..d)
+                        .map(|i| {
+                            let (pair, partner, sign) = match style {
+                                RopeStyle::Neox if i < d / 2 => (i, i + d / 2, -1.0),
+                                RopeStyle::Neox => (i - d / 2, i - d / 2, 1.0),
+                                RopeStyle::Interleaved => {
+                                    (i / 2, i ^ 1, if i % 2 == 1 { 1.0 } else { -1.0 })
+                                }
+                            };
+                            let (c, s) =
+                                (cos[p * d / 2 + pair] as f64, sin[p * d / 2 + pair] as f64);
+                            v[i] * c + sign * v[partner] * s
+                        })
+                        .collect();
+                    v = rotated;
+                }
+                let got: Vec<f32> = if head < h {
+                    qh[(tok * h + head) * d..][..d].to_vec()
+                } else {
+                    let kvh = (head - h) % hkv;
+                    let slot = slots[tok] as usize;
+                    let at = ((slot / bs * hkv + kvh) * bs + slot % bs) * d;
+                    let src = if head < h + hkv { &kh } else { &vh };
+                    src[at..at + d].to_vec()
+                };
+                for (g, r) in got.iter().zip(&v) {
+                    worst = worst.max((*g as f64 - r).abs() / (1.0 + r.abs()));
+                }
+            }
+        }
+        println!(
+            "qkv_rope_write {style:?} norm={norm} bias={bias}: max |err|/(1+|ref|) {worst:.2e}"
+        );
+        assert!(worst < 1e-2, "{style:?}: {worst}");
+    }
+}
+
+/// The whole CUDA model against the CPU backend (f32 weights) on a real GGUF, teacher-forced:
+/// two requests packed together, prefilled in chunks, then decoded token by token.
+#[test]
+fn model_agrees_with_cpu_backend() {
+    let path = std::env::var("FERRITE_CUDA_TEST_MODEL")
+        .expect("FERRITE_CUDA_TEST_MODEL: a Llama-family GGUF (scripts/cuda/check.sh sets it)");
+    let dev = device();
+    let mut g = GgufFile::open(std::path::Path::new(&path)).unwrap();
+    let config = ModelConfig::from_gguf(&g).unwrap();
+    let tok = ModelTokenizer::load(&g).unwrap();
+    let text = "The paged KV cache keeps each request's keys and values in fixed-size blocks. \
+        A scheduler admits requests while blocks remain, and a packed step runs prefill chunks \
+        and decodes together. fn main() { let v: Vec<u32> = (0..10).map(|i| i * i).collect(); \
+        println!(\"{:?}\", v); } Paris is the capital of France; Berlin is the capital of \
+        Germany. In 1969, Apollo 11 landed on the Moon, and Neil Armstrong walked on its \
+        surface. The quick brown fox jumps over the lazy dog while the cat sleeps by the fire.";
+    let ids = tok.encode(text, true).unwrap();
+    let other = tok.encode("Once upon a time, in a small village by the sea, there lived an old fisherman who told stories every night.", true).unwrap();
+    let max_pos = 1024;
+    let bs = 16;
+    let blocks = 64;
+    let mut cpu = {
+        let model = LlamaModel::load(&mut g, WeightFormat::F32, max_pos, |_, _| {}).unwrap();
+        let shape = CacheShape {
+            num_blocks: blocks,
+            block_size: bs,
+            num_kv_heads: config.num_kv_heads,
+            head_dim: config.head_dim,
+        };
+        CpuModel::new(model, KvCache::new(shape, config.num_layers), None)
+    };
+    let mut gpu = {
+        let w = Weights::from_gguf(&mut g, &config, &dev, |_, _| {}).unwrap();
+        let mut c = config.clone();
+        c.vocab_size = w.embedding.dim(0).unwrap();
+        let mut m = CudaModel::new(c, dev.clone(), w, max_pos, "cuda:0".into()).unwrap();
+        m.allocate_cache(blocks, bs).unwrap();
+        m
+    };
+    let vocab = cpu.vocab_size();
+    assert_eq!(vocab, gpu.vocab_size());
+    let tables: [Vec<u32>; 2] = [(0..32).collect(), (32..64).collect()];
+    let seqs = [&ids, &other];
+    // Steps: prefill both in chunks of 24 tokens, the last 16 tokens of each as decodes.
+    let decode_from: Vec<usize> = seqs.iter().map(|s| s.len() - 16).collect();
+    let mut done = [0usize; 2];
+    let (mut rows, mut agree, mut sum_abs, mut max_abs) = (0usize, 0usize, 0f64, 0f64);
+    while done.iter().zip(&seqs).any(|(d, s)| *d < s.len() - 1) {
+        let mut step = PackedStep::default();
+        for i in 0..2 {
+            let end = seqs[i].len() - 1;
+            if done[i] >= end {
+                continue;
+            }
+            let n = if done[i] < decode_from[i] {
+                24.min(decode_from[i] - done[i])
+            } else {
+                1
+            };
+            let first = step.num_tokens();
+            step.push(&seqs[i][done[i]..done[i] + n], done[i], &tables[i], bs);
+            step.logits_indices
+                .extend((first..first + n).map(|r| r as u32));
+            done[i] += n;
+        }
+        step.finish();
+        let a = cpu.forward(&step).unwrap().to_vec();
+        let b = gpu.forward(&step).unwrap().to_vec();
+        for (ra, rb) in a.chunks(vocab).zip(b.chunks(vocab)) {
+            rows += 1;
+            agree += (argmax(ra) == argmax(rb)) as usize;
+            for (x, y) in ra.iter().zip(rb) {
+                let e = (x - y).abs() as f64;
+                sum_abs += e;
+                max_abs = max_abs.max(e);
+            }
+        }
+    }
+    let top1 = agree as f64 / rows as f64;
+    let mean_abs = sum_abs / (rows * vocab) as f64;
+    println!(
+        "model {}: {rows} positions, top-1 agreement {:.2}%, mean |dlogit| {mean_abs:.4}, max |dlogit| {max_abs:.3}",
+        path,
+        100.0 * top1
+    );
+    assert!(top1 >= 0.99, "top-1 agreement {top1}");
+    // bf16 weights and activations against f32: about 2^-9 relative per value.
+    assert!(mean_abs < 0.1, "mean |dlogit| {mean_abs}");
+}

@@ -1,0 +1,223 @@
+//! `ferrite bench device` (CUDA builds): step times of the CUDA model straight through its
+//! forward pass, each against a physical floor measured in the same run — the bf16 matmul
+//! rate (cuBLAS) and the device-to-device copy bandwidth.
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor};
+use clap::Args;
+use ferrite_model::config::ModelConfig;
+use ferrite_model::cuda::kernels::{AttentionMeta, AttentionShape, Kernels};
+use ferrite_model::cuda::model::CudaModel;
+use ferrite_model::cuda::weights::Weights;
+use ferrite_model::runner::StepModel;
+use ferrite_model::step::PackedStep;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Args, Debug)]
+pub struct DeviceBenchArgs {
+    /// A Hugging Face config.json; weights are random (`--load-format dummy`).
+    pub config: PathBuf,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Decode batch sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,128")]
+    pub batch: Vec<usize>,
+    /// K/V length of every request in the decode measurement.
+    #[arg(long, default_value_t = 1024)]
+    pub context: usize,
+    /// Prompt length of the prefill measurement (one request, one step).
+    #[arg(long, default_value_t = 4608)]
+    pub prompt_tokens: usize,
+    /// Timed repetitions per measurement (the median is reported).
+    #[arg(long, default_value_t = 20)]
+    pub repeats: usize,
+}
+
+const BLOCK: usize = 16;
+
+/// Median seconds of `f` over `n` runs after two warm-up runs; `f` must end synchronized.
+fn median(n: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    f()?;
+    let mut t = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t0 = Instant::now();
+        f()?;
+        t.push(t0.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[n / 2])
+}
+
+fn sync(dev: &Device) -> Result<()> {
+    if let Device::Cuda(d) = dev {
+        d.cuda_stream().synchronize()?;
+    }
+    Ok(())
+}
+
+/// (bf16 matmul FLOP/s, copy bytes/s) of this device, on random data.
+fn ceilings(dev: &Device, repeats: usize) -> Result<(f64, f64)> {
+    let n = 8192;
+    let a = Tensor::randn(0f32, 1.0, (n, n), dev)?.to_dtype(DType::BF16)?;
+    let b = Tensor::randn(0f32, 1.0, (n, n), dev)?.to_dtype(DType::BF16)?;
+    let mm = median(repeats, || {
+        a.matmul(&b)?;
+        sync(dev)
+    })?;
+    let big = Tensor::randn(0f32, 1.0, 1usize << 30, dev)?; // 4 GiB
+    let cp = median(repeats, || {
+        big.copy()?;
+        sync(dev)
+    })?;
+    Ok((
+        2.0 * (n as f64).powi(3) / mm,
+        2.0 * (big.elem_count() * 4) as f64 / cp,
+    ))
+}
+
+/// `batch` requests of `qlen` new tokens each, at K/V length `ctx`, in disjoint blocks.
+fn step(batch: usize, qlen: usize, ctx: usize) -> PackedStep {
+    let per = ctx.div_ceil(BLOCK);
+    let mut s = PackedStep::default();
+    for b in 0..batch {
+        let table: Vec<u32> = (0..per).map(|i| (b * per + i) as u32).collect();
+        let ids: Vec<u32> = (0..qlen).map(|i| (1000 + 7 * i + b) as u32).collect();
+        s.push(&ids, ctx - qlen, &table, BLOCK);
+        s.logits_indices.push(s.num_tokens() as u32 - 1);
+    }
+    s.finish();
+    s
+}
+
+pub fn run(a: DeviceBenchArgs) -> Result<()> {
+    let config = ModelConfig::from_hf_config(&a.config)?;
+    let dev = Device::new_cuda(a.device)?;
+    let Device::Cuda(cuda) = &dev else {
+        bail!("not a CUDA device")
+    };
+    let (matmul_rate, copy_bw) = ceilings(&dev, a.repeats)?;
+    println!(
+        "ceilings: bf16 matmul 8192^3 {:.0} TFLOP/s, device copy {:.0} GB/s (read + write)",
+        matmul_rate / 1e12,
+        copy_bw / 1e9
+    );
+    let weights = Weights::dummy(&config, &dev, |_, _| {})?;
+    let max_ctx = a.context.max(a.prompt_tokens) + 1;
+    let mut model = CudaModel::new(
+        config.clone(),
+        dev.clone(),
+        weights,
+        max_ctx,
+        "bench".into(),
+    )?;
+    let wbytes = model.weight_bytes() as f64;
+    let max_batch = a.batch.iter().copied().max().unwrap_or(1);
+    let blocks = (max_batch * a.context.div_ceil(BLOCK)).max(a.prompt_tokens.div_ceil(BLOCK));
+    model.allocate_cache(blocks, BLOCK)?;
+    model.randomize_cache()?;
+    let kv_row = 2 * config.num_kv_heads * config.head_dim * 2 * config.num_layers;
+    println!(
+        "model: {} layers, hidden {}, {:.2} GB of bf16 weights; floor of a decode step = weights / copy bandwidth = {:.3} ms",
+        config.num_layers,
+        config.hidden_size,
+        wbytes / 1e9,
+        wbytes / copy_bw * 1e3
+    );
+    println!("| decode batch | context | step ms | tokens/s | floor ms (weights + KV read) | step / floor |");
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for &b in &a.batch {
+        let s = step(b, 1, a.context);
+        let t = median(a.repeats, || model.forward_argmax(&s).map(|_| ()))?;
+        let floor = (wbytes + (b * a.context * kv_row) as f64) / copy_bw;
+        println!(
+            "| {b} | {} | {:.3} | {:.0} | {:.3} | {:.2} |",
+            a.context,
+            t * 1e3,
+            b as f64 / t,
+            floor * 1e3,
+            t / floor
+        );
+    }
+    // Prefill: one request, the whole prompt in one step.
+    let p = a.prompt_tokens;
+    let s = step(1, p, p);
+    let t = median(a.repeats.min(5), || model.forward_argmax(&s).map(|_| ()))?;
+    let matmul_params = wbytes / 2.0 - (config.vocab_size * config.hidden_size) as f64;
+    let attn_flops = 4.0
+        * (p as f64 * p as f64 / 2.0)
+        * (config.num_heads * config.head_dim * config.num_layers) as f64;
+    let flops = 2.0 * matmul_params * p as f64 + attn_flops;
+    println!(
+        "prefill {p} tokens: {:.1} ms, {:.0} tokens/s, {:.0} TFLOP/s = {:.0}% of the measured matmul rate",
+        t * 1e3,
+        p as f64 / t,
+        flops / t / 1e12,
+        100.0 * flops / t / matmul_rate
+    );
+    attention_alone(cuda, &config, &a, copy_bw)?;
+    Ok(())
+}
+
+/// The attention kernel by itself on decode batches: time against the K/V bytes it must read.
+fn attention_alone(
+    cuda: &candle_core::CudaDevice,
+    c: &ModelConfig,
+    a: &DeviceBenchArgs,
+    copy_bw: f64,
+) -> Result<()> {
+    let dev = Device::Cuda(cuda.clone());
+    let kernels = Kernels::load(cuda)?;
+    println!("| attention (one layer) | step ms | K/V bytes read | floor ms | time / floor |");
+    println!("|---|---:|---:|---:|---:|");
+    for (batch, qlen, ctx) in [
+        (1, 1, 32768),
+        (32, 1, 4096),
+        (128, 1, 1024),
+        (1, a.prompt_tokens, a.prompt_tokens),
+    ] {
+        let s = step(batch, qlen, ctx);
+        let blocks = batch * ctx.div_ceil(BLOCK);
+        let shape = (blocks, c.num_kv_heads, BLOCK, c.head_dim);
+        let kc = Tensor::randn(0f32, 1.0, shape, &dev)?.to_dtype(DType::BF16)?;
+        let vc = Tensor::randn(0f32, 1.0, shape, &dev)?.to_dtype(DType::BF16)?;
+        let t = s.num_tokens();
+        let q =
+            Tensor::randn(0f32, 1.0, (t, c.num_heads * c.head_dim), &dev)?.to_dtype(DType::BF16)?;
+        let u = |v: &[u32]| Tensor::from_slice(v, v.len(), &dev);
+        let (cu, sk, bt) = (u(&s.cu_seqlens_q)?, u(&s.seq_lens_k)?, u(&s.block_tables)?);
+        let meta = AttentionMeta {
+            cu_seqlens_q: &cu,
+            seq_lens_k: &sk,
+            block_tables: &bt,
+            max_blocks: s.max_blocks,
+            num_seqs: batch,
+            num_tokens: t,
+            max_seq_len: ctx,
+        };
+        let ashape = AttentionShape {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            block_size: BLOCK,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+            sliding_window: 0,
+            softcap: 0.0,
+        };
+        let time = median(a.repeats, || {
+            kernels.paged_attention(&q, &kc, &vc, &meta, &ashape)?;
+            sync(&dev)
+        })?;
+        let bytes = (batch * ctx * 2 * c.num_kv_heads * c.head_dim * 2) as f64;
+        println!(
+            "| batch {batch} x {qlen} tokens at {ctx} | {:.3} | {:.1} MB | {:.3} | {:.2} |",
+            time * 1e3,
+            bytes / 1e6,
+            bytes / copy_bw * 1e3,
+            time / (bytes / copy_bw)
+        );
+    }
+    Ok(())
+}

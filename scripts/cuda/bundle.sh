@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Builds ferrite with `--features cuda` and its CUDA test binary on a machine without a GPU,
+# and packs them with a 10-layer cut of the test model (Q4_0 embedding, ~40 MB: the whole
+# GGUF is too big to send) into .device/bundle.tar.xz, for a GPU host with no network.
+# Usage: scripts/cuda/bundle.sh   (first time: scripts/cuda/setup-toolchain.sh)
+# On the GPU host: scripts/cuda/check.sh runs the tests and the device benchmark.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+toolkit=${CUDA_TOOLKIT_DIR:-$HOME/.cache/ferrite-cuda}
+if [ ! -f "$toolkit/env.sh" ]; then
+  cargo fetch --features cuda >/dev/null
+  CUDA_TOOLKIT_DIR=$toolkit bash scripts/cuda/setup-toolchain.sh
+fi
+# shellcheck disable=SC1091
+source "$toolkit/env.sh"
+export CARGO_TARGET_DIR=$root/target-cuda
+cargo build --release --features cuda -p ferrite
+tests=$(cargo test --release --features cuda -p ferrite-model --test cuda --no-run \
+  --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda":
+        print(m["executable"])')
+model=$(scripts/fetch-model.sh smollm2)
+stage=$(mktemp -d); trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/bin" "$stage/models"
+cp target-cuda/release/ferrite "$stage/bin/ferrite"
+cp "$tests" "$stage/bin/cuda-tests"
+strip "$stage/bin/ferrite" "$stage/bin/cuda-tests"
+cargo run --release -q -p ferrite-model --example cut_gguf -- "$model" "$stage/models/smollm2-10l.gguf" 10 q4_0
+mkdir -p .device
+tar -C "$stage" -cf - bin models | xz -6 -T2 > .device/bundle.tar.xz
+ls -la .device/bundle.tar.xz
