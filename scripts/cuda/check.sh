@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # Runs on the GPU host, from the repository root, with .device/bundle.tar.xz carried there
 # (scripts/cuda/bundle.sh makes it): the CUDA kernel and model tests, then the device
-# benchmark on a Llama-3.1-8B-shaped model with random weights. Logs go to $OUT (or /tmp).
+# benchmark and the engine's offline benchmark on a Llama-3.1-8B-shaped model with random
+# weights. Logs go to $OUT (or /tmp/ferrite-out).
 set -euo pipefail
 out=${OUT:-/tmp/ferrite-out}
 mkdir -p "$out" /tmp/ferrite
 xz -dc .device/bundle.tar.xz | tar -C /tmp/ferrite -xf -
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+status=0
 ( cd /tmp/ferrite && FERRITE_CUDA_TEST_MODEL=/tmp/ferrite/models/smollm2-10l.gguf \
-    ./bin/cuda-tests --test-threads 1 --nocapture ) 2>&1 | tee "$out/tests.log"
-/tmp/ferrite/bin/ferrite bench device scripts/cuda/llama-3.1-8b.json "$@" 2>&1 | tee "$out/bench-device.log"
+    ./bin/cuda-tests --test-threads 1 --nocapture ) 2>&1 | tee "$out/tests.log" || status=1
+/tmp/ferrite/bin/ferrite bench device scripts/cuda/llama-3.1-8b.json "$@" 2>&1 \
+  | tee "$out/bench-device.log" || status=1
+# The same model through the engine (loader, memory plan, scheduler, runner): tokens/s.
+/tmp/ferrite/bin/ferrite bench offline --device cuda --load-format dummy \
+  scripts/cuda/llama-3.1-8b.json --max-model-len 8192 --max-num-batched-tokens 8192 \
+  --prompt-tokens 4608 --batch 1,8,32,128 2>&1 | tee "$out/bench-offline.log" || status=1
+exit $status

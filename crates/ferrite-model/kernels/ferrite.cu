@@ -135,6 +135,7 @@ extern "C" __global__ void qkv_rope_write_bf16(
 // t of request i starts at cu_q[i] / TQ + i, so the request is found by binary search (vLLM's
 // unified-attention layout) and the grid is sized from T and B alone. A split covers a share of
 // the tile's key range; with splits > 1 it writes unnormalized partials for `merge_splits`.
+// This CUDA-core kernel serves head sizes the tensor-core kernel below does not (256).
 constexpr int ROWS = 16;
 constexpr int KCHUNK = 128;  // keys per pass = threads per block
 
@@ -259,6 +260,7 @@ __device__ void attention_tile(const bf16* __restrict__ q, const bf16* __restric
       for (int j = 0; j < DPT; j++) acc[i][j] *= a;
     }
     const int n = min(KCHUNK, s_end - c0);
+#pragma unroll 4
     for (int kk = 0; kk < n; kk++) {
       const int key = c0 + kk;
       const uint32_t page = table[key / block_size];
@@ -268,6 +270,7 @@ __device__ void attention_tile(const bf16* __restrict__ q, const bf16* __restric
       for (int j = 0; j < DPT; j++) vv[j] = __bfloat162float(vrow[dim0 + j * 128]);
 #pragma unroll
       for (int i = 0; i < NR; i++) {
+        if (i * RSTRIDE + rgroup >= nrows) break;  // decodes fill few of the tile's rows
         const float p = ps[i * RSTRIDE + rgroup][kk];
 #pragma unroll
         for (int j = 0; j < DPT; j++) acc[i][j] += p * vv[j];
@@ -307,8 +310,6 @@ __device__ void attention_tile(const bf16* __restrict__ q, const bf16* __restric
     attention_tile<D>(q, kc, vc, cu_q, seq_k, tables, max_blocks, num_seqs, H, Hkv,         \
                       block_size, scale, window, softcap, splits, out, part_acc, part_ml);   \
   }
-ATTENTION(64)
-ATTENTION(128)
 ATTENTION(256)
 
 // Combines the splits of each query row: grid T*H blocks, D threads.
@@ -327,3 +328,222 @@ extern "C" __global__ void merge_splits_bf16(const float* part_acc, const float*
   }
   out[row * D + threadIdx.x] = __float2bfloat16(l > 0.f ? acc / l : 0.f);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The same attention on tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate), flash-
+// attention style, for head sizes 64 and 128: a program takes 64 query rows (TQ = 64 / G tokens
+// x the G query heads of one KV head, so each K/V tile read from memory serves every head of
+// the group), walks its share of the keys in tiles of 64 staged in shared memory through the
+// block table (coalesced 16-byte loads), and keeps the softmax online in registers. Decodes
+// fill few rows of a tile; warps without rows skip the math, and splits of the key range keep
+// the multiprocessors busy on long contexts.
+constexpr int MMA_ROWS = 64;
+constexpr int MMA_KEYS = 64;
+
+__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* p) {
+  uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
+  uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+template <int D>
+__device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __restrict__ kc,
+                                   const bf16* __restrict__ vc, const uint32_t* cu_q,
+                                   const uint32_t* seq_k, const uint32_t* tables, int max_blocks,
+                                   int num_seqs, int H, int Hkv, int block_size, float scale,
+                                   int window, float softcap, int splits, bf16* out,
+                                   float* part_acc, float* part_ml) {
+  constexpr int LD = D + 8;  // padded rows: ldmatrix rows land in distinct banks
+  constexpr int KS = D / 16, DN = D / 8, NJ = MMA_KEYS / 8;
+  __shared__ __align__(16) bf16 ks_[MMA_KEYS][LD];
+  __shared__ __align__(16) bf16 vs_[MMA_KEYS][LD];
+  const int G = H / Hkv, TQ = MMA_ROWS / G;
+  const int tile = blockIdx.x, hk = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  int lo = 0, hi = num_seqs - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if ((int)(cu_q[mid] / TQ) + mid <= tile) lo = mid; else hi = mid - 1;
+  }
+  const int seq = lo, q0 = cu_q[seq], qlen = cu_q[seq + 1] - q0;
+  const int t_begin = (tile - ((int)(cu_q[seq] / TQ) + seq)) * TQ;
+  if (t_begin >= qlen) return;
+  const int nt = min(TQ, qlen - t_begin), nrows = nt * G;
+  const int first_pos = (int)seq_k[seq] - qlen + t_begin;
+  const int k_end = first_pos + nt;
+  const int k_start = window > 0 ? max(0, first_pos - window + 1) : 0;
+  // This split's keys, whole 64-key tiles apart from the ends.
+  const int per = ((k_end - k_start + splits - 1) / splits + MMA_KEYS - 1) / MMA_KEYS * MMA_KEYS;
+  const int s_begin = k_start + split * per, s_end = min(k_end, s_begin + per);
+  const bool active = warp * 16 < nrows;
+  const uint32_t* table = tables + (size_t)seq * max_blocks;
+
+  // This thread's two rows of the warp's 16, and their Q fragments.
+  const int r0 = warp * 16 + lane / 4, r1 = r0 + 8;
+  const int pos0 = first_pos + r0 / G, pos1 = first_pos + r1 / G;
+  const bf16* q0p = r0 < nrows ? q + ((size_t)(q0 + t_begin + r0 / G) * H + hk * G + r0 % G) * D : nullptr;
+  const bf16* q1p = r1 < nrows ? q + ((size_t)(q0 + t_begin + r1 / G) * H + hk * G + r1 % G) * D : nullptr;
+  uint32_t qa[KS][4];
+#pragma unroll
+  for (int s = 0; s < KS; s++) {
+    const int c = s * 16 + (lane % 4) * 2;
+    qa[s][0] = q0p ? *reinterpret_cast<const uint32_t*>(q0p + c) : 0u;
+    qa[s][1] = q1p ? *reinterpret_cast<const uint32_t*>(q1p + c) : 0u;
+    qa[s][2] = q0p ? *reinterpret_cast<const uint32_t*>(q0p + c + 8) : 0u;
+    qa[s][3] = q1p ? *reinterpret_cast<const uint32_t*>(q1p + c + 8) : 0u;
+  }
+  float o[DN][4];
+#pragma unroll
+  for (int n = 0; n < DN; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const float log2e = 1.4426950408889634f;
+
+  for (int kb = s_begin; kb < s_end; kb += MMA_KEYS) {
+    __syncthreads();  // the previous tile is no longer read
+    for (int i = tid; i < MMA_KEYS * D / 8; i += blockDim.x) {
+      const int key = i / (D / 8), c = (i % (D / 8)) * 8, k = kb + key;
+      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+      if (k < s_end) {
+        const size_t at = (((size_t)table[k / block_size] * Hkv + hk) * block_size + k % block_size) * D + c;
+        kv = *reinterpret_cast<const uint4*>(kc + at);
+        vv = *reinterpret_cast<const uint4*>(vc + at);
+      }
+      *reinterpret_cast<uint4*>(&ks_[key][c]) = kv;
+      *reinterpret_cast<uint4*>(&vs_[key][c]) = vv;
+    }
+    __syncthreads();
+    if (!active) continue;
+    // S = Q K^T for this warp's 16 rows and the tile's 64 keys.
+    float s[NJ][4];
+#pragma unroll
+    for (int j = 0; j < NJ; j++) {
+      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+      for (int t = 0; t < KS; t += 2) {
+        uint32_t b[4];
+        ldmatrix_x4(b, &ks_[j * 8 + lane % 8][t * 16 + (lane / 8) * 8]);
+        mma_bf16(s[j], qa[t], b[0], b[1]);
+        mma_bf16(s[j], qa[t + 1], b[2], b[3]);
+      }
+    }
+    // Mask, scale, online softmax (each row's 64 scores sit in one quad of lanes).
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int row = h ? r1 : r0, pos = h ? pos1 : pos0;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < NJ; j++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const int key = kb + j * 8 + (lane % 4) * 2 + e;
+          float x = s[j][2 * h + e] * scale;
+          if (softcap > 0.f) x = softcap * tanhf(x / softcap);
+          const bool ok = row < nrows && key < s_end && key <= pos &&
+                          (window <= 0 || key > pos - window);
+          x = ok ? x * log2e : -INFINITY;
+          s[j][2 * h + e] = x;
+          mx = fmaxf(mx, x);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[h], mx);
+      const float corr = m_new == -INFINITY ? 1.f : exp2f(m[h] - m_new);
+      m[h] = m_new;
+      l[h] *= corr;
+#pragma unroll
+      for (int n = 0; n < DN; n++) {
+        o[n][2 * h] *= corr;
+        o[n][2 * h + 1] *= corr;
+      }
+#pragma unroll
+      for (int j = 0; j < NJ; j++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const float p = m_new == -INFINITY ? 0.f : exp2f(s[j][2 * h + e] - m_new);
+          s[j][2 * h + e] = p;
+          l[h] += p;
+        }
+    }
+    // O += P V: the S accumulators of two key groups are exactly an A fragment.
+#pragma unroll
+    for (int kk = 0; kk < MMA_KEYS / 16; kk++) {
+      uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                       pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                       pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int n = 0; n < DN; n += 2) {
+        uint32_t b[4];
+        const int mtx = lane / 8;
+        ldmatrix_x4_trans(b, &vs_[kk * 16 + (mtx % 2) * 8 + lane % 8][(n + mtx / 2) * 8]);
+        mma_bf16(o[n], a, b[0], b[1]);
+        mma_bf16(o[n + 1], a, b[2], b[3]);
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const int row = h ? r1 : r0;
+    if (row >= nrows) continue;
+    const size_t qrow = (size_t)(q0 + t_begin + row / G) * H + hk * G + row % G;
+    if (splits > 1) {
+      // Unnormalized, with the running max back in natural-log units for merge_splits.
+      const size_t at = qrow * splits + split;
+#pragma unroll
+      for (int n = 0; n < DN; n++) {
+        part_acc[at * D + n * 8 + (lane % 4) * 2] = o[n][2 * h];
+        part_acc[at * D + n * 8 + (lane % 4) * 2 + 1] = o[n][2 * h + 1];
+      }
+      if (lane % 4 == 0) {
+        part_ml[at * 2] = m[h] == -INFINITY ? -INFINITY : m[h] / log2e;
+        part_ml[at * 2 + 1] = l[h];
+      }
+      continue;
+    }
+    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    bf16* dst = out + qrow * D;
+#pragma unroll
+    for (int n = 0; n < DN; n++) {
+      *reinterpret_cast<__nv_bfloat162*>(dst + n * 8 + (lane % 4) * 2) =
+          __floats2bfloat162_rn(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+    }
+  }
+}
+
+#define ATTENTION_MMA(D)                                                                      \
+  extern "C" __global__ void __launch_bounds__(128) paged_attention_mma_d##D##_bf16(          \
+      const bf16* q, const bf16* kc, const bf16* vc, const uint32_t* cu_q,                    \
+      const uint32_t* seq_k, const uint32_t* tables, int max_blocks, int num_seqs, int H,     \
+      int Hkv, int block_size, float scale, int window, float softcap, int splits, bf16* out, \
+      float* part_acc, float* part_ml) {                                                      \
+    attention_tile_mma<D>(q, kc, vc, cu_q, seq_k, tables, max_blocks, num_seqs, H, Hkv,      \
+                          block_size, scale, window, softcap, splits, out, part_acc,         \
+                          part_ml);                                                          \
+  }
+ATTENTION_MMA(64)
+ATTENTION_MMA(128)

@@ -26,7 +26,7 @@ use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
 fn device() -> Device {
-    Device::new_cuda(0).expect("a CUDA GPU (these tests run on the GPU host)")
+    ferrite_model::cuda::open_device(0).expect("a CUDA GPU (these tests run on the GPU host)")
 }
 
 fn kernels(dev: &Device) -> Kernels {
@@ -487,8 +487,18 @@ fn model_agrees_with_cpu_backend() {
         println!(\"{:?}\", v); } Paris is the capital of France; Berlin is the capital of \
         Germany. In 1969, Apollo 11 landed on the Moon, and Neil Armstrong walked on its \
         surface. The quick brown fox jumps over the lazy dog while the cat sleeps by the fire.";
-    let ids = tok.encode(text, true).unwrap();
-    let other = tok.encode("Once upon a time, in a small village by the sea, there lived an old fisherman who told stories every night.", true).unwrap();
+    let seqs: Vec<Vec<u32>> = [
+        text,
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who \
+         told stories every night. The children gathered around the fire to listen, and the \
+         stories were always about the sea, the storms and the fish that got away.",
+        "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n\
+         for i in range(10):\n    print(i, fib(i))\n# The Fibonacci numbers grow \
+         exponentially; memoization makes this linear.",
+    ]
+    .iter()
+    .map(|t| tok.encode(t, true).unwrap())
+    .collect();
     let max_pos = 1024;
     let bs = 16;
     let blocks = 64;
@@ -512,15 +522,15 @@ fn model_agrees_with_cpu_backend() {
     };
     let vocab = cpu.vocab_size();
     assert_eq!(vocab, gpu.vocab_size());
-    let tables: [Vec<u32>; 2] = [(0..32).collect(), (32..64).collect()];
-    let seqs = [&ids, &other];
+    let tables: Vec<Vec<u32>> = (0..3).map(|i| (i * 20..i * 20 + 20).collect()).collect();
     // Steps: prefill both in chunks of 24 tokens, the last 16 tokens of each as decodes.
     let decode_from: Vec<usize> = seqs.iter().map(|s| s.len() - 16).collect();
-    let mut done = [0usize; 2];
+    let mut done = [0usize; 3];
     let (mut rows, mut agree, mut sum_abs, mut max_abs) = (0usize, 0usize, 0f64, 0f64);
+    let mut widest_flip = 0f32;
     while done.iter().zip(&seqs).any(|(d, s)| *d < s.len() - 1) {
         let mut step = PackedStep::default();
-        for i in 0..2 {
+        for i in 0..seqs.len() {
             let end = seqs[i].len() - 1;
             if done[i] >= end {
                 continue;
@@ -541,7 +551,15 @@ fn model_agrees_with_cpu_backend() {
         let b = gpu.forward(&step).unwrap().to_vec();
         for (ra, rb) in a.chunks(vocab).zip(b.chunks(vocab)) {
             rows += 1;
-            agree += (argmax(ra) == argmax(rb)) as usize;
+            let (ia, ib) = (argmax(ra), argmax(rb));
+            agree += (ia == ib) as usize;
+            if ia != ib {
+                widest_flip = widest_flip.max(ra[ia as usize] - ra[ib as usize]);
+                println!(
+                    "  disagreement: cpu top-1 {ia} ({:.3}) vs gpu {ib}; cpu logit of gpu's pick {:.3}",
+                    ra[ia as usize], ra[ib as usize]
+                );
+            }
             for (x, y) in ra.iter().zip(rb) {
                 let e = (x - y).abs() as f64;
                 sum_abs += e;
@@ -556,7 +574,13 @@ fn model_agrees_with_cpu_backend() {
         path,
         100.0 * top1
     );
-    assert!(top1 >= 0.99, "top-1 agreement {top1}");
+    // bf16 weights (8-bit mantissa) against f32 move logits by a few hundredths, so the two
+    // backends may only disagree where the CPU's top two are that close.
+    assert!(
+        widest_flip < 0.1,
+        "a disagreement where the CPU's margin is {widest_flip}"
+    );
+    assert!(top1 >= 0.98, "top-1 agreement {top1}");
     // bf16 weights and activations against f32: about 2^-9 relative per value.
     assert!(mean_abs < 0.1, "mean |dlogit| {mean_abs}");
 }

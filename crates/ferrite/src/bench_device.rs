@@ -67,15 +67,24 @@ fn ceilings(dev: &Device, repeats: usize) -> Result<(f64, f64)> {
         a.matmul(&b)?;
         sync(dev)
     })?;
-    let big = Tensor::randn(0f32, 1.0, 1usize << 30, dev)?; // 4 GiB
+    let Device::Cuda(cuda) = dev else {
+        bail!("not a CUDA device")
+    };
+    let stream = cuda.cuda_stream();
+    let len = 1usize << 30; // 4 GiB of f32
+    let src = Tensor::randn(0f32, 1.0, len, dev)?;
+    let (storage, _) = src.storage_and_layout();
+    let candle_core::Storage::Cuda(s) = &*storage else {
+        bail!("not a CUDA tensor")
+    };
+    let src_slice = s.as_cuda_slice::<f32>()?;
+    // SAFETY: fully written by the copies below before anything reads it.
+    let mut dst = unsafe { stream.alloc::<f32>(len)? };
     let cp = median(repeats, || {
-        big.copy()?;
+        stream.memcpy_dtod(src_slice, &mut dst)?;
         sync(dev)
     })?;
-    Ok((
-        2.0 * (n as f64).powi(3) / mm,
-        2.0 * (big.elem_count() * 4) as f64 / cp,
-    ))
+    Ok((2.0 * (n as f64).powi(3) / mm, 2.0 * (len * 4) as f64 / cp))
 }
 
 /// `batch` requests of `qlen` new tokens each, at K/V length `ctx`, in disjoint blocks.
@@ -94,7 +103,7 @@ fn step(batch: usize, qlen: usize, ctx: usize) -> PackedStep {
 
 pub fn run(a: DeviceBenchArgs) -> Result<()> {
     let config = ModelConfig::from_hf_config(&a.config)?;
-    let dev = Device::new_cuda(a.device)?;
+    let dev = ferrite_model::cuda::open_device(a.device)?;
     let Device::Cuda(cuda) = &dev else {
         bail!("not a CUDA device")
     };
@@ -126,19 +135,59 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
         wbytes / 1e9,
         wbytes / copy_bw * 1e3
     );
-    println!("| decode batch | context | step ms | tokens/s | floor ms (weights + KV read) | step / floor |");
-    println!("|---:|---:|---:|---:|---:|---:|");
+    println!("| decode batch | context | step ms | host enqueue ms | tokens/s | floor ms (weights + KV read) | step / floor |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
     for &b in &a.batch {
         let s = step(b, 1, a.context);
         let t = median(a.repeats, || model.forward_argmax(&s).map(|_| ()))?;
+        // Host time to launch the step's work, the GPU still busy: the CPU-side floor.
+        let mut hosts = Vec::with_capacity(a.repeats);
+        for _ in 0..a.repeats {
+            let t0 = Instant::now();
+            let logits = model.forward_logits(&s)?;
+            hosts.push(t0.elapsed().as_secs_f64());
+            sync(&dev)?;
+            drop(logits);
+        }
+        hosts.sort_by(f64::total_cmp);
+        let host = hosts[hosts.len() / 2];
         let floor = (wbytes + (b * a.context * kv_row) as f64) / copy_bw;
         println!(
-            "| {b} | {} | {:.3} | {:.0} | {:.3} | {:.2} |",
+            "| {b} | {} | {:.3} | {:.3} | {:.0} | {:.3} | {:.2} |",
             a.context,
             t * 1e3,
+            host * 1e3,
             b as f64 / t,
             floor * 1e3,
             t / floor
+        );
+    }
+    // The matmuls of a decode step alone (every layer's four and the LM head, one row each):
+    // what cuBLAS makes of reading the weights once.
+    let kernels = Kernels::load(cuda)?;
+    let w = model.weights();
+    for rows in [1usize, 32] {
+        let x =
+            Tensor::randn(0f32, 1.0, (rows, config.hidden_size), &dev)?.to_dtype(DType::BF16)?;
+        let xi = Tensor::randn(0f32, 1.0, (rows, config.intermediate_size), &dev)?
+            .to_dtype(DType::BF16)?;
+        let xo = Tensor::randn(0f32, 1.0, (rows, config.num_heads * config.head_dim), &dev)?
+            .to_dtype(DType::BF16)?;
+        let t = median(a.repeats, || {
+            for l in &w.layers {
+                kernels.matmul_nt(&x, &l.qkv, DType::BF16)?;
+                kernels.matmul_nt(&xo, &l.o, DType::BF16)?;
+                kernels.matmul_nt(&x, &l.gate_up, DType::BF16)?;
+                kernels.matmul_nt(&xi, &l.down, DType::BF16)?;
+            }
+            kernels.matmul_nt(&x, &w.lm_head, DType::F32)?;
+            sync(&dev)
+        })?;
+        println!(
+            "matmuls only, {rows} rows: {:.3} ms = {:.0} GB/s of weights ({:.2}x the weights-read floor)",
+            t * 1e3,
+            wbytes / t / 1e9,
+            t / (wbytes / copy_bw)
         );
     }
     // Prefill: one request, the whole prompt in one step.

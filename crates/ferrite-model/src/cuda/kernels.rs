@@ -15,8 +15,10 @@ use std::sync::Arc;
 static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/ferrite.fatbin"));
 
 const ATTENTION_THREADS: u32 = 128;
-/// Query rows (tokens x heads of one KV head) per attention program; the kernel's `ROWS`.
+/// Query rows (tokens x heads of one KV head) per program of the CUDA-core attention kernel
+/// (its `ROWS`) and of the tensor-core one (`MMA_ROWS`).
 pub const ATTENTION_ROWS: usize = 16;
+const MMA_ROWS: usize = 64;
 
 pub struct Kernels {
     dev: CudaDevice,
@@ -25,7 +27,9 @@ pub struct Kernels {
     add_rms_norm: CudaFunction,
     silu_mul: CudaFunction,
     qkv_rope_write: CudaFunction,
-    attention: [CudaFunction; 3],
+    /// Head size 256 on CUDA cores; 64 and 128 on tensor cores.
+    attention: CudaFunction,
+    attention_mma: [CudaFunction; 2],
     merge_splits: CudaFunction,
     multiprocessors: u32,
 }
@@ -119,10 +123,10 @@ impl Kernels {
             add_rms_norm: f("add_rms_norm_bf16")?,
             silu_mul: f("silu_mul_bf16")?,
             qkv_rope_write: f("qkv_rope_write_bf16")?,
-            attention: [
-                f("paged_attention_d64_bf16")?,
-                f("paged_attention_d128_bf16")?,
-                f("paged_attention_d256_bf16")?,
+            attention: f("paged_attention_d256_bf16")?,
+            attention_mma: [
+                f("paged_attention_mma_d64_bf16")?,
+                f("paged_attention_mma_d128_bf16")?,
             ],
             merge_splits: f("merge_splits_bf16")?,
             multiprocessors,
@@ -168,6 +172,53 @@ impl Kernels {
         // SAFETY: argument lists match the kernels' signatures in ferrite.cu.
         unsafe { b.launch(cfg) }.context("kernel launch")?;
         Ok(())
+    }
+
+    /// `x [R, k] @ w [n, k]^T` into `[R, n]` of `out_dtype` (bf16 or f32), bf16 operands
+    /// and f32 accumulation, one cublasGemmEx call. The LM head asks for f32: logits rounded
+    /// to bf16 would lose near-ties.
+    pub fn matmul_nt(&self, x: &Tensor, w: &Tensor, out_dtype: DType) -> Result<Tensor> {
+        use candle_core::cuda::cudarc::cublas::{result::gemm_ex, sys};
+        let (r, k) = x.dims2()?;
+        let (n, k2) = w.dims2()?;
+        ensure!(k == k2, "matmul of [{r}, {k}] by [{n}, {k2}]^T");
+        let out = self.output((r, n), out_dtype)?;
+        let out_type = match out_dtype {
+            DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+            _ => sys::cudaDataType::CUDA_R_32F,
+        };
+        if r == 0 {
+            return Ok(out);
+        }
+        let (alpha, beta) = (1f32, 0f32);
+        let blas = self.dev.cublas_handle();
+        // Column-major view: out^T [n, r] = w [k, n]^T x^T [k, r].
+        // SAFETY: pointers come from live contiguous tensors of the shapes checked above.
+        unsafe {
+            gemm_ex(
+                *blas.handle(),
+                sys::cublasOperation_t::CUBLAS_OP_T,
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                r as i32,
+                k as i32,
+                (&alpha as *const f32).cast(),
+                ptr(w)? as *const _,
+                sys::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                ptr(x)? as *const _,
+                sys::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                (&beta as *const f32).cast(),
+                ptr(&out)? as *mut _,
+                out_type,
+                n as i32,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .context("cublasGemmEx")?;
+        Ok(out)
     }
 
     /// `[T]` ids into `[vocab, hidden]` bf16 rows, widened to an f32 `[T, hidden]`.
@@ -304,19 +355,19 @@ impl Kernels {
             group <= ATTENTION_ROWS,
             "{group} query heads per KV head (at most {ATTENTION_ROWS})"
         );
-        let f = match d {
-            64 => &self.attention[0],
-            128 => &self.attention[1],
-            256 => &self.attention[2],
-            _ => bail!("head_dim {d} (the CUDA attention kernel takes 64, 128, 256)"),
+        // Tensor cores for the head sizes they serve; the CUDA-core kernel for the others.
+        let (f, rows) = match d {
+            64 => (&self.attention_mma[0], MMA_ROWS),
+            128 => (&self.attention_mma[1], MMA_ROWS),
+            256 => (&self.attention, ATTENTION_ROWS),
+            _ => bail!("head_dim {d} (the CUDA attention kernels take 64, 128, 256)"),
         };
         let t = meta.num_tokens;
         let out = self.output((t, h * d), DType::BF16)?;
         if t == 0 {
             return Ok(out);
         }
-        let tokens_per_tile = ATTENTION_ROWS / group;
-        let tiles = t / tokens_per_tile + meta.num_seqs;
+        let tiles = t / (rows / group) + meta.num_seqs;
         let splits = self.splits(tiles * hkv, meta.max_seq_len);
         // Partials only when the key range is split.
         let (acc, ml) = if splits > 1 {
@@ -371,11 +422,12 @@ impl Kernels {
         Ok(out)
     }
 
-    /// Splits of each tile's key range: enough programs for two waves over the
-    /// multiprocessors, no split shorter than 256 keys.
+    /// Splits of each tile's key range: enough programs for four per multiprocessor (a
+    /// program walks its keys serially, so decodes need many in flight), no split shorter
+    /// than 128 keys.
     fn splits(&self, programs: usize, max_seq_len: usize) -> usize {
-        let want = (2 * self.multiprocessors as usize).div_ceil(programs.max(1));
-        want.min(max_seq_len.div_ceil(256)).max(1)
+        let want = (4 * self.multiprocessors as usize).div_ceil(programs.max(1));
+        want.min(max_seq_len.div_ceil(128)).max(1)
     }
 }
 

@@ -11,7 +11,7 @@ use crate::memory::{self, PlanInputs};
 use crate::runner::ModelRunner;
 use crate::step::PackedStep;
 use crate::tokenizer::ModelTokenizer;
-use anyhow::{anyhow, bail, Result};
+use anyhow::{bail, Result};
 use candle_core::Device;
 use ferrite_core::scheduler::SchedulerConfig;
 use std::path::{Path, PathBuf};
@@ -42,8 +42,7 @@ pub fn load(
     ordinal: usize,
     progress: impl FnMut(usize, usize),
 ) -> Result<LoadedEngine> {
-    let device = Device::new_cuda(ordinal)
-        .map_err(|e| anyhow!("--device cuda:{ordinal}: no usable CUDA GPU ({e})"))?;
+    let device = super::open_device(ordinal)?;
     let Device::Cuda(dev) = &device else {
         unreachable!("new_cuda gives a CUDA device")
     };

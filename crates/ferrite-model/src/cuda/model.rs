@@ -1,5 +1,5 @@
 //! The Llama family on a CUDA GPU as one packed forward pass per step: bf16 weights, matmuls
-//! through cuBLAS (candle), everything else in ferrite's kernels; the residual stream in f32.
+//! through cuBLAS (cublasGemmEx), everything else in ferrite's kernels; the residual stream in f32.
 
 use super::kernels::{AttentionMeta, AttentionShape, Kernels, QkvParams};
 use super::weights::Weights;
@@ -84,6 +84,10 @@ impl CudaModel {
         Ok(())
     }
 
+    pub fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
     pub fn weight_bytes(&self) -> usize {
         self.weights.bytes()
     }
@@ -96,7 +100,7 @@ impl CudaModel {
         Ok(Tensor::from_slice(v, v.len(), &self.device)?)
     }
 
-    /// Runs the step; `[logits_indices.len(), vocab]` bf16 logits on the device.
+    /// Runs the step; `[logits_indices.len(), vocab]` f32 logits on the device.
     pub fn forward_logits(&self, step: &PackedStep) -> Result<Tensor> {
         let c = &self.config;
         let w = &self.weights;
@@ -157,7 +161,7 @@ impl CudaModel {
         let mut delta: Option<Tensor> = None;
         for (l, (kc, vc)) in w.layers.iter().zip(&self.cache) {
             let normed = k.add_rms_norm(&x, delta.as_ref(), None, &l.attn_norm, eps)?;
-            let qkv = normed.matmul(&l.qkv.t()?)?;
+            let qkv = k.matmul_nt(&normed, &l.qkv, DType::BF16)?;
             let q = k.qkv_rope_write(
                 &qkv,
                 &positions,
@@ -177,21 +181,21 @@ impl CudaModel {
                 },
             )?;
             let attn = k.paged_attention(&q, kc, vc, &meta, &shape)?;
-            let o = attn.matmul(&l.o.t()?)?;
+            let o = k.matmul_nt(&attn, &l.o, DType::BF16)?;
             let normed = k.add_rms_norm(&x, Some(&o), None, &l.ffn_norm, eps)?;
-            let gate_up = normed.matmul(&l.gate_up.t()?)?;
+            let gate_up = k.matmul_nt(&normed, &l.gate_up, DType::BF16)?;
             let act = k.silu_mul(&gate_up)?;
-            delta = Some(act.matmul(&l.down.t()?)?);
+            delta = Some(k.matmul_nt(&act, &l.down, DType::BF16)?);
         }
         // Only the rows that need logits get the last residual add, the final norm and the head.
         let last = k.add_rms_norm(&x, delta.as_ref(), Some(&rows), &w.final_norm, eps)?;
-        Ok(last.matmul(&w.lm_head.t()?)?)
+        k.matmul_nt(&last, &w.lm_head, DType::F32)
     }
 }
 
 impl StepModel for CudaModel {
     fn forward(&mut self, step: &PackedStep) -> Result<&mut [f32]> {
-        let logits = self.forward_logits(step)?.to_dtype(DType::F32)?;
+        let logits = self.forward_logits(step)?;
         self.logits = logits.flatten_all()?.to_vec1()?;
         Ok(&mut self.logits)
     }
