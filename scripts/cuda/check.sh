@@ -13,6 +13,13 @@ status=0
     ./bin/cuda-tests --test-threads 1 --nocapture ) 2>&1 | tee "$out/tests.log" || status=1
 /tmp/ferrite/bin/ferrite bench device scripts/cuda/llama-3.1-8b.json "$@" 2>&1 \
   | tee "$out/bench-device.log" || status=1
+# HTTP serving on the GPU with the real (cut) model, its tokenizer and chat template.
+/tmp/ferrite/bin/ferrite serve /tmp/ferrite/models/smollm2-10l.gguf --device cuda --port 8011 \
+  > "$out/serve.log" 2>&1 &
+server=$!
+for _ in $(seq 120); do curl -sf localhost:8011/health >/dev/null 2>&1 && break; sleep 0.5; done
+python3 scripts/cuda/serve_smoke.py http://localhost:8011 2>&1 | tee "$out/serve-smoke.log" || status=1
+kill $server; wait $server 2>/dev/null || true
 # The same model through the engine (loader, memory plan, scheduler, runner): tokens/s.
 /tmp/ferrite/bin/ferrite bench offline --device cuda --load-format dummy \
   scripts/cuda/llama-3.1-8b.json --max-model-len 8192 --max-num-batched-tokens 8192 \

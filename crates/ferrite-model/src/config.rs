@@ -143,3 +143,54 @@ impl ModelConfig {
         2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_bytes
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str) -> Result<ModelConfig> {
+        let dir = std::env::temp_dir().join(format!("ferrite-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!(
+            "{:x}.json",
+            json.len() * 31 + json.as_bytes()[20] as usize
+        ));
+        std::fs::write(&path, json).unwrap();
+        let c = ModelConfig::from_hf_config(&path);
+        std::fs::remove_file(&path).unwrap();
+        c
+    }
+
+    #[test]
+    fn reads_a_llama_3_config() {
+        let c = parse(include_str!("../../../scripts/cuda/llama-3.1-8b.json")).unwrap();
+        assert_eq!(
+            (c.num_layers, c.hidden_size, c.intermediate_size),
+            (32, 4096, 14336)
+        );
+        assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (32, 8, 128));
+        assert_eq!((c.vocab_size, c.context_length), (128256, 131072));
+        assert_eq!(c.rope_theta, 500000.0);
+        assert_eq!(c.rope_style, RopeStyle::Neox);
+        assert_eq!(c.sliding_window, None);
+    }
+
+    #[test]
+    fn qwen2_window_off_unless_used_and_bad_configs_named() {
+        let qwen = r#"{"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
+            "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+            "vocab_size": 151936, "sliding_window": 32768, "use_sliding_window": false}"#;
+        let c = parse(qwen).unwrap();
+        assert_eq!((c.head_dim, c.sliding_window), (64, None));
+        let mistral = r#"{"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "vocab_size": 32000, "sliding_window": 4096}"#;
+        assert_eq!(parse(mistral).unwrap().sliding_window, Some(4096));
+        let gpt = r#"{"model_type": "gpt2", "hidden_size": 768, "n_layer": 12}"#;
+        let err = parse(gpt).unwrap_err().to_string();
+        assert!(err.contains("unsupported model_type `gpt2`"), "{err}");
+        let missing = r#"{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}"#;
+        let err = parse(missing).unwrap_err().to_string();
+        assert!(err.contains("no integer `num_hidden_layers`"), "{err}");
+    }
+}

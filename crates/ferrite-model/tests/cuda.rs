@@ -580,7 +580,7 @@ fn model_agrees_with_cpu_backend() {
         widest_flip < 0.1,
         "a disagreement where the CPU's margin is {widest_flip}"
     );
-    assert!(top1 >= 0.98, "top-1 agreement {top1}");
+    assert!(top1 >= 0.99, "top-1 agreement {top1}");
     // bf16 weights and activations against f32: about 2^-9 relative per value.
     assert!(mean_abs < 0.1, "mean |dlogit| {mean_abs}");
 }
