@@ -339,6 +339,7 @@ extern "C" __global__ void merge_splits_bf16(const float* part_acc, const float*
 // the multiprocessors busy on long contexts.
 constexpr int MMA_ROWS = 64;
 constexpr int MMA_KEYS = 64;
+constexpr int MMA_THREADS = 128;
 
 __device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -360,6 +361,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(a));
+}
+
+// 16 bytes global -> shared without passing through registers; zero-fills when !valid.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(valid ? 16 : 0));
 }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -421,17 +429,26 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __res
 
   for (int kb = s_begin; kb < s_end; kb += MMA_KEYS) {
     __syncthreads();  // the previous tile is no longer read
-    for (int i = tid; i < MMA_KEYS * D / 8; i += blockDim.x) {
-      const int key = i / (D / 8), c = (i % (D / 8)) * 8, k = kb + key;
-      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-      if (k < s_end) {
-        const size_t at = (((size_t)table[k / block_size] * Hkv + hk) * block_size + k % block_size) * D + c;
-        kv = *reinterpret_cast<const uint4*>(kc + at);
-        vv = *reinterpret_cast<const uint4*>(vc + at);
-      }
-      *reinterpret_cast<uint4*>(&ks_[key][c]) = kv;
-      *reinterpret_cast<uint4*>(&vs_[key][c]) = vv;
+    // Stage the tile with cp.async (global to shared, no registers): look up every page
+    // first, then issue all of this thread's 16-byte copies back to back, so they are in
+    // flight together instead of one round trip each; keys past the range are zero-filled.
+    constexpr int LOADS = MMA_KEYS * D / 8 / MMA_THREADS;
+    size_t at[LOADS];
+#pragma unroll
+    for (int j = 0; j < LOADS; j++) {
+      const int i = tid + j * MMA_THREADS, k = kb + i / (D / 8);
+      at[j] = k < s_end ? (((size_t)table[k / block_size] * Hkv + hk) * block_size + k % block_size) * D +
+                              (i % (D / 8)) * 8
+                        : SIZE_MAX;
     }
+#pragma unroll
+    for (int j = 0; j < LOADS; j++) {
+      const int i = tid + j * MMA_THREADS, key = i / (D / 8), c = (i % (D / 8)) * 8;
+      const bool in = at[j] != SIZE_MAX;
+      cp_async16(&ks_[key][c], kc + (in ? at[j] : 0), in);
+      cp_async16(&vs_[key][c], vc + (in ? at[j] : 0), in);
+    }
+    asm volatile("cp.async.wait_all;\n" ::);
     __syncthreads();
     if (!active) continue;
     // S = Q K^T for this warp's 16 rows and the tile's 64 keys.
@@ -536,7 +553,7 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __res
 }
 
 #define ATTENTION_MMA(D)                                                                      \
-  extern "C" __global__ void __launch_bounds__(128) paged_attention_mma_d##D##_bf16(          \
+  extern "C" __global__ void __launch_bounds__(MMA_THREADS) paged_attention_mma_d##D##_bf16(          \
       const bf16* q, const bf16* kc, const bf16* vc, const uint32_t* cu_q,                    \
       const uint32_t* seq_k, const uint32_t* tables, int max_blocks, int num_seqs, int H,     \
       int Hkv, int block_size, float scale, int window, float softcap, int splits, bf16* out, \
