@@ -564,3 +564,42 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __res
   }
 ATTENTION_MMA(64)
 ATTENTION_MMA(128)
+
+// Row-wise argmax of f32 logits, ties to the lowest index (the CPU sampler's rule), NaN never
+// chosen. Grid: one block per row. Ours rather than candle's, whose launches upload their shape
+// from host memory and so cannot be replayed from a CUDA graph.
+extern "C" __global__ void argmax_f32(const float* x, uint32_t* out, int n) {
+  __shared__ float best_v[32];
+  __shared__ int best_i[32];
+  const float* row = x + (size_t)blockIdx.x * n;
+  float v = -INFINITY;
+  int idx = 0x7fffffff;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const float y = row[i];
+    if (y > v || (y == v && i < idx)) {
+      v = y;
+      idx = i;
+    }
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int round = 0; round < 2; round++) {
+    for (int o = 16; o > 0; o >>= 1) {
+      const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
+      const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+      if (v2 > v || (v2 == v && i2 < idx)) {
+        v = v2;
+        idx = i2;
+      }
+    }
+    if (round == 1) break;
+    if (lane == 0) {
+      best_v[warp] = v;
+      best_i[warp] = idx;
+    }
+    __syncthreads();
+    const bool have = lane < (int)(blockDim.x >> 5);
+    v = have ? best_v[lane] : -INFINITY;
+    idx = have ? best_i[lane] : 0x7fffffff;
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = idx == 0x7fffffff ? 0u : (uint32_t)idx;
+}

@@ -34,6 +34,8 @@ pub struct EngineArgs {
     pub prefix_caching: Option<HashAlgo>,
     pub device: DeviceKind,
     pub load_format: LoadFormat,
+    /// CUDA: launch every step's kernels one by one, never from a captured graph.
+    pub enforce_eager: bool,
 }
 
 /// Where the model runs (`--device`).
@@ -103,6 +105,7 @@ impl EngineArgs {
             prefix_caching: Some(HashAlgo::Sha256),
             device: DeviceKind::Cpu,
             load_format: LoadFormat::Auto,
+            enforce_eager: false,
         }
     }
 }

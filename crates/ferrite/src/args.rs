@@ -60,6 +60,9 @@ pub struct EngineFlags {
     /// alone (benchmarks; `MODEL` may then be a Hugging Face `config.json`).
     #[arg(long, default_value = "auto")]
     pub load_format: LoadFormat,
+    /// CUDA: never replay decode steps from captured CUDA graphs.
+    #[arg(long)]
+    pub enforce_eager: bool,
 }
 
 fn parse_weight_format(s: &str) -> Result<WeightFormat, String> {
@@ -91,6 +94,7 @@ impl EngineFlags {
                 .then_some(self.prefix_caching_hash_algo),
             device: self.device,
             load_format: self.load_format,
+            enforce_eager: self.enforce_eager,
         }
     }
 }

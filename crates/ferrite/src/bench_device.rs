@@ -125,7 +125,8 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
     let wbytes = model.weight_bytes() as f64;
     let max_batch = a.batch.iter().copied().max().unwrap_or(1);
     let blocks = (max_batch * a.context.div_ceil(BLOCK)).max(a.prompt_tokens.div_ceil(BLOCK));
-    model.allocate_cache(blocks, BLOCK)?;
+    // The last block is the decode graphs' scratch block.
+    model.allocate_cache(blocks + 1, BLOCK)?;
     model.randomize_cache()?;
     let kv_row = 2 * config.num_kv_heads * config.head_dim * 2 * config.num_layers;
     println!(
@@ -135,32 +136,42 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
         wbytes / 1e9,
         wbytes / copy_bw * 1e3
     );
-    println!("| decode batch | context | step ms | host enqueue ms | tokens/s | floor ms (weights + KV read) | step / floor |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|");
-    for &b in &a.batch {
-        let s = step(b, 1, a.context);
-        let t = median(a.repeats, || model.forward_argmax(&s).map(|_| ()))?;
-        // Host time to launch the step's work, the GPU still busy: the CPU-side floor.
-        let mut hosts = Vec::with_capacity(a.repeats);
-        for _ in 0..a.repeats {
-            let t0 = Instant::now();
-            let logits = model.forward_logits(&s)?;
-            hosts.push(t0.elapsed().as_secs_f64());
-            sync(&dev)?;
-            drop(logits);
+    println!("| decode batch | context | launch | step ms | host enqueue ms | tokens/s | floor ms (weights + KV read) | step / floor |");
+    println!("|---:|---:|---|---:|---:|---:|---:|---:|");
+    for graphs in [false, true] {
+        if graphs {
+            model.enable_decode_graphs(max_batch, blocks as u32)?;
         }
-        hosts.sort_by(f64::total_cmp);
-        let host = hosts[hosts.len() / 2];
-        let floor = (wbytes + (b * a.context * kv_row) as f64) / copy_bw;
-        println!(
-            "| {b} | {} | {:.3} | {:.3} | {:.0} | {:.3} | {:.2} |",
-            a.context,
-            t * 1e3,
-            host * 1e3,
-            b as f64 / t,
-            floor * 1e3,
-            t / floor
-        );
+        for &b in &a.batch {
+            let s = step(b, 1, a.context);
+            let t = median(a.repeats, || model.forward_argmax(&s).map(|_| ()))?;
+            // Host time to launch the step's work, the GPU still busy: the CPU-side floor.
+            let host = if graphs {
+                None
+            } else {
+                let mut hosts = Vec::with_capacity(a.repeats);
+                for _ in 0..a.repeats {
+                    let t0 = Instant::now();
+                    let logits = model.forward_logits(&s)?;
+                    hosts.push(t0.elapsed().as_secs_f64());
+                    sync(&dev)?;
+                    drop(logits);
+                }
+                hosts.sort_by(f64::total_cmp);
+                Some(hosts[hosts.len() / 2])
+            };
+            let floor = (wbytes + (b * a.context * kv_row) as f64) / copy_bw;
+            println!(
+                "| {b} | {} | {} | {:.3} | {} | {:.0} | {:.3} | {:.2} |",
+                a.context,
+                if graphs { "CUDA graph" } else { "eager" },
+                t * 1e3,
+                host.map_or("-".into(), |h| format!("{:.3}", h * 1e3)),
+                b as f64 / t,
+                floor * 1e3,
+                t / floor
+            );
+        }
     }
     // The matmuls of a decode step alone (every layer's four and the LM head, one row each):
     // what cuBLAS makes of reading the weights once.
@@ -245,6 +256,7 @@ fn attention_alone(
             num_seqs: batch,
             num_tokens: t,
             max_seq_len: ctx,
+            splits: None,
         };
         let ashape = AttentionShape {
             num_heads: c.num_heads,

@@ -31,11 +31,12 @@ pub struct Kernels {
     attention: CudaFunction,
     attention_mma: [CudaFunction; 2],
     merge_splits: CudaFunction,
+    argmax: CudaFunction,
     multiprocessors: u32,
 }
 
 /// Device address of a contiguous tensor's first element.
-fn ptr(t: &Tensor) -> Result<u64> {
+pub fn ptr(t: &Tensor) -> Result<u64> {
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cuda(s) = &*storage else {
         bail!("tensor is not on a CUDA device")
@@ -74,6 +75,9 @@ pub struct AttentionMeta<'a> {
     pub num_tokens: usize,
     /// Longest K/V length in the step (sizes the split of long decodes).
     pub max_seq_len: usize,
+    /// Splits of each key range, when fixed by the caller (a captured graph must not
+    /// depend on the step's lengths); `None`: chosen from the shape.
+    pub splits: Option<usize>,
 }
 
 pub struct AttentionShape {
@@ -129,6 +133,7 @@ impl Kernels {
                 f("paged_attention_mma_d128_bf16")?,
             ],
             merge_splits: f("merge_splits_bf16")?,
+            argmax: f("argmax_f32")?,
             multiprocessors,
             _module: module,
         })
@@ -146,6 +151,9 @@ impl Kernels {
                 }
                 DType::F32 => {
                     CudaStorage::wrap_cuda_slice(self.dev.alloc::<f32>(n)?, self.dev.clone())
+                }
+                DType::U32 => {
+                    CudaStorage::wrap_cuda_slice(self.dev.alloc::<u32>(n)?, self.dev.clone())
                 }
                 d => bail!("no kernel writes {d:?}"),
             }
@@ -218,6 +226,20 @@ impl Kernels {
             )
         }
         .context("cublasGemmEx")?;
+        Ok(out)
+    }
+
+    /// Index of each row's largest value, `[R]` u32 from f32 `[R, n]` logits.
+    pub fn argmax(&self, logits: &Tensor) -> Result<Tensor> {
+        let (r, n) = logits.dims2()?;
+        let out = self.output(r, DType::U32)?;
+        if r > 0 {
+            self.launch(
+                &self.argmax,
+                cfg((r as u32, 1, 1), 1024, 0),
+                &[Arg::P(ptr(logits)?), Arg::P(ptr(&out)?), Arg::I(n as i32)],
+            )?;
+        }
         Ok(out)
     }
 
@@ -356,10 +378,10 @@ impl Kernels {
             "{group} query heads per KV head (at most {ATTENTION_ROWS})"
         );
         // Tensor cores for the head sizes they serve; the CUDA-core kernel for the others.
-        let (f, rows) = match d {
-            64 => (&self.attention_mma[0], MMA_ROWS),
-            128 => (&self.attention_mma[1], MMA_ROWS),
-            256 => (&self.attention, ATTENTION_ROWS),
+        let f = match d {
+            64 => &self.attention_mma[0],
+            128 => &self.attention_mma[1],
+            256 => &self.attention,
             _ => bail!("head_dim {d} (the CUDA attention kernels take 64, 128, 256)"),
         };
         let t = meta.num_tokens;
@@ -367,8 +389,10 @@ impl Kernels {
         if t == 0 {
             return Ok(out);
         }
-        let tiles = t / (rows / group) + meta.num_seqs;
-        let splits = self.splits(tiles * hkv, meta.max_seq_len);
+        let tiles = attention_tiles(t, meta.num_seqs, d, group);
+        let splits = meta
+            .splits
+            .unwrap_or_else(|| self.splits(tiles * hkv, meta.max_seq_len));
         // Partials only when the key range is split.
         let (acc, ml) = if splits > 1 {
             (
@@ -425,10 +449,21 @@ impl Kernels {
     /// Splits of each tile's key range: enough programs for four per multiprocessor (a
     /// program walks its keys serially, so decodes need many in flight), no split shorter
     /// than 128 keys.
-    fn splits(&self, programs: usize, max_seq_len: usize) -> usize {
+    pub fn splits(&self, programs: usize, max_seq_len: usize) -> usize {
         let want = (4 * self.multiprocessors as usize).div_ceil(programs.max(1));
         want.min(max_seq_len.div_ceil(128)).max(1)
     }
+}
+
+/// Programs along the grid's x axis of the attention kernel for `head_dim`: a tile holds
+/// `rows / group` tokens of one request, and request i's tiles start at `cu_q[i] / TQ + i`.
+pub fn attention_tiles(tokens: usize, seqs: usize, head_dim: usize, group: usize) -> usize {
+    let rows = if head_dim == 256 {
+        ATTENTION_ROWS
+    } else {
+        MMA_ROWS
+    };
+    tokens / (rows / group) + seqs
 }
 
 /// A kernel argument: device pointer, int, float or size.

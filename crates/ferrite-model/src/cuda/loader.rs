@@ -1,6 +1,7 @@
 //! Start-up on a GPU: weights onto the device, one profiling step at the full token budget,
 //! the KV pool sized from the device's memory and reserved once.
 
+use super::graph::MAX_GRAPH_BATCH;
 use super::model::CudaModel;
 use super::weights::Weights;
 use crate::config::ModelConfig;
@@ -83,7 +84,10 @@ pub fn load(
         format!("cuda:{ordinal} ({gpu_name})"),
     )?;
     let tokens = args.max_num_batched_tokens.min(max_model_len);
-    let activation_bytes = profile_step(&mut model, tokens, args.block_size)?;
+    let mut activation_bytes = profile_step(&mut model, tokens, args.block_size)?;
+    if !args.enforce_eager {
+        activation_bytes += graph_bytes(&config, args.max_num_seqs.min(MAX_GRAPH_BATCH));
+    }
     let (_, total) = ctx.mem_get_info()?;
     let row = config.num_kv_heads * config.head_dim;
     let bytes_per_block = KvCache::bytes_per_block(args.block_size, row, config.num_layers) as u64;
@@ -98,7 +102,11 @@ pub fn load(
         max_model_len,
         max_num_seqs: args.max_num_seqs,
     })?;
-    model.allocate_cache(plan.num_blocks, args.block_size)?;
+    // One block more than the scheduler hands out: decode graphs pad into it.
+    model.allocate_cache(plan.num_blocks + 1, args.block_size)?;
+    if !args.enforce_eager {
+        model.enable_decode_graphs(args.max_num_seqs, plan.num_blocks as u32)?;
+    }
     let scheduler = SchedulerConfig {
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_num_seqs: args.max_num_seqs,
@@ -114,6 +122,28 @@ pub fn load(
         plan,
         config,
     })
+}
+
+/// Every intermediate tensor of one token's pass through a layer (and the step's inputs).
+fn bytes_per_token(c: &ModelConfig) -> usize {
+    let q_w = c.num_heads * c.head_dim;
+    4 * c.hidden_size
+        + 2 * (3 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+        + 2 * 2 * q_w
+        + 2 * 3 * c.intermediate_size
+        + 4 * 8
+}
+
+/// What the decode graphs keep allocated: each bucket's intermediates, f32 logits and
+/// attention partials, captured once and held for the life of the engine.
+fn graph_bytes(c: &ModelConfig, max_batch: usize) -> u64 {
+    let mut b = 1;
+    let mut total = 0;
+    while b <= max_batch.next_power_of_two() {
+        total += b * (bytes_per_token(c) + 8 * c.vocab_size) + (4 << 20);
+        b *= 2;
+    }
+    total as u64
 }
 
 /// Runs one step of `tokens` prompt tokens against a scratch cache (compiling nothing: the
@@ -140,14 +170,8 @@ fn profile_step(model: &mut CudaModel, tokens: usize, block_size: usize) -> Resu
     model.forward_logits(&step)?;
     dev.cuda_stream().synchronize()?;
     let (free_after, _) = ctx.mem_get_info()?;
-    let q_w = c.num_heads * c.head_dim;
-    let per_token = 4 * c.hidden_size
-        + 2 * (3 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
-        + 2 * 2 * q_w
-        + 2 * 3 * c.intermediate_size
-        + 4 * 8;
     const CUBLAS_WORKSPACE: usize = 64 << 20;
-    let counted = (tokens * per_token + c.vocab_size * 6 + CUBLAS_WORKSPACE) as u64;
+    let counted = (tokens * bytes_per_token(&c) + c.vocab_size * 8 + CUBLAS_WORKSPACE) as u64;
     model.allocate_cache(0, block_size)?;
     Ok(counted.max(free_before.saturating_sub(free_after) as u64))
 }

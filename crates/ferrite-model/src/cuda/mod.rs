@@ -1,6 +1,7 @@
 //! The CUDA backend (cargo feature `cuda`): bf16 weights on one GPU, ferrite's own kernels for
 //! attention, the KV write, norms and activations, cuBLAS (cublasGemmEx) for the matmuls.
 
+pub mod graph;
 pub mod kernels;
 pub mod loader;
 pub mod model;

@@ -1,6 +1,7 @@
 //! The Llama family on a CUDA GPU as one packed forward pass per step: bf16 weights, matmuls
 //! through cuBLAS (cublasGemmEx), everything else in ferrite's kernels; the residual stream in f32.
 
+use super::graph::DecodeGraphs;
 use super::kernels::{AttentionMeta, AttentionShape, Kernels, QkvParams};
 use super::weights::Weights;
 use crate::config::{ModelConfig, RopeStyle};
@@ -9,6 +10,23 @@ use crate::runner::StepModel;
 use crate::step::PackedStep;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
+
+/// A step's index arrays on the device (see [`PackedStep`]).
+pub struct StepInputs {
+    pub ids: Tensor,
+    pub positions: Tensor,
+    pub slots: Tensor,
+    pub cu_seqlens_q: Tensor,
+    pub seq_lens_k: Tensor,
+    /// `[num_seqs, max_blocks]`
+    pub block_tables: Tensor,
+    pub rows: Tensor,
+    pub max_blocks: usize,
+    /// Longest K/V length, or the longest the inputs may ever hold (graphs).
+    pub max_seq_len: usize,
+    /// Fixed attention splits (graphs); `None`: chosen from the shape.
+    pub splits: Option<usize>,
+}
 
 pub struct CudaModel {
     pub config: ModelConfig,
@@ -23,6 +41,7 @@ pub struct CudaModel {
     max_positions: usize,
     logits: Vec<f32>,
     name: String,
+    graphs: DecodeGraphs,
 }
 
 impl CudaModel {
@@ -56,6 +75,7 @@ impl CudaModel {
             max_positions,
             logits: Vec::new(),
             name,
+            graphs: DecodeGraphs::default(),
             device,
         })
     }
@@ -100,13 +120,28 @@ impl CudaModel {
         Ok(Tensor::from_slice(v, v.len(), &self.device)?)
     }
 
-    /// Runs the step; `[logits_indices.len(), vocab]` f32 logits on the device.
-    pub fn forward_logits(&self, step: &PackedStep) -> Result<Tensor> {
-        let c = &self.config;
-        let w = &self.weights;
-        if self.cache.is_empty() {
-            bail!("KV cache not allocated");
-        }
+    /// Replays decode-only steps of up to `max_batch` requests from CUDA graphs, padding
+    /// rows writing into `scratch_block`, a block the scheduler never hands out.
+    pub fn enable_decode_graphs(&mut self, max_batch: usize, scratch_block: u32) -> Result<()> {
+        let Device::Cuda(dev) = &self.device else {
+            bail!("not a CUDA device")
+        };
+        self.graphs = DecodeGraphs::new(
+            dev,
+            max_batch,
+            scratch_block,
+            self.block_size,
+            self.max_positions,
+        )?;
+        Ok(())
+    }
+
+    pub fn kernels(&self) -> &Kernels {
+        &self.kernels
+    }
+
+    /// Positions and token ids within what the model serves.
+    pub fn check(&self, step: &PackedStep) -> Result<()> {
         if let Some(&p) = step.positions.iter().max() {
             if p as usize >= self.max_positions {
                 bail!(
@@ -115,36 +150,58 @@ impl CudaModel {
                 );
             }
         }
-        if let Some(&id) = step
-            .input_ids
-            .iter()
-            .find(|&&id| id as usize >= c.vocab_size)
-        {
-            bail!(
-                "token id {id} is outside the vocabulary of {}",
-                c.vocab_size
-            );
+        let vocab = self.config.vocab_size;
+        if let Some(&id) = step.input_ids.iter().find(|&&id| id as usize >= vocab) {
+            bail!("token id {id} is outside the vocabulary of {vocab}");
         }
-        let t = step.num_tokens();
-        let ids = self.u32s(&step.input_ids)?;
-        let positions = self.u32s(&step.positions)?;
-        let slots = self.u32s(&step.slot_mapping)?;
-        let cu_q = self.u32s(&step.cu_seqlens_q)?;
-        let seq_k = self.u32s(&step.seq_lens_k)?;
-        let tables = if step.block_tables.is_empty() {
-            self.u32s(&[0])?
-        } else {
-            self.u32s(&step.block_tables)?
-        };
-        let rows = self.u32s(&step.logits_indices)?;
-        let meta = AttentionMeta {
-            cu_seqlens_q: &cu_q,
-            seq_lens_k: &seq_k,
-            block_tables: &tables,
+        Ok(())
+    }
+
+    /// Checks the step and copies its index arrays to the device.
+    pub fn upload(&self, step: &PackedStep) -> Result<StepInputs> {
+        self.check(step)?;
+        Ok(StepInputs {
+            ids: self.u32s(&step.input_ids)?,
+            positions: self.u32s(&step.positions)?,
+            slots: self.u32s(&step.slot_mapping)?,
+            cu_seqlens_q: self.u32s(&step.cu_seqlens_q)?,
+            seq_lens_k: self.u32s(&step.seq_lens_k)?,
+            block_tables: if step.block_tables.is_empty() {
+                self.u32s(&[0])?
+            } else {
+                self.u32s(&step.block_tables)?
+            },
+            rows: self.u32s(&step.logits_indices)?,
             max_blocks: step.max_blocks,
-            num_seqs: step.num_seqs(),
-            num_tokens: t,
             max_seq_len: step.seq_lens_k.iter().copied().max().unwrap_or(0) as usize,
+            splits: None,
+        })
+    }
+
+    /// Runs the step; `[logits_indices.len(), vocab]` f32 logits on the device.
+    pub fn forward_logits(&self, step: &PackedStep) -> Result<Tensor> {
+        self.run(&self.upload(step)?)
+    }
+
+    /// The forward pass over inputs already on the device. It only launches work (no host
+    /// copies, no synchronization), so a CUDA graph can capture it.
+    pub fn run(&self, inp: &StepInputs) -> Result<Tensor> {
+        let c = &self.config;
+        let w = &self.weights;
+        if self.cache.is_empty() {
+            bail!("KV cache not allocated");
+        }
+        let t = inp.ids.dim(0)?;
+        let (ids, positions, slots, rows) = (&inp.ids, &inp.positions, &inp.slots, &inp.rows);
+        let meta = AttentionMeta {
+            cu_seqlens_q: &inp.cu_seqlens_q,
+            seq_lens_k: &inp.seq_lens_k,
+            block_tables: &inp.block_tables,
+            max_blocks: inp.max_blocks,
+            num_seqs: inp.seq_lens_k.dim(0)?,
+            num_tokens: t,
+            max_seq_len: inp.max_seq_len,
+            splits: inp.splits,
         };
         let shape = AttentionShape {
             num_heads: c.num_heads,
@@ -157,15 +214,15 @@ impl CudaModel {
         };
         let k = &self.kernels;
         let eps = c.rms_norm_eps;
-        let x = k.embed(&ids, &w.embedding)?;
+        let x = k.embed(ids, &w.embedding)?;
         let mut delta: Option<Tensor> = None;
         for (l, (kc, vc)) in w.layers.iter().zip(&self.cache) {
             let normed = k.add_rms_norm(&x, delta.as_ref(), None, &l.attn_norm, eps)?;
             let qkv = k.matmul_nt(&normed, &l.qkv, DType::BF16)?;
             let q = k.qkv_rope_write(
                 &qkv,
-                &positions,
-                &slots,
+                positions,
+                slots,
                 kc,
                 vc,
                 &shape,
@@ -188,24 +245,41 @@ impl CudaModel {
             delta = Some(k.matmul_nt(&act, &l.down, DType::BF16)?);
         }
         // Only the rows that need logits get the last residual add, the final norm and the head.
-        let last = k.add_rms_norm(&x, delta.as_ref(), Some(&rows), &w.final_norm, eps)?;
+        let last = k.add_rms_norm(&x, delta.as_ref(), Some(rows), &w.final_norm, eps)?;
         k.matmul_nt(&last, &w.lm_head, DType::F32)
+    }
+}
+
+impl CudaModel {
+    /// The step's logits and argmax rows from a graph replay, when a graph serves it.
+    fn replay(&mut self, step: &PackedStep) -> Result<Option<(Tensor, Tensor)>> {
+        let mut graphs = std::mem::take(&mut self.graphs);
+        let b = step.num_seqs();
+        let out = graphs.replay(self, step).and_then(|g| {
+            g.map(|g| Ok((g.logits.narrow(0, 0, b)?, g.argmax.narrow(0, 0, b)?)))
+                .transpose()
+        });
+        self.graphs = graphs;
+        out
     }
 }
 
 impl StepModel for CudaModel {
     fn forward(&mut self, step: &PackedStep) -> Result<&mut [f32]> {
-        let logits = self.forward_logits(step)?;
+        let logits = match self.replay(step)? {
+            Some((logits, _)) => logits,
+            None => self.forward_logits(step)?,
+        };
         self.logits = logits.flatten_all()?.to_vec1()?;
         Ok(&mut self.logits)
     }
 
     fn forward_argmax(&mut self, step: &PackedStep) -> Result<Vec<u32>> {
-        let logits = self.forward_logits(step)?;
-        if logits.dim(0)? == 0 {
-            return Ok(Vec::new());
+        if let Some((_, argmax)) = self.replay(step)? {
+            return Ok(argmax.to_vec1()?);
         }
-        Ok(logits.argmax(1)?.to_vec1()?)
+        let logits = self.forward_logits(step)?;
+        Ok(self.kernels.argmax(&logits)?.to_vec1()?)
     }
 
     fn vocab_size(&self) -> usize {
