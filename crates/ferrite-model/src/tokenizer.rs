@@ -53,13 +53,18 @@ impl ModelTokenizer {
         })
     }
 
-    /// For a model given by its config alone (`--load-format dummy`): `tokenizer.json`
-    /// beside the config when there is one, else a placeholder vocabulary in which token `i`
-    /// is the word `<i>`, so token ids still decode to text.
-    pub fn for_config(config_path: &std::path::Path, vocab_size: usize) -> Result<Self> {
-        let beside = config_path.with_file_name("tokenizer.json");
-        let tokenizer = if beside.exists() {
-            load_json(&beside)?
+    /// For a Hugging Face model folder: `tokenizer.json` beside `config.json` (else, for
+    /// `--load-format dummy`, a placeholder vocabulary in which token `i` is the word `<i>`),
+    /// BOS/EOS ids from `config.json` and `generation_config.json`, and the chat template from
+    /// `tokenizer_config.json`.
+    pub fn for_config(config_path: &Path, vocab_size: usize) -> Result<Self> {
+        let beside = |name: &str| config_path.with_file_name(name);
+        let json = |name: &str| -> Option<Value> {
+            let text = std::fs::read_to_string(beside(name)).ok()?;
+            serde_json::from_str(&text).ok()
+        };
+        let tokenizer = if beside("tokenizer.json").exists() {
+            load_json(&beside("tokenizer.json"))?
         } else {
             let vocab = (0..vocab_size as u32)
                 .map(|i| (format!("<{i}>"), i))
@@ -68,17 +73,50 @@ impl ModelTokenizer {
                 .vocab(vocab)
                 .unk_token("<0>".into())
                 .build()
-                .map_err(|e| anyhow::anyhow!("placeholder vocabulary: {e}"))?;
+                .map_err(|e| anyhow!("placeholder vocabulary: {e}"))?;
             let mut t = Tokenizer::new(model);
-            t.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::whitespace::Whitespace {}));
+            t.with_pre_tokenizer(Some(
+                tokenizers::pre_tokenizers::whitespace::WhitespaceSplit,
+            ));
             t
         };
+        // An id or a list of ids.
+        let ids = |v: Option<&Value>| -> Vec<u32> {
+            match v {
+                Some(Value::Number(n)) => n.as_u64().map(|n| n as u32).into_iter().collect(),
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .filter_map(|n| n.as_u64())
+                    .map(|n| n as u32)
+                    .collect(),
+                _ => Vec::new(),
+            }
+        };
+        let config = json("config.json");
+        let generation = json("generation_config.json");
+        let mut eos = ids(config.as_ref().and_then(|c| c.get("eos_token_id")));
+        eos.extend(ids(generation.as_ref().and_then(|c| c.get("eos_token_id"))));
+        eos.sort_unstable();
+        eos.dedup();
+        let chat_template =
+            json("tokenizer_config.json").and_then(|t| match t.get("chat_template") {
+                Some(Value::String(s)) => Some(s.clone()),
+                // A list of named templates: the default one.
+                Some(Value::Array(named)) => named
+                    .iter()
+                    .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                    .and_then(|t| t.get("template")?.as_str().map(str::to_string)),
+                _ => None,
+            });
         Ok(Self {
             tokenizer,
-            bos_token_id: None,
-            eos_token_ids: Vec::new(),
+            bos_token_id: ids(config.as_ref().and_then(|c| c.get("bos_token_id")))
+                .first()
+                .copied(),
+            eos_token_ids: eos,
+            // tokenizer.json's post-processor adds BOS itself where the model wants one.
             add_bos: false,
-            chat_template: None,
+            chat_template,
         })
     }
 

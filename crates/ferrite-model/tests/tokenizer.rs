@@ -175,3 +175,28 @@ fn sentencepiece_vocabulary_from_gguf_metadata() {
     );
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A Hugging Face folder without tokenizer.json (`--load-format dummy`): placeholder words,
+/// EOS ids from config.json and generation_config.json, the default chat template.
+#[test]
+fn hf_folder_ids_template_and_placeholder_vocabulary() {
+    let dir = std::env::temp_dir().join(format!("ferrite-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, text: &str| std::fs::write(dir.join(name), text).unwrap();
+    write(
+        "config.json",
+        r#"{"model_type": "llama", "bos_token_id": 1, "eos_token_id": [2, 7]}"#,
+    );
+    write("generation_config.json", r#"{"eos_token_id": 9}"#);
+    write(
+        "tokenizer_config.json",
+        r#"{"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "{{ messages }}"}]}"#,
+    );
+    let t = ModelTokenizer::for_config(&dir.join("config.json"), 12).unwrap();
+    assert_eq!(t.bos_token_id, Some(1));
+    assert_eq!(t.eos_token_ids, vec![2, 7, 9]);
+    assert_eq!(t.chat_template.as_deref(), Some("{{ messages }}"));
+    assert_eq!(t.encode("<3> <11>", false).unwrap(), vec![3, 11]);
+    assert_eq!(t.decode(&[4, 5], false).unwrap(), "<4> <5>");
+    std::fs::remove_dir_all(dir).unwrap();
+}

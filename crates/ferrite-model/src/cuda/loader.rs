@@ -21,18 +21,22 @@ fn is_gguf(p: &Path) -> bool {
     p.extension().is_some_and(|e| e == "gguf")
 }
 
-/// `MODEL` for `--load-format dummy`: a GGUF (its metadata), a `config.json`, or a folder
-/// holding one.
-fn dummy_config(model: &Path) -> Result<(ModelConfig, ModelTokenizer)> {
+/// A Hugging Face model given as its folder or its `config.json`: the config's path.
+fn hf_config_path(model: &Path) -> PathBuf {
+    if model.is_dir() {
+        model.join("config.json")
+    } else {
+        model.to_path_buf()
+    }
+}
+
+/// Config and tokenizer of `MODEL`: a GGUF (its metadata) or a Hugging Face config.
+fn config_and_tokenizer(model: &Path) -> Result<(ModelConfig, ModelTokenizer)> {
     if is_gguf(model) {
         let g = GgufFile::open(model)?;
         return Ok((ModelConfig::from_gguf(&g)?, ModelTokenizer::load(&g)?));
     }
-    let path: PathBuf = if model.is_dir() {
-        model.join("config.json")
-    } else {
-        model.to_path_buf()
-    };
+    let path = hf_config_path(model);
     let config = ModelConfig::from_hf_config(&path)?;
     let tokenizer = ModelTokenizer::for_config(&path, config.vocab_size)?;
     Ok((config, tokenizer))
@@ -51,18 +55,19 @@ pub fn load(
     let gpu_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
     let (config, tokenizer, weights) = match args.load_format {
         LoadFormat::Dummy => {
-            let (config, tokenizer) = dummy_config(&args.model)?;
+            let (config, tokenizer) = config_and_tokenizer(&args.model)?;
             let weights = Weights::dummy(&config, &device, progress)?;
             (config, tokenizer, weights)
         }
+        LoadFormat::Auto if !is_gguf(&args.model) => {
+            // A Hugging Face checkpoint: config.json, tokenizer.json and *.safetensors.
+            let (config, tokenizer) = config_and_tokenizer(&args.model)?;
+            let path = hf_config_path(&args.model);
+            let dir = path.parent().unwrap_or(Path::new("."));
+            let weights = Weights::from_safetensors(dir, &config, &device, progress)?;
+            (config, tokenizer, weights)
+        }
         LoadFormat::Auto => {
-            if !is_gguf(&args.model) {
-                bail!(
-                    "--device cuda loads GGUF files (or a config.json with --load-format dummy); \
-                     got {}",
-                    args.model.display()
-                );
-            }
             let mut g = GgufFile::open(&args.model)?;
             let config = ModelConfig::from_gguf(&g)?;
             let tokenizer = ModelTokenizer::load(&g)?;

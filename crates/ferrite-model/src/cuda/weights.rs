@@ -1,10 +1,12 @@
-//! bf16 weights on the GPU, from a GGUF file (dequantized on the host) or random from the
-//! config alone (`--load-format dummy`). Q|K|V and gate|up are stacked so each is one matmul.
+//! bf16 weights on the GPU: from a Hugging Face safetensors checkpoint, from a GGUF file
+//! (dequantized on the host), or random from the config alone (`--load-format dummy`). Q|K|V and gate|up are stacked so each is one matmul.
 
 use crate::config::ModelConfig;
 use crate::gguf::GgufFile;
-use anyhow::Result;
+use anyhow::{bail, Context, Result};
+use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
+use std::path::{Path, PathBuf};
 
 pub struct LayerWeights {
     pub attn_norm: Tensor,
@@ -94,6 +96,86 @@ impl Weights {
             layers,
             final_norm,
             lm_head,
+        })
+    }
+
+    /// A Hugging Face checkpoint: every `*.safetensors` file in `dir` (Llama, Mistral, Qwen2
+    /// with its QKV bias, Qwen3 with its Q/K norms), converted to bf16 on `dev`.
+    pub fn from_safetensors(
+        dir: &Path,
+        config: &ModelConfig,
+        dev: &Device,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<Self> {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+            .with_context(|| format!("reading {}", dir.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            bail!("no *.safetensors files in {}", dir.display());
+        }
+        // SAFETY: the files are mapped read-only and not modified while the weights load.
+        let st = unsafe { MmapedSafetensors::multi(&files)? };
+        let get = |name: &str| -> Result<Tensor> {
+            Ok(st
+                .load(name, dev)
+                .with_context(|| format!("tensor {name} in {}", dir.display()))?
+                .to_dtype(DType::BF16)?)
+        };
+        let has = |name: &str| st.get(name).is_ok();
+        let embedding = get("model.embed_tokens.weight")?;
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for i in 0..config.num_layers {
+            let p = format!("model.layers.{i}");
+            let t = |n: &str| get(&format!("{p}.{n}"));
+            let qkv_bias = if has(&format!("{p}.self_attn.q_proj.bias")) {
+                Some(Tensor::cat(
+                    &[
+                        t("self_attn.q_proj.bias")?,
+                        t("self_attn.k_proj.bias")?,
+                        t("self_attn.v_proj.bias")?,
+                    ],
+                    0,
+                )?)
+            } else {
+                None
+            };
+            let norm = |n: &str| -> Result<Option<Tensor>> {
+                let name = format!("{p}.self_attn.{n}.weight");
+                Ok(if has(&name) { Some(get(&name)?) } else { None })
+            };
+            layers.push(LayerWeights {
+                attn_norm: t("input_layernorm.weight")?,
+                qkv: Tensor::cat(
+                    &[
+                        t("self_attn.q_proj.weight")?,
+                        t("self_attn.k_proj.weight")?,
+                        t("self_attn.v_proj.weight")?,
+                    ],
+                    0,
+                )?,
+                qkv_bias,
+                q_norm: norm("q_norm")?,
+                k_norm: norm("k_norm")?,
+                o: t("self_attn.o_proj.weight")?,
+                ffn_norm: t("post_attention_layernorm.weight")?,
+                gate_up: Tensor::cat(&[t("mlp.gate_proj.weight")?, t("mlp.up_proj.weight")?], 0)?,
+                down: t("mlp.down_proj.weight")?,
+            });
+            progress(i + 1, config.num_layers);
+        }
+        Ok(Self {
+            lm_head: if has("lm_head.weight") {
+                get("lm_head.weight")?
+            } else {
+                // Tied embeddings.
+                embedding.clone()
+            },
+            final_norm: get("model.norm.weight")?,
+            embedding,
+            layers,
         })
     }
 
