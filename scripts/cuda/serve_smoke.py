@@ -42,6 +42,12 @@ status, err = post("/v1/chat/completions", {"model": model, "messages": msgs, "m
 assert status == 400 and "error" in err, (status, err)
 print(f"bad request: {status} {err['error']['message']!r}")
 
+seeded = [post("/v1/completions", {"model": model, "prompt": "The sea was", "max_tokens": 32,
+                                   "temperature": 1.0, "seed": 42})[1]["choices"][0]["text"]
+          for _ in range(2)]
+assert seeded[0] == seeded[1], seeded
+print(f"seeded sampling (temperature 1, seed 42) twice: same {len(seeded[0])} characters")
+
 results = []
 
 

@@ -565,41 +565,71 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __res
 ATTENTION_MMA(64)
 ATTENTION_MMA(128)
 
-// Row-wise argmax of f32 logits, ties to the lowest index (the CPU sampler's rule), NaN never
-// chosen. Grid: one block per row. Ours rather than candle's, whose launches upload their shape
-// from host memory and so cannot be replayed from a CUDA graph.
-extern "C" __global__ void argmax_f32(const float* x, uint32_t* out, int n) {
+// The better of two (value, index) candidates: larger value, ties to the lower index.
+__device__ __forceinline__ void keep_best(float& v, int& idx, float v2, int i2) {
+  if (v2 > v || (v2 == v && i2 < idx)) {
+    v = v2;
+    idx = i2;
+  }
+}
+
+// Best (value, index) over the block; every thread gets the result.
+__device__ void block_best(float& v, int& idx) {
   __shared__ float best_v[32];
   __shared__ int best_i[32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int o = 16; o > 0; o >>= 1)
+    keep_best(v, idx, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, idx, o));
+  if (lane == 0) {
+    best_v[warp] = v;
+    best_i[warp] = idx;
+  }
+  __syncthreads();
+  const bool have = lane < (int)(blockDim.x >> 5);
+  v = have ? best_v[lane] : -INFINITY;
+  idx = have ? best_i[lane] : 0x7fffffff;
+  for (int o = 16; o > 0; o >>= 1)
+    keep_best(v, idx, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, idx, o));
+  __syncthreads();
+}
+
+// SplitMix64 of (key, token): the row's noise for one token, a pure function of both, so a
+// seeded request draws the same token whatever else shares the step.
+__device__ __forceinline__ float uniform01(uint64_t key, uint32_t token) {
+  uint64_t z = key ^ ((uint64_t)token * 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return ((float)(z >> 40) + 0.5f) * (1.0f / 16777216.0f);  // in (0, 1)
+}
+
+// One token per row of f32 logits `[R, n]`; `params[4r..4r+4]` = {temperature (f32 bits),
+// min_p (f32 bits), key low, key high}. Temperature 0: argmax, ties to the lowest index.
+// Otherwise a draw from softmax(logits / T) by the Gumbel-max trick (argmax of l/T + Gumbel
+// noise: no softmax, no sort), among tokens with p >= min_p * p_max, i.e. l >= l_max +
+// T ln(min_p). NaN and -inf are never drawn. Grid: one block per row.
+extern "C" __global__ void sample_rows_f32(const float* x, const uint32_t* params, uint32_t* out,
+                                           int n) {
   const float* row = x + (size_t)blockIdx.x * n;
+  const uint32_t* p = params + 4 * blockIdx.x;
+  const float temperature = __uint_as_float(p[0]), min_p = __uint_as_float(p[1]);
+  const uint64_t key = (uint64_t)p[2] | ((uint64_t)p[3] << 32);
   float v = -INFINITY;
   int idx = 0x7fffffff;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const float y = row[i];
-    if (y > v || (y == v && i < idx)) {
-      v = y;
-      idx = i;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) keep_best(v, idx, row[i], i);
+  block_best(v, idx);
+  if (temperature > 0.f && v > -INFINITY) {
+    const float floor = min_p > 0.f ? v + temperature * logf(min_p) : -INFINITY;
+    const float inv_t = 1.f / temperature;
+    float g = -INFINITY;
+    int gi = 0x7fffffff;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const float l = row[i];
+      if (!(l >= floor) || l == -INFINITY) continue;  // also drops NaN
+      keep_best(g, gi, l * inv_t - logf(-logf(uniform01(key, i))), i);
     }
-  }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int round = 0; round < 2; round++) {
-    for (int o = 16; o > 0; o >>= 1) {
-      const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
-      const int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
-      if (v2 > v || (v2 == v && i2 < idx)) {
-        v = v2;
-        idx = i2;
-      }
-    }
-    if (round == 1) break;
-    if (lane == 0) {
-      best_v[warp] = v;
-      best_i[warp] = idx;
-    }
-    __syncthreads();
-    const bool have = lane < (int)(blockDim.x >> 5);
-    v = have ? best_v[lane] : -INFINITY;
-    idx = have ? best_i[lane] : 0x7fffffff;
+    block_best(g, gi);
+    if (gi != 0x7fffffff) idx = gi;
   }
   if (threadIdx.x == 0) out[blockIdx.x] = idx == 0x7fffffff ? 0u : (uint32_t)idx;
 }

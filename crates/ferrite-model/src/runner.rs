@@ -20,10 +20,33 @@ pub trait StepModel: Send {
         Ok(self.forward(step)?.chunks(vocab).map(argmax).collect())
     }
 
+    /// Whether [`StepModel::forward_draw`] works: the device samples in place.
+    fn draws_on_device(&self) -> bool {
+        false
+    }
+
+    /// Runs the step and draws each logits row's token on the device.
+    fn forward_draw(&mut self, _step: &PackedStep, _draws: &[RowDraw]) -> Result<Vec<u32>> {
+        anyhow::bail!("this backend samples on the host")
+    }
+
     fn vocab_size(&self) -> usize;
 
     /// Backend, threads and weight format, for the start-up log line.
     fn describe(&self) -> String;
+}
+
+/// How one logits row becomes a token on the device.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RowDraw {
+    Greedy,
+    /// From softmax(logits / temperature) among tokens with p >= min_p * p_max; `key` fixes
+    /// the row's noise (from the request's seed and token index, or from the engine's RNG).
+    Sample {
+        temperature: f32,
+        min_p: f32,
+        key: u64,
+    },
 }
 
 pub struct ModelRunner {
@@ -32,12 +55,14 @@ pub struct ModelRunner {
     block_size: usize,
 }
 
-/// A sampled row that needs nothing but the argmax of the raw logits.
-fn plain_greedy(spec: &SampleSpec) -> bool {
-    spec.params.is_greedy()
-        && spec.params.logprobs.is_none()
+/// A sampled row that needs nothing a device draw lacks: no logprobs, bans or penalties, and
+/// no top-k / top-p cut (those need the row sorted).
+fn drawable(spec: &SampleSpec) -> bool {
+    let p = &spec.params;
+    p.logprobs.is_none()
         && spec.banned_token_ids.is_empty()
         && spec.penalty_context.is_none()
+        && (p.is_greedy() || (p.top_k().is_none() && p.top_p >= 1.0))
 }
 
 /// What a row of the logits matrix is for.
@@ -53,6 +78,18 @@ impl ModelRunner {
             model,
             sampler: Sampler::new(seed),
             block_size,
+        }
+    }
+
+    fn draw(&mut self, spec: &SampleSpec) -> RowDraw {
+        let p = &spec.params;
+        if p.is_greedy() {
+            return RowDraw::Greedy;
+        }
+        RowDraw::Sample {
+            temperature: p.temperature,
+            min_p: p.min_p,
+            key: self.sampler.row_key(spec),
         }
     }
 
@@ -85,24 +122,36 @@ impl Executor for ModelRunner {
     fn execute(&mut self, out: &SchedulerOutput) -> Result<StepOutput, ExecError> {
         let (step, uses) = self.pack(out);
         let mut result = StepOutput::default();
-        let all_plain_greedy = uses.iter().all(|u| match u {
-            RowUse::Sample(i) => out.requests[*i].sample.as_ref().is_some_and(plain_greedy),
-            RowUse::PromptLogprob(..) => false,
-        });
-        if all_plain_greedy {
-            let tokens = self.model.forward_argmax(&step)?;
-            for (token_id, u) in tokens.into_iter().zip(uses) {
-                if let RowUse::Sample(i) = u {
-                    result.sampled.insert(
-                        out.requests[i].req_id,
-                        SampledToken {
-                            token_id,
-                            logprobs: None,
-                        },
-                    );
+        let specs: Option<Vec<&SampleSpec>> = uses
+            .iter()
+            .map(|u| match u {
+                RowUse::Sample(i) => out.requests[*i].sample.as_ref(),
+                RowUse::PromptLogprob(..) => None,
+            })
+            .collect();
+        if let Some(specs) = specs.filter(|s| s.iter().all(|s| drawable(s))) {
+            let tokens = if specs.iter().all(|s| s.params.is_greedy()) {
+                Some(self.model.forward_argmax(&step)?)
+            } else if self.model.draws_on_device() {
+                let draws: Vec<RowDraw> = specs.iter().map(|s| self.draw(s)).collect();
+                Some(self.model.forward_draw(&step, &draws)?)
+            } else {
+                None
+            };
+            if let Some(tokens) = tokens {
+                for (token_id, u) in tokens.into_iter().zip(uses) {
+                    if let RowUse::Sample(i) = u {
+                        result.sampled.insert(
+                            out.requests[i].req_id,
+                            SampledToken {
+                                token_id,
+                                logprobs: None,
+                            },
+                        );
+                    }
                 }
+                return Ok(result);
             }
-            return Ok(result);
         }
         let vocab = self.model.vocab_size();
         let logits = self.model.forward(&step)?;

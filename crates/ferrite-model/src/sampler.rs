@@ -30,6 +30,15 @@ impl Sampler {
         }
     }
 
+    /// The key of a device draw: from the request's seed and token index when it has a seed
+    /// (reproducible whatever shares the step), else from the engine's RNG.
+    pub fn row_key(&mut self, spec: &SampleSpec) -> u64 {
+        match spec.params.seed {
+            Some(seed) => mix(seed, spec.output_index as u64),
+            None => self.rng.random(),
+        }
+    }
+
     pub fn sample(&mut self, logits: &mut [f32], spec: &SampleSpec) -> SampledToken {
         let p = &spec.params;
         // Logprobs describe the model's raw distribution, before bans and penalties.

@@ -8,7 +8,9 @@
 use candle_core::{DType, Device, Tensor};
 use ferrite_model::config::{ModelConfig, RopeStyle};
 use ferrite_model::cpu::CpuModel;
-use ferrite_model::cuda::kernels::{AttentionMeta, AttentionShape, Kernels, QkvParams};
+use ferrite_model::cuda::kernels::{
+    draw_params, AttentionMeta, AttentionShape, Kernels, QkvParams,
+};
 use ferrite_model::cuda::model::CudaModel;
 use ferrite_model::cuda::weights::Weights;
 use ferrite_model::gguf::GgufFile;
@@ -16,7 +18,7 @@ use ferrite_model::kv_cache::{CacheShape, KvCache};
 use ferrite_model::linear::WeightFormat;
 use ferrite_model::llama::LlamaModel;
 use ferrite_model::ops::RopeTable;
-use ferrite_model::runner::StepModel;
+use ferrite_model::runner::{RowDraw, StepModel};
 use ferrite_model::sampler::argmax;
 use ferrite_model::step::PackedStep;
 use ferrite_model::tokenizer::ModelTokenizer;
@@ -796,4 +798,52 @@ fn safetensors_checkpoint_matches_gguf() {
     // tokens carry that to a few hundredths of a logit on average (seen: 0.025, max 0.35).
     assert!(agree as f64 >= 0.99 * rows as f64, "{agree} of {rows}");
     assert!(mean < 0.05, "mean |dlogit| {mean}");
+}
+
+/// Draws on the device follow softmax(logits / T) cut at min-p (checked by frequency over
+/// many rows with their own keys), never pick -inf, repeat for the same key, and greedy rows
+/// take the first of tied maxima.
+#[test]
+fn device_draws_follow_the_distribution() {
+    let dev = device();
+    let k = kernels(&dev);
+    let row = [2.0f32, 1.0, 0.5, 0.0, -1.0, f32::NEG_INFINITY, 1.5, -3.0];
+    let (n, rows) = (row.len(), 16384);
+    let logits = Tensor::from_vec(row.repeat(rows), (rows, n), &dev).unwrap();
+    for (t, min_p) in [(0.7f32, 0.0f32), (1.3, 0.2)] {
+        let draws: Vec<RowDraw> = (0..rows as u64)
+            .map(|i| RowDraw::Sample {
+                temperature: t,
+                min_p,
+                key: i * 0x2545_F491_4F6C_DD1D + 17,
+            })
+            .collect();
+        let params = Tensor::from_vec(draw_params(&draws, rows), rows * 4, &dev).unwrap();
+        let tokens: Vec<u32> = k.sample_rows(&logits, &params).unwrap().to_vec1().unwrap();
+        let again: Vec<u32> = k.sample_rows(&logits, &params).unwrap().to_vec1().unwrap();
+        assert_eq!(tokens, again, "same keys, same tokens");
+        let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let w: Vec<f64> = row.iter().map(|&l| ((l - m) / t).exp() as f64).collect();
+        let kept: Vec<f64> = w
+            .iter()
+            .map(|&w| if w >= min_p as f64 { w } else { 0.0 })
+            .collect();
+        let z: f64 = kept.iter().sum();
+        let mut hist = vec![0usize; n];
+        tokens.iter().for_each(|&t| hist[t as usize] += 1);
+        for i in 0..n {
+            let (want, got) = (kept[i] / z, hist[i] as f64 / rows as f64);
+            println!("T={t} min_p={min_p} token {i}: want {want:.4} got {got:.4}");
+            if want == 0.0 {
+                assert_eq!(hist[i], 0, "token {i} is excluded");
+            } else {
+                // Binomial standard deviation at 16384 draws is at most 0.004.
+                assert!((want - got).abs() < 0.02, "token {i}: {want} vs {got}");
+            }
+        }
+    }
+    let ties = Tensor::from_vec(vec![1f32, 3.0, 3.0, 0.0], (1, 4), &dev).unwrap();
+    let greedy = Tensor::from_vec(draw_params(&[RowDraw::Greedy], 1), 4, &dev).unwrap();
+    let t: Vec<u32> = k.sample_rows(&ties, &greedy).unwrap().to_vec1().unwrap();
+    assert_eq!(t, vec![1]);
 }

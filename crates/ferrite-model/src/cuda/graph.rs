@@ -6,8 +6,9 @@
 //! addresses (filled before each launch), block tables as wide as the longest request,
 //! attention splits sized for the longest context, and cuBLAS's workspace.
 
-use super::kernels::{attention_tiles, ptr};
+use super::kernels::{attention_tiles, draw_params, ptr};
 use super::model::{CudaModel, StepInputs};
+use crate::runner::RowDraw;
 use crate::step::PackedStep;
 use anyhow::{ensure, Context, Result};
 use candle_core::cuda::cudarc::cublas::sys::{cublasSetWorkspace_v2, cublasStatus_t};
@@ -24,10 +25,12 @@ pub struct DecodeGraph {
     // Declared first: the graph goes before the tensors it allocated.
     graph: CudaGraph,
     inputs: StepInputs,
+    /// `[bucket * 4]` u32 draw parameters of each row, filled before each launch.
+    draws: Tensor,
     /// `[bucket, vocab]` f32, written by each launch.
     pub logits: Tensor,
-    /// `[bucket]` u32 argmax of `logits`.
-    pub argmax: Tensor,
+    /// `[bucket]` u32 tokens drawn from `logits`.
+    pub tokens: Tensor,
 }
 
 // SAFETY: CUDA graphs may move between threads as long as calls on one graph are serialized
@@ -115,10 +118,16 @@ impl DecodeGraphs {
         })
     }
 
-    /// Runs `step` from its bucket's graph (capturing it on first use) and returns that
-    /// graph, whose first `step.num_seqs()` rows are the step's; `None` when the step is not
-    /// a decode-only step that fits.
-    pub fn replay(&mut self, model: &CudaModel, step: &PackedStep) -> Result<Option<&DecodeGraph>> {
+    /// Runs `step` from its bucket's graph (capturing it on first use), drawing each row's
+    /// token as `draws` says (greedy where it says nothing), and returns that graph, whose
+    /// first `step.num_seqs()` rows are the step's; `None` when the step is not a decode-only
+    /// step that fits.
+    pub fn replay(
+        &mut self,
+        model: &CudaModel,
+        step: &PackedStep,
+        draws: &[RowDraw],
+    ) -> Result<Option<&DecodeGraph>> {
         let Some(b) = decode_batch(step) else {
             return Ok(None);
         };
@@ -161,6 +170,7 @@ impl DecodeGraphs {
         )?;
         copy_in(&stream, &g.inputs.seq_lens_k, &pad(&step.seq_lens_k, 1))?;
         copy_table(&stream, &g.inputs.block_tables, step, self.width)?;
+        copy_in(&stream, &g.draws, &draw_params(draws, bucket))?;
         g.graph.launch()?;
         Ok(Some(g))
     }
@@ -197,8 +207,9 @@ impl DecodeGraphs {
                     .splits(tiles * c.num_kv_heads, self.max_seq_len),
             ),
         };
+        let draws = u32s(&draw_params(&[], bucket), dev)?;
         // An eager run first, so every module is loaded outside the capture.
-        model.kernels().argmax(&model.run(&inputs)?)?;
+        model.kernels().sample_rows(&model.run(&inputs)?, &draws)?;
         let stream = cuda.cuda_stream();
         stream.synchronize()?;
         stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
@@ -206,19 +217,20 @@ impl DecodeGraphs {
         // host memory, which a replay would read after it is gone.
         let captured = model
             .run(&inputs)
-            .and_then(|l| Ok((model.kernels().argmax(&l)?, l)));
+            .and_then(|l| Ok((model.kernels().sample_rows(&l, &draws)?, l)));
         // Always end the capture, so a failure leaves the stream usable.
         let graph = stream.end_capture(
             sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
         );
-        let (argmax, logits) = captured?;
+        let (tokens, logits) = captured?;
         let graph = graph?.context("the capture recorded nothing")?;
         graph.upload()?;
         Ok(DecodeGraph {
             graph,
             inputs,
+            draws,
             logits,
-            argmax,
+            tokens,
         })
     }
 }

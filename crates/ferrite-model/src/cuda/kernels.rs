@@ -1,6 +1,7 @@
 //! Launches of ferrite's own CUDA kernels (`kernels/ferrite.cu`), on candle tensors: each
 //! wrapper checks shapes, allocates its output on the device's stream and launches once.
 
+use crate::runner::RowDraw;
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::cuda::cudarc::driver::{
     CudaFunction, CudaModule, DevicePtr, LaunchConfig, PushKernelArg,
@@ -31,7 +32,7 @@ pub struct Kernels {
     attention: CudaFunction,
     attention_mma: [CudaFunction; 2],
     merge_splits: CudaFunction,
-    argmax: CudaFunction,
+    sample_rows: CudaFunction,
     multiprocessors: u32,
 }
 
@@ -133,7 +134,7 @@ impl Kernels {
                 f("paged_attention_mma_d128_bf16")?,
             ],
             merge_splits: f("merge_splits_bf16")?,
-            argmax: f("argmax_f32")?,
+            sample_rows: f("sample_rows_f32")?,
             multiprocessors,
             _module: module,
         })
@@ -229,15 +230,22 @@ impl Kernels {
         Ok(out)
     }
 
-    /// Index of each row's largest value, `[R]` u32 from f32 `[R, n]` logits.
-    pub fn argmax(&self, logits: &Tensor) -> Result<Tensor> {
+    /// One token per row of f32 `[R, n]` logits, as `params` (`[R * 4]` u32, see
+    /// [`draw_params`]) say: greedy, or drawn on the device from the row's own key.
+    pub fn sample_rows(&self, logits: &Tensor, params: &Tensor) -> Result<Tensor> {
         let (r, n) = logits.dims2()?;
+        ensure!(params.dim(0)? >= 4 * r, "draw parameters for {r} rows");
         let out = self.output(r, DType::U32)?;
         if r > 0 {
             self.launch(
-                &self.argmax,
+                &self.sample_rows,
                 cfg((r as u32, 1, 1), 1024, 0),
-                &[Arg::P(ptr(logits)?), Arg::P(ptr(&out)?), Arg::I(n as i32)],
+                &[
+                    Arg::P(ptr(logits)?),
+                    Arg::P(ptr(params)?),
+                    Arg::P(ptr(&out)?),
+                    Arg::I(n as i32),
+                ],
             )?;
         }
         Ok(out)
@@ -464,6 +472,28 @@ pub fn attention_tiles(tokens: usize, seqs: usize, head_dim: usize, group: usize
         MMA_ROWS
     };
     tokens / (rows / group) + seqs
+}
+
+/// `sample_rows`' parameters: per row temperature and min-p as f32 bits and the 64-bit key;
+/// greedy rows are all zeros. Padded with greedy rows up to `rows`.
+pub fn draw_params(draws: &[RowDraw], rows: usize) -> Vec<u32> {
+    let mut p = vec![0u32; 4 * rows.max(draws.len())];
+    for (d, out) in draws.iter().zip(p.chunks_mut(4)) {
+        if let RowDraw::Sample {
+            temperature,
+            min_p,
+            key,
+        } = *d
+        {
+            out.copy_from_slice(&[
+                temperature.to_bits(),
+                min_p.to_bits(),
+                key as u32,
+                (key >> 32) as u32,
+            ]);
+        }
+    }
+    p
 }
 
 /// A kernel argument: device pointer, int, float or size.

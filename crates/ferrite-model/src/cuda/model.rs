@@ -2,11 +2,11 @@
 //! through cuBLAS (cublasGemmEx), everything else in ferrite's kernels; the residual stream in f32.
 
 use super::graph::DecodeGraphs;
-use super::kernels::{AttentionMeta, AttentionShape, Kernels, QkvParams};
+use super::kernels::{draw_params, AttentionMeta, AttentionShape, Kernels, QkvParams};
 use super::weights::Weights;
 use crate::config::{ModelConfig, RopeStyle};
 use crate::ops::RopeTable;
-use crate::runner::StepModel;
+use crate::runner::{RowDraw, StepModel};
 use crate::step::PackedStep;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -251,12 +251,12 @@ impl CudaModel {
 }
 
 impl CudaModel {
-    /// The step's logits and argmax rows from a graph replay, when a graph serves it.
-    fn replay(&mut self, step: &PackedStep) -> Result<Option<(Tensor, Tensor)>> {
+    /// The step's logits and drawn tokens from a graph replay, when a graph serves it.
+    fn replay(&mut self, step: &PackedStep, draws: &[RowDraw]) -> Result<Option<(Tensor, Tensor)>> {
         let mut graphs = std::mem::take(&mut self.graphs);
         let b = step.num_seqs();
-        let out = graphs.replay(self, step).and_then(|g| {
-            g.map(|g| Ok((g.logits.narrow(0, 0, b)?, g.argmax.narrow(0, 0, b)?)))
+        let out = graphs.replay(self, step, draws).and_then(|g| {
+            g.map(|g| Ok((g.logits.narrow(0, 0, b)?, g.tokens.narrow(0, 0, b)?)))
                 .transpose()
         });
         self.graphs = graphs;
@@ -266,7 +266,7 @@ impl CudaModel {
 
 impl StepModel for CudaModel {
     fn forward(&mut self, step: &PackedStep) -> Result<&mut [f32]> {
-        let logits = match self.replay(step)? {
+        let logits = match self.replay(step, &[])? {
             Some((logits, _)) => logits,
             None => self.forward_logits(step)?,
         };
@@ -275,11 +275,20 @@ impl StepModel for CudaModel {
     }
 
     fn forward_argmax(&mut self, step: &PackedStep) -> Result<Vec<u32>> {
-        if let Some((_, argmax)) = self.replay(step)? {
-            return Ok(argmax.to_vec1()?);
+        self.forward_draw(step, &vec![RowDraw::Greedy; step.logits_indices.len()])
+    }
+
+    fn draws_on_device(&self) -> bool {
+        true
+    }
+
+    fn forward_draw(&mut self, step: &PackedStep, draws: &[RowDraw]) -> Result<Vec<u32>> {
+        if let Some((_, tokens)) = self.replay(step, draws)? {
+            return Ok(tokens.to_vec1()?);
         }
         let logits = self.forward_logits(step)?;
-        Ok(self.kernels.argmax(&logits)?.to_vec1()?)
+        let params = self.u32s(&draw_params(draws, draws.len()))?;
+        Ok(self.kernels.sample_rows(&logits, &params)?.to_vec1()?)
     }
 
     fn vocab_size(&self) -> usize {
