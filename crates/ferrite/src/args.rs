@@ -12,7 +12,8 @@ use std::path::PathBuf;
 
 #[derive(Args, Debug, Clone)]
 pub struct EngineFlags {
-    /// Path to a GGUF model file.
+    /// A GGUF model file; with `--device cuda` also a Hugging Face model folder (or its
+    /// config.json) holding *.safetensors.
     pub model: PathBuf,
     /// Longest prompt + output in tokens (default: the model's context length).
     #[arg(long)]
