@@ -138,6 +138,12 @@ fn load_cpu(args: &EngineArgs, progress: impl FnMut(usize, usize)) -> Result<Loa
     if args.load_format == LoadFormat::Dummy {
         bail!("--load-format dummy needs --device cuda");
     }
+    if args.model.is_dir() || args.model.extension().is_some_and(|e| e == "json") {
+        bail!(
+            "{}: the CPU backend loads GGUF files; Hugging Face checkpoints need --device cuda",
+            args.model.display()
+        );
+    }
     let mut gguf = GgufFile::open(&args.model)?;
     let config = ModelConfig::from_gguf(&gguf)?;
     let tokenizer = ModelTokenizer::load(&gguf)?;

@@ -56,3 +56,16 @@ fn dummy_weights_need_a_gpu() {
         "{err}"
     );
 }
+
+#[test]
+fn hugging_face_folders_need_a_gpu() {
+    let dir = std::env::temp_dir();
+    let (ok, err) = ferrite(&["generate", dir.to_str().unwrap(), "--prompt", "hi"]);
+    assert!(!ok);
+    assert!(
+        err.contains(
+            "the CPU backend loads GGUF files; Hugging Face checkpoints need --device cuda"
+        ),
+        "{err}"
+    );
+}
