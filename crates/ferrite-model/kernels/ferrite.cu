@@ -139,6 +139,35 @@ extern "C" __global__ void qkv_rope_write_bf16(
 constexpr int ROWS = 16;
 constexpr int KCHUNK = 128;  // keys per pass = threads per block
 
+// The query tokens of program `blockIdx.x` and the keys they may see.
+struct Tile {
+  int seq, q0, t_begin, nt;  // request, its first row in the step, tile start, tokens
+  int first_pos;             // position of the tile's first token
+  int k_start, k_end;        // keys [k_start, k_end) (causal, sliding window)
+};
+
+// Tile t of request i starts at cu_q[i] / TQ + i: a binary search over that finds the
+// request; false for the padding programs past a request's last tile.
+__device__ bool find_tile(const uint32_t* cu_q, const uint32_t* seq_k, int num_seqs, int TQ,
+                          int window, Tile& t) {
+  const int tile = blockIdx.x;
+  int lo = 0, hi = num_seqs - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if ((int)(cu_q[mid] / TQ) + mid <= tile) lo = mid; else hi = mid - 1;
+  }
+  const int q0 = cu_q[lo], qlen = cu_q[lo + 1] - q0;
+  t.seq = lo;
+  t.q0 = q0;
+  t.t_begin = (tile - (q0 / TQ + lo)) * TQ;
+  if (t.t_begin >= qlen) return false;
+  t.nt = min(TQ, qlen - t.t_begin);
+  t.first_pos = (int)seq_k[lo] - qlen + t.t_begin;
+  t.k_end = t.first_pos + t.nt;
+  t.k_start = window > 0 ? max(0, t.first_pos - window + 1) : 0;
+  return true;
+}
+
 template <int D>
 __device__ void attention_tile(const bf16* __restrict__ q, const bf16* __restrict__ kc,
                                const bf16* __restrict__ vc, const uint32_t* cu_q,
@@ -152,20 +181,12 @@ __device__ void attention_tile(const bf16* __restrict__ q, const bf16* __restric
   __shared__ float qs[ROWS][D];
   __shared__ float ps[ROWS][KCHUNK];
   __shared__ float m_s[ROWS], l_s[ROWS], alpha_s[ROWS];
-  const int G = H / Hkv, TQ = ROWS / G;
-  const int tile = blockIdx.x, hk = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
-  int lo = 0, hi = num_seqs - 1;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) / 2;
-    if ((int)(cu_q[mid] / TQ) + mid <= tile) lo = mid; else hi = mid - 1;
-  }
-  const int seq = lo, q0 = cu_q[seq], qlen = cu_q[seq + 1] - q0;
-  const int t_begin = (tile - ((int)(cu_q[seq] / TQ) + seq)) * TQ;
-  if (t_begin >= qlen) return;
-  const int nt = min(TQ, qlen - t_begin), nrows = nt * G;
-  const int first_pos = (int)seq_k[seq] - qlen + t_begin;  // position of the tile's first token
-  const int k_end = first_pos + nt;
-  const int k_start = window > 0 ? max(0, first_pos - window + 1) : 0;
+  const int G = H / Hkv;
+  const int hk = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
+  Tile tl;
+  if (!find_tile(cu_q, seq_k, num_seqs, ROWS / G, window, tl)) return;
+  const int seq = tl.seq, q0 = tl.q0, t_begin = tl.t_begin, first_pos = tl.first_pos;
+  const int nrows = tl.nt * G, k_start = tl.k_start, k_end = tl.k_end;
   const int per = (k_end - k_start + splits - 1) / splits;
   const int s_begin = k_start + split * per, s_end = min(k_end, s_begin + per);
   const uint32_t* table = tables + (size_t)seq * max_blocks;
@@ -386,21 +407,13 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __res
   constexpr int KS = D / 16, DN = D / 8, NJ = MMA_KEYS / 8;
   __shared__ __align__(16) bf16 ks_[MMA_KEYS][LD];
   __shared__ __align__(16) bf16 vs_[MMA_KEYS][LD];
-  const int G = H / Hkv, TQ = MMA_ROWS / G;
-  const int tile = blockIdx.x, hk = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
+  const int G = H / Hkv;
+  const int hk = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
-  int lo = 0, hi = num_seqs - 1;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) / 2;
-    if ((int)(cu_q[mid] / TQ) + mid <= tile) lo = mid; else hi = mid - 1;
-  }
-  const int seq = lo, q0 = cu_q[seq], qlen = cu_q[seq + 1] - q0;
-  const int t_begin = (tile - ((int)(cu_q[seq] / TQ) + seq)) * TQ;
-  if (t_begin >= qlen) return;
-  const int nt = min(TQ, qlen - t_begin), nrows = nt * G;
-  const int first_pos = (int)seq_k[seq] - qlen + t_begin;
-  const int k_end = first_pos + nt;
-  const int k_start = window > 0 ? max(0, first_pos - window + 1) : 0;
+  Tile tl;
+  if (!find_tile(cu_q, seq_k, num_seqs, MMA_ROWS / G, window, tl)) return;
+  const int seq = tl.seq, q0 = tl.q0, t_begin = tl.t_begin, first_pos = tl.first_pos;
+  const int nrows = tl.nt * G, k_start = tl.k_start, k_end = tl.k_end;
   // This split's keys, whole 64-key tiles apart from the ends.
   const int per = ((k_end - k_start + splits - 1) / splits + MMA_KEYS - 1) / MMA_KEYS * MMA_KEYS;
   const int s_begin = k_start + split * per, s_end = min(k_end, s_begin + per);

@@ -110,6 +110,58 @@ impl EngineArgs {
     }
 }
 
+impl EngineArgs {
+    /// `--max-model-len`, or the model's trained context; past that context only a warning.
+    pub(crate) fn max_model_len(&self, config: &ModelConfig) -> Result<usize> {
+        let max_model_len = self.max_model_len.unwrap_or(config.context_length);
+        if max_model_len == 0 {
+            bail!("--max-model-len must be positive");
+        }
+        if max_model_len > config.context_length {
+            tracing::warn!(
+                "--max-model-len {max_model_len} exceeds the model's trained context of {}",
+                config.context_length
+            );
+        }
+        Ok(max_model_len)
+    }
+
+    /// The KV pool sized from `device_bytes` of memory once weights and activations are
+    /// counted, and the scheduler configuration that hands it out.
+    pub(crate) fn plan(
+        &self,
+        config: &ModelConfig,
+        max_model_len: usize,
+        device_bytes: u64,
+        weight_bytes: u64,
+        activation_bytes: u64,
+    ) -> Result<(MemoryPlan, SchedulerConfig)> {
+        let row = config.num_kv_heads * config.head_dim;
+        let bytes_per_block =
+            KvCache::bytes_per_block(self.block_size, row, config.num_layers) as u64;
+        let plan = memory::plan(&PlanInputs {
+            device_bytes,
+            utilization: self.gpu_memory_utilization,
+            kv_cache_memory: self.kv_cache_memory,
+            weight_bytes,
+            activation_bytes,
+            bytes_per_block,
+            block_size: self.block_size,
+            max_model_len,
+            max_num_seqs: self.max_num_seqs,
+        })?;
+        let scheduler = SchedulerConfig {
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            max_model_len,
+            block_size: self.block_size,
+            num_blocks: plan.num_blocks,
+            prefix_caching: self.prefix_caching,
+        };
+        Ok((plan, scheduler))
+    }
+}
+
 pub struct LoadedEngine {
     pub runner: ModelRunner,
     pub tokenizer: ModelTokenizer,
@@ -147,32 +199,17 @@ fn load_cpu(args: &EngineArgs, progress: impl FnMut(usize, usize)) -> Result<Loa
     let mut gguf = GgufFile::open(&args.model)?;
     let config = ModelConfig::from_gguf(&gguf)?;
     let tokenizer = ModelTokenizer::load(&gguf)?;
-    let max_model_len = args.max_model_len.unwrap_or(config.context_length);
-    if max_model_len == 0 {
-        bail!("--max-model-len must be positive");
-    }
-    if max_model_len > config.context_length {
-        tracing::warn!(
-            "--max-model-len {max_model_len} exceeds the model's trained context of {}",
-            config.context_length
-        );
-    }
+    let max_model_len = args.max_model_len(&config)?;
     let mut model = LlamaModel::load(&mut gguf, args.weight_format, max_model_len, progress)?;
     let activation_bytes =
         profile_activations(&mut model, args.max_num_batched_tokens, args.block_size)?;
-    let row = config.num_kv_heads * config.head_dim;
-    let bytes_per_block = KvCache::bytes_per_block(args.block_size, row, config.num_layers) as u64;
-    let plan = memory::plan(&PlanInputs {
-        device_bytes: memory::physical_memory_bytes()?,
-        utilization: args.gpu_memory_utilization,
-        kv_cache_memory: args.kv_cache_memory,
-        weight_bytes: model.weight_bytes() as u64,
-        activation_bytes,
-        bytes_per_block,
-        block_size: args.block_size,
+    let (plan, scheduler) = args.plan(
+        &config,
         max_model_len,
-        max_num_seqs: args.max_num_seqs,
-    })?;
+        memory::physical_memory_bytes()?,
+        model.weight_bytes() as u64,
+        activation_bytes,
+    )?;
     let shape = CacheShape {
         num_blocks: plan.num_blocks,
         block_size: args.block_size,
@@ -181,14 +218,6 @@ fn load_cpu(args: &EngineArgs, progress: impl FnMut(usize, usize)) -> Result<Loa
     };
     let mut cache = KvCache::new(shape, config.num_layers);
     prefault(&mut cache);
-    let scheduler = SchedulerConfig {
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        max_num_seqs: args.max_num_seqs,
-        max_model_len,
-        block_size: args.block_size,
-        num_blocks: plan.num_blocks,
-        prefix_caching: args.prefix_caching,
-    };
     Ok(LoadedEngine {
         runner: ModelRunner::new(
             Box::new(CpuModel::new(model, cache, args.threads)),

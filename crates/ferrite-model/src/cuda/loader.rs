@@ -6,15 +6,12 @@ use super::model::CudaModel;
 use super::weights::Weights;
 use crate::config::ModelConfig;
 use crate::gguf::GgufFile;
-use crate::kv_cache::KvCache;
 use crate::loader::{EngineArgs, LoadFormat, LoadedEngine};
-use crate::memory::{self, PlanInputs};
 use crate::runner::ModelRunner;
 use crate::step::PackedStep;
 use crate::tokenizer::ModelTokenizer;
-use anyhow::{bail, Result};
+use anyhow::Result;
 use candle_core::Device;
-use ferrite_core::scheduler::SchedulerConfig;
 use std::path::{Path, PathBuf};
 
 fn is_gguf(p: &Path) -> bool {
@@ -77,10 +74,7 @@ pub fn load(
     };
     let mut config = config;
     config.vocab_size = weights.embedding.dim(0)?;
-    let max_model_len = args.max_model_len.unwrap_or(config.context_length);
-    if max_model_len == 0 {
-        bail!("--max-model-len must be positive");
-    }
+    let max_model_len = args.max_model_len(&config)?;
     let mut model = CudaModel::new(
         config.clone(),
         device.clone(),
@@ -94,32 +88,18 @@ pub fn load(
         activation_bytes += graph_bytes(&config, args.max_num_seqs.min(MAX_GRAPH_BATCH));
     }
     let (_, total) = ctx.mem_get_info()?;
-    let row = config.num_kv_heads * config.head_dim;
-    let bytes_per_block = KvCache::bytes_per_block(args.block_size, row, config.num_layers) as u64;
-    let plan = memory::plan(&PlanInputs {
-        device_bytes: total as u64,
-        utilization: args.gpu_memory_utilization,
-        kv_cache_memory: args.kv_cache_memory,
-        weight_bytes: model.weight_bytes() as u64,
-        activation_bytes,
-        bytes_per_block,
-        block_size: args.block_size,
+    let (plan, scheduler) = args.plan(
+        &config,
         max_model_len,
-        max_num_seqs: args.max_num_seqs,
-    })?;
+        total as u64,
+        model.weight_bytes() as u64,
+        activation_bytes,
+    )?;
     // One block more than the scheduler hands out: decode graphs pad into it.
     model.allocate_cache(plan.num_blocks + 1, args.block_size)?;
     if !args.enforce_eager {
         model.enable_decode_graphs(args.max_num_seqs, plan.num_blocks as u32)?;
     }
-    let scheduler = SchedulerConfig {
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        max_num_seqs: args.max_num_seqs,
-        max_model_len,
-        block_size: args.block_size,
-        num_blocks: plan.num_blocks,
-        prefix_caching: args.prefix_caching,
-    };
     Ok(LoadedEngine {
         runner: ModelRunner::new(Box::new(model), args.block_size, args.seed),
         tokenizer,
