@@ -40,10 +40,13 @@ pub trait StepModel: Send {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum RowDraw {
     Greedy,
-    /// From softmax(logits / temperature) among tokens with p >= min_p * p_max; `key` fixes
-    /// the row's noise (from the request's seed and token index, or from the engine's RNG).
+    /// From softmax(logits / temperature) cut as the CPU sampler cuts it (top-k, top-p,
+    /// min-p; `top_k` 0 and `top_p` 1 are off); `key` fixes the row's noise (from the
+    /// request's seed and token index, or from the engine's RNG).
     Sample {
         temperature: f32,
+        top_k: u32,
+        top_p: f32,
         min_p: f32,
         key: u64,
     },
@@ -55,14 +58,11 @@ pub struct ModelRunner {
     block_size: usize,
 }
 
-/// A sampled row that needs nothing a device draw lacks: no logprobs, bans or penalties, and
-/// no top-k / top-p cut (those need the row sorted).
+/// A sampled row that needs nothing a device draw lacks: no logprobs, bans or penalties.
 fn drawable(spec: &SampleSpec) -> bool {
-    let p = &spec.params;
-    p.logprobs.is_none()
+    spec.params.logprobs.is_none()
         && spec.banned_token_ids.is_empty()
         && spec.penalty_context.is_none()
-        && (p.is_greedy() || (p.top_k().is_none() && p.top_p >= 1.0))
 }
 
 /// What a row of the logits matrix is for.
@@ -88,6 +88,8 @@ impl ModelRunner {
         }
         RowDraw::Sample {
             temperature: p.temperature,
+            top_k: p.top_k().map_or(0, |k| k.min(u32::MAX as usize) as u32),
+            top_p: p.top_p,
             min_p: p.min_p,
             key: self.sampler.row_key(spec),
         }

@@ -800,9 +800,10 @@ fn safetensors_checkpoint_matches_gguf() {
     assert!(mean < 0.05, "mean |dlogit| {mean}");
 }
 
-/// Draws on the device follow softmax(logits / T) cut at min-p (checked by frequency over
-/// many rows with their own keys), never pick -inf, repeat for the same key, and greedy rows
-/// take the first of tied maxima.
+/// Draws on the device follow softmax(logits / T) cut as the CPU sampler cuts it (top-k,
+/// then top-p, then min-p; checked by frequency over many rows with their own keys), never
+/// pick -inf or a cut token, repeat for the same key, and greedy rows take the first of tied
+/// maxima.
 #[test]
 fn device_draws_follow_the_distribution() {
     let dev = device();
@@ -810,30 +811,63 @@ fn device_draws_follow_the_distribution() {
     let row = [2.0f32, 1.0, 0.5, 0.0, -1.0, f32::NEG_INFINITY, 1.5, -3.0];
     let (n, rows) = (row.len(), 16384);
     let logits = Tensor::from_vec(row.repeat(rows), (rows, n), &dev).unwrap();
-    for (t, min_p) in [(0.7f32, 0.0f32), (1.3, 0.2)] {
+    // (temperature, top_k, top_p, min_p)
+    for (t, top_k, top_p, min_p) in [
+        (0.7f32, 0u32, 1.0f32, 0.0f32),
+        (1.3, 0, 1.0, 0.2),
+        (1.0, 3, 1.0, 0.0),
+        (1.0, 0, 0.8, 0.0),
+        (1.5, 5, 0.9, 0.1),
+    ] {
         let draws: Vec<RowDraw> = (0..rows as u64)
             .map(|i| RowDraw::Sample {
                 temperature: t,
+                top_k,
+                top_p,
                 min_p,
                 key: i * 0x2545_F491_4F6C_DD1D + 17,
             })
             .collect();
-        let params = Tensor::from_vec(draw_params(&draws, rows), rows * 4, &dev).unwrap();
+        let params = draw_params(&draws, rows);
+        let params = Tensor::from_vec(params.clone(), params.len(), &dev).unwrap();
         let tokens: Vec<u32> = k.sample_rows(&logits, &params).unwrap().to_vec1().unwrap();
         let again: Vec<u32> = k.sample_rows(&logits, &params).unwrap().to_vec1().unwrap();
         assert_eq!(tokens, again, "same keys, same tokens");
-        let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        let w: Vec<f64> = row.iter().map(|&l| ((l - m) / t).exp() as f64).collect();
-        let kept: Vec<f64> = w
+        // The CPU sampler's cut, on the sorted finite logits.
+        let mut order: Vec<usize> = (0..n).filter(|&i| row[i].is_finite()).collect();
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+        if top_k > 0 {
+            order.truncate(top_k as usize);
+        }
+        let m = row[order[0]];
+        let w: Vec<f64> = order
             .iter()
-            .map(|&w| if w >= min_p as f64 { w } else { 0.0 })
+            .map(|&i| ((row[i] - m) / t).exp() as f64)
             .collect();
-        let z: f64 = kept.iter().sum();
+        let z: f64 = w.iter().sum();
+        let mut keep = order.len();
+        let mut acc = 0.0;
+        for (j, w) in w.iter().enumerate() {
+            acc += w / z;
+            if acc >= top_p as f64 {
+                keep = keep.min(j + 1);
+                break;
+            }
+        }
+        let mut want = vec![0f64; n];
+        for (j, &i) in order.iter().enumerate().take(keep) {
+            if w[j] >= min_p as f64 {
+                want[i] = w[j];
+            }
+        }
+        let total: f64 = want.iter().sum();
         let mut hist = vec![0usize; n];
         tokens.iter().for_each(|&t| hist[t as usize] += 1);
         for i in 0..n {
-            let (want, got) = (kept[i] / z, hist[i] as f64 / rows as f64);
-            println!("T={t} min_p={min_p} token {i}: want {want:.4} got {got:.4}");
+            let (want, got) = (want[i] / total, hist[i] as f64 / rows as f64);
+            println!(
+                "T={t} top_k={top_k} top_p={top_p} min_p={min_p} token {i}: want {want:.4} got {got:.4}"
+            );
             if want == 0.0 {
                 assert_eq!(hist[i], 0, "token {i} is excluded");
             } else {
@@ -843,7 +877,8 @@ fn device_draws_follow_the_distribution() {
         }
     }
     let ties = Tensor::from_vec(vec![1f32, 3.0, 3.0, 0.0], (1, 4), &dev).unwrap();
-    let greedy = Tensor::from_vec(draw_params(&[RowDraw::Greedy], 1), 4, &dev).unwrap();
+    let greedy = draw_params(&[RowDraw::Greedy], 1);
+    let greedy = Tensor::from_vec(greedy.clone(), greedy.len(), &dev).unwrap();
     let t: Vec<u32> = k.sample_rows(&ties, &greedy).unwrap().to_vec1().unwrap();
     assert_eq!(t, vec![1]);
 }

@@ -25,7 +25,7 @@ pub struct DecodeGraph {
     // Declared first: the graph goes before the tensors it allocated.
     graph: CudaGraph,
     inputs: StepInputs,
-    /// `[bucket * 4]` u32 draw parameters of each row, filled before each launch.
+    /// `[bucket * DRAW_PARAMS]` u32 draw parameters of each row, filled before each launch.
     draws: Tensor,
     /// `[bucket, vocab]` f32, written by each launch.
     pub logits: Tensor,
