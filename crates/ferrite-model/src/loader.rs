@@ -162,6 +162,20 @@ impl EngineArgs {
     }
 }
 
+/// The model's configuration without loading it: GGUF metadata, or a Hugging Face
+/// `config.json` (given, or in the given folder).
+pub fn read_config(model: &std::path::Path) -> Result<ModelConfig> {
+    if model.extension().is_some_and(|e| e == "gguf") {
+        return ModelConfig::from_gguf(&GgufFile::open(model)?);
+    }
+    let path = if model.is_dir() {
+        model.join("config.json")
+    } else {
+        model.to_path_buf()
+    };
+    ModelConfig::from_hf_config(&path)
+}
+
 pub struct LoadedEngine {
     pub runner: ModelRunner,
     pub tokenizer: ModelTokenizer,

@@ -5,6 +5,7 @@ mod args;
 mod bench_device;
 mod bench_offline;
 mod bench_serve;
+mod bench_throughput;
 mod generate;
 mod serve;
 mod start;
@@ -41,6 +42,9 @@ enum Command {
 enum BenchCommand {
     /// Prefill and decode tokens/s straight through the engine (like llama-bench).
     Offline(bench_offline::OfflineArgs),
+    /// A burst of random-token requests at once: requests/s and tokens/s (vLLM's throughput
+    /// benchmark).
+    Throughput(bench_throughput::ThroughputArgs),
     /// Closed-loop streaming load on any OpenAI-compatible server.
     Serve(Box<bench_serve::ServeBenchArgs>),
     /// Charts of several result files, one line per engine.
@@ -62,6 +66,7 @@ fn main() {
         Command::Serve(a) => serve::run(a),
         Command::Generate(a) => generate::run(a),
         Command::Bench(BenchCommand::Offline(a)) => bench_offline::run(a),
+        Command::Bench(BenchCommand::Throughput(a)) => bench_throughput::run(a),
         Command::Bench(BenchCommand::Serve(a)) => bench_serve::serve(*a),
         Command::Bench(BenchCommand::Plot(a)) => bench_serve::plot(a),
         #[cfg(feature = "cuda")]
