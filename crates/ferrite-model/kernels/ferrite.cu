@@ -625,17 +625,10 @@ __device__ __forceinline__ uint32_t ordered(float x) {
   return b & 0x80000000u ? ~b : b | 0x80000000u;
 }
 
-// Sum over the block; every thread gets the result.
+// `block_sum` with shared scratch of its own (for callers without one).
 __device__ float block_total(float v) {
-  __shared__ float part[32];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  v = warp_sum(v);
-  if (lane == 0) part[warp] = v;
-  __syncthreads();
-  v = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f;
-  v = warp_sum(v);
-  __syncthreads();
-  return v;
+  __shared__ float red[32];
+  return block_sum(v, red);
 }
 
 // The largest ordered value u with total(u) >= want, where total(u) sums `weight(l)` over the

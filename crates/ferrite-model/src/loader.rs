@@ -258,14 +258,7 @@ fn profile_activations(model: &mut LlamaModel, tokens: usize, block_size: usize)
     };
     let mut scratch = KvCache::new(shape, c.num_layers);
     prefault(&mut scratch);
-    let mut step = PackedStep::default();
-    let ids: Vec<u32> = (0..tokens as u32)
-        .map(|i| i % c.vocab_size as u32)
-        .collect();
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    step.push(&ids, 0, &table, block_size);
-    step.logits_indices.push(tokens as u32 - 1);
-    step.finish();
+    let step = PackedStep::profile(tokens, block_size, c.vocab_size);
     let before = memory::rss_bytes();
     let measured = memory::reset_peak_rss();
     model.forward(&step, &mut scratch)?;

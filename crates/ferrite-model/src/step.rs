@@ -49,6 +49,18 @@ impl PackedStep {
         self.block_tables.push(u32::MAX);
     }
 
+    /// The start-up profiling step: one request of `tokens` prompt tokens in blocks
+    /// `0..`, its last row sampled.
+    pub fn profile(tokens: usize, block_size: usize, vocab_size: usize) -> Self {
+        let mut step = Self::default();
+        let ids: Vec<u32> = (0..tokens as u32).map(|i| i % vocab_size as u32).collect();
+        let table: Vec<u32> = (0..tokens.div_ceil(block_size) as u32).collect();
+        step.push(&ids, 0, &table, block_size);
+        step.logits_indices.push(tokens as u32 - 1);
+        step.finish();
+        step
+    }
+
     /// Lays the block tables out as `[B, max_blocks]`.
     pub fn finish(&mut self) {
         let rows: Vec<&[u32]> = self.block_tables.split(|&b| b == u32::MAX).collect();

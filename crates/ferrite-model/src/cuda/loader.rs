@@ -144,14 +144,7 @@ fn profile_step(model: &mut CudaModel, tokens: usize, block_size: usize) -> Resu
     };
     let ctx = dev.cuda_stream().context().clone();
     let (free_before, _) = ctx.mem_get_info()?;
-    let mut step = PackedStep::default();
-    let ids: Vec<u32> = (0..tokens as u32)
-        .map(|i| i % c.vocab_size as u32)
-        .collect();
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    step.push(&ids, 0, &table, block_size);
-    step.logits_indices.push(tokens as u32 - 1);
-    step.finish();
+    let step = PackedStep::profile(tokens, block_size, c.vocab_size);
     model.forward_logits(&step)?;
     dev.cuda_stream().synchronize()?;
     let (free_after, _) = ctx.mem_get_info()?;
