@@ -33,10 +33,16 @@ fn owner(cu: &[u32], t: usize) -> usize {
     cu.partition_point(|&c| c as usize <= t) - 1
 }
 
-/// Query rows per work item: each K/V block is widened to f32 once for the whole tile (32
+/// Query rows per tile: each K/V block is widened to f32 once for the whole tile (32
 /// halves the history re-read by long prefills against 16 and keeps a 512-token step in
-/// 48 items).
+/// 48 tiles).
 const Q_TILE: usize = 32;
+
+/// Keys per chunk (rounded up to whole blocks). Every row's softmax is computed as one
+/// partial per chunk of absolute key positions, merged in chunk order: the grid depends
+/// only on positions, so a row gets the same bits whatever tile it sits in, and the chunks
+/// of one long decode run on different threads.
+const KEY_CHUNK: usize = 256;
 
 /// `q`: `[T, num_heads, head_dim]`; caches in f16, `k_cache`: `[num_blocks, num_kv_heads,
 /// head_dim, block_size]` (keys minor), `v_cache`: `[num_blocks, num_kv_heads, block_size,
@@ -50,83 +56,164 @@ pub fn paged_attention(
     out: &mut [f32],
 ) {
     let group = p.num_heads / p.num_kv_heads;
-    ITEMS.with_borrow_mut(|items| {
-        // One work item = up to Q_TILE query rows of one request x one KV head (its `group`
-        // query heads share the K/V loads). Tiles are cut by row index, so a row's arithmetic
-        // does not depend on which other rows share its tile. Tiles of a few rows (decodes)
-        // split further by query head, so a lone decode still spreads over the threads; each
-        // query head's arithmetic is the same either way.
-        items.clear();
+    let chunk = key_chunk(meta.block_size);
+    STEP.with_borrow_mut(|w| {
+        // One item = up to Q_TILE query rows of one request x one KV head (its `group` query
+        // heads share the K/V loads) x one key chunk. Tiles are cut by row index.
+        w.items.clear();
+        w.merges.clear();
+        let mut part = 0;
         let num_rows = *meta.cu_seqlens_q.last().unwrap_or(&0) as usize;
         let mut t = 0;
         while t < num_rows {
             let b = owner(meta.cu_seqlens_q, t);
-            let end = (t + Q_TILE).min(meta.cu_seqlens_q[b + 1] as usize);
-            let per_item = if end - t < SPLIT_HEADS_BELOW {
-                1
-            } else {
-                group
-            };
+            let rows = t..(t + Q_TILE).min(meta.cu_seqlens_q[b + 1] as usize);
+            let keys = tile_keys(meta, p, b, &rows);
             for kvh in 0..p.num_kv_heads {
-                for h0 in (0..group).step_by(per_item) {
-                    items.push(Item {
+                let first = w.items.len();
+                let mut c0 = keys.start / chunk * chunk;
+                while c0 < keys.end {
+                    w.items.push(Item {
                         b,
-                        rows: t..end,
+                        rows: rows.clone(),
                         kvh,
-                        heads: h0..h0 + per_item,
+                        keys: c0.max(keys.start)..(c0 + chunk).min(keys.end),
+                        part,
                     });
+                    part += rows.len() * group * (p.head_dim + 2);
+                    c0 += chunk;
                 }
+                w.merges.push(Merge {
+                    rows: rows.clone(),
+                    kvh,
+                    items: first..w.items.len(),
+                });
             }
-            t = end;
+            t = rows.end;
         }
-        let out = DisjointSlice::new(out);
-        items.par_iter().for_each(|it| {
-            SCRATCH.with_borrow_mut(|s| {
-                attend(q, k_cache, v_cache, meta, p, it, s);
-                let width = it.heads.len() * p.head_dim;
-                for (i, t) in it.rows.clone().enumerate() {
-                    let at = (t * p.num_heads + it.kvh * group + it.heads.start) * p.head_dim;
-                    // SAFETY: rows x the item's query heads belong to this item alone.
-                    unsafe { out.range(at, width) }.copy_from_slice(&s.out[i * width..][..width]);
-                }
-            })
+        // Every item initializes its own region: no clearing needed.
+        w.parts.resize(part, 0.0);
+        let parts = DisjointSlice::new(&mut w.parts);
+        w.items.par_iter().for_each(|it| {
+            let len = it.rows.len() * group * (p.head_dim + 2);
+            // SAFETY: each item owns `part..part + len`.
+            let part = unsafe { parts.range(it.part, len) };
+            SCRATCH.with_borrow_mut(|s| attend(q, k_cache, v_cache, meta, p, it, part, s));
+        });
+        let (items, parts, out) = (&w.items, &w.parts, DisjointSlice::new(out));
+        w.merges.par_iter().for_each(|mg| {
+            let width = group * p.head_dim;
+            for (i, t) in mg.rows.clone().enumerate() {
+                // SAFETY: a row's query heads of one KV head belong to this merge alone.
+                let o =
+                    unsafe { out.range((t * p.num_heads + mg.kvh * group) * p.head_dim, width) };
+                merge_row(&items[mg.items.clone()], parts, i, group, p.head_dim, o);
+            }
         });
     });
 }
 
-/// Tiles with fewer rows than this get one item per query head.
-const SPLIT_HEADS_BELOW: usize = 4;
+/// Keys `[first key of the first row, end of the last row)` a tile of request `b` reads.
+fn tile_keys(
+    meta: &AttentionMeta,
+    p: &AttentionParams,
+    b: usize,
+    rows: &std::ops::Range<usize>,
+) -> std::ops::Range<usize> {
+    let span = row_span(meta, p, b);
+    span(rows.start).start..span(rows.end - 1).end
+}
 
-/// Up to Q_TILE query rows of request `b`, KV head `kvh`, its query heads `heads`
-/// (`0..group` unless split).
-#[derive(Clone)]
+/// The causal key range `[first, end)` of each query row of request `b`.
+fn row_span<'a>(
+    meta: &'a AttentionMeta,
+    p: &'a AttentionParams,
+    b: usize,
+) -> impl Fn(usize) -> std::ops::Range<usize> + 'a {
+    let q_start = meta.cu_seqlens_q[b] as usize;
+    let q_len = meta.cu_seqlens_q[b + 1] as usize - q_start;
+    let k_len = meta.seq_lens_k[b] as usize;
+    move |t| {
+        let pos = k_len - q_len + (t - q_start);
+        p.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w))..pos + 1
+    }
+}
+
+/// Row `i` of a merge: `o = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M)` over the
+/// chunks' partials in order, for each of the `group` query heads. Chunks where the row
+/// saw no key are skipped, so the sum does not depend on the tile's other rows.
+fn merge_row(items: &[Item], parts: &[f32], i: usize, group: usize, d: usize, o: &mut [f32]) {
+    for h in 0..group {
+        let oh = &mut o[h * d..][..d];
+        let partial = |it: &Item| {
+            let (n, s) = (it.rows.len(), i * group + h);
+            let part = &parts[it.part..][..n * group * (d + 2)];
+            let (acc, ml) = part.split_at(n * group * d);
+            (&acc[s * d..][..d], ml[s], ml[n * group + s])
+        };
+        let mx = items
+            .iter()
+            .map(|it| partial(it).1)
+            .fold(f32::NEG_INFINITY, f32::max);
+        oh.fill(0.0);
+        let mut l = 0.0f32;
+        for it in items {
+            let (acc, m, lc) = partial(it);
+            if m == f32::NEG_INFINITY {
+                continue;
+            }
+            let f = exp_nonpositive(m - mx);
+            l += lc * f;
+            oh.iter_mut().zip(acc).for_each(|(x, &a)| *x += a * f);
+        }
+        let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
+        oh.iter_mut().for_each(|x| *x *= inv);
+    }
+}
+
+/// Up to Q_TILE query rows of request `b`, KV head `kvh`, keys `keys` (one chunk, clipped
+/// to the tile's range); its partials live at `part` in the step's buffer: `acc` `[rows,
+/// group, head_dim]`, then `m` and `l` `[rows, group]` each.
 struct Item {
     b: usize,
     rows: std::ops::Range<usize>,
     kvh: usize,
-    heads: std::ops::Range<usize>,
+    keys: std::ops::Range<usize>,
+    part: usize,
 }
 
-/// A compute thread's buffers for one tile, reused across tiles, layers and steps.
+/// The items (consecutive) whose partials make up the output of one tile and KV head.
+struct Merge {
+    rows: std::ops::Range<usize>,
+    kvh: usize,
+    items: std::ops::Range<usize>,
+}
+
+/// The calling thread's work list and partials, reused across layers and steps.
+#[derive(Default)]
+struct StepWork {
+    items: Vec<Item>,
+    merges: Vec<Merge>,
+    parts: Vec<f32>,
+}
+
+/// A compute thread's buffers for one item, reused across items, layers and steps.
 #[derive(Default)]
 struct TileScratch {
-    /// `[rows, heads, head_dim]` result.
-    out: Vec<f32>,
-    m: Vec<f32>,
-    l: Vec<f32>,
-    /// One block of the head in f32: K^T `[head_dim, block_size]`, V `[block_size, head_dim]`.
+    /// The chunk in f32: K^T `[head_dim, keys]`, V `[keys, head_dim]`.
     kt: Vec<f32>,
     vb: Vec<f32>,
-    /// K^T of a chunk narrower than LANES, zero-padded.
-    padded: Vec<f32>,
+    /// One query vector's scores, then its weights, per key.
+    w: Vec<f32>,
 }
 
 thread_local! {
-    static ITEMS: std::cell::RefCell<Vec<Item>> = const { std::cell::RefCell::new(Vec::new()) };
+    static STEP: std::cell::RefCell<StepWork> = std::cell::RefCell::default();
     static SCRATCH: std::cell::RefCell<TileScratch> = std::cell::RefCell::default();
 }
 
 /// [`attend_tile`] through the widest instruction set the CPU has.
+#[allow(clippy::too_many_arguments)]
 fn attend(
     q: &[f32],
     k_cache: &[f16],
@@ -134,19 +221,20 @@ fn attend(
     meta: &AttentionMeta,
     p: &AttentionParams,
     it: &Item,
+    part: &mut [f32],
     s: &mut TileScratch,
 ) {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx512f") {
         // SAFETY: the CPU supports the features the function is compiled for.
-        return unsafe { attend_tile_avx512(q, k_cache, v_cache, meta, p, it, s) };
+        return unsafe { attend_tile_avx512(q, k_cache, v_cache, meta, p, it, part, s) };
     }
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
         // SAFETY: as above.
-        return unsafe { attend_tile_avx2(q, k_cache, v_cache, meta, p, it, s) };
+        return unsafe { attend_tile_avx2(q, k_cache, v_cache, meta, p, it, part, s) };
     }
-    attend_tile(q, k_cache, v_cache, meta, p, it, s, chunk_scores)
+    attend_tile(q, k_cache, v_cache, meta, p, it, part, s, piece_scores)
 }
 
 /// [`attend_tile`] compiled with AVX2 and FMA (chosen at run time; the default target
@@ -161,9 +249,10 @@ unsafe fn attend_tile_avx2(
     meta: &AttentionMeta,
     p: &AttentionParams,
     it: &Item,
+    part: &mut [f32],
     s: &mut TileScratch,
 ) {
-    attend_tile(q, k_cache, v_cache, meta, p, it, s, chunk_scores)
+    attend_tile(q, k_cache, v_cache, meta, p, it, part, s, piece_scores)
 }
 
 /// [`attend_tile`] compiled with AVX-512: the 16-lane dot and exp fill one register.
@@ -177,58 +266,80 @@ unsafe fn attend_tile_avx512(
     meta: &AttentionMeta,
     p: &AttentionParams,
     it: &Item,
+    part: &mut [f32],
     s: &mut TileScratch,
 ) {
     // SAFETY: this function runs only where the CPU has AVX-512F.
-    let scores = |q: &[f32], k: &[f32], stride: usize| unsafe { scores_avx512(q, k, stride) };
-    attend_tile(q, k_cache, v_cache, meta, p, it, s, scores)
+    if !p.head_dim.is_multiple_of(4) {
+        return attend_tile(q, k_cache, v_cache, meta, p, it, part, s, piece_scores);
+    }
+    let scores = |q: &[f32], k: &[f32], out: &mut [f32]| unsafe { piece_scores_avx512(q, k, out) };
+    attend_tile(q, k_cache, v_cache, meta, p, it, part, s, scores)
 }
 
-/// [`chunk_scores`] with one 16-lane register per accumulator (the compiler's own
-/// vectorization of the generic loop splits them across narrower registers and the stack).
+/// [`piece_scores`] with one 16-lane register per accumulator, two pieces at a time (eight
+/// independent FMA chains); each piece's arithmetic is [`chunk_scores`]'.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn scores_avx512(q: &[f32], k_rows: &[f32], stride: usize) -> [f32; LANES] {
+unsafe fn piece_scores_avx512(q: &[f32], k: &[f32], out: &mut [f32]) {
     use std::arch::x86_64::*;
     let d = q.len();
-    assert!(d > 0 && k_rows.len() >= (d - 1) * stride + LANES);
-    let k = k_rows.as_ptr();
-    let fma = |acc: __m512, dd: usize| {
-        _mm512_fmadd_ps(
-            _mm512_set1_ps(q[dd]),
-            _mm512_loadu_ps(k.add(dd * stride)),
-            acc,
-        )
-    };
-    let [mut a0, mut a1, mut a2, mut a3] = [_mm512_setzero_ps(); 4];
-    let full = d / 4 * 4;
-    for dd in (0..full).step_by(4) {
-        a0 = fma(a0, dd);
-        a1 = fma(a1, dd + 1);
-        a2 = fma(a2, dd + 2);
-        a3 = fma(a3, dd + 3);
-    }
-    for (u, dd) in (full..d).enumerate() {
-        match u {
-            0 => a0 = fma(a0, dd),
-            1 => a1 = fma(a1, dd),
-            _ => a2 = fma(a2, dd),
+    let pieces = out.len() / LANES;
+    assert!(d.is_multiple_of(4) && k.len() == pieces * d * LANES);
+    let (q, k, o) = (q.as_ptr(), k.as_ptr(), out.as_mut_ptr());
+    let mut pc = 0;
+    while pc < pieces {
+        let two = pc + 1 < pieces;
+        let (ka, kb) = (
+            k.add(pc * d * LANES),
+            k.add((pc + two as usize) * d * LANES),
+        );
+        let [mut a0, mut a1, mut a2, mut a3] = [_mm512_setzero_ps(); 4];
+        let [mut b0, mut b1, mut b2, mut b3] = [_mm512_setzero_ps(); 4];
+        for dd in (0..d).step_by(4) {
+            let q4 = [0, 1, 2, 3].map(|u| _mm512_set1_ps(*q.add(dd + u)));
+            let at = |u: usize| (dd + u) * LANES;
+            a0 = _mm512_fmadd_ps(q4[0], _mm512_loadu_ps(ka.add(at(0))), a0);
+            b0 = _mm512_fmadd_ps(q4[0], _mm512_loadu_ps(kb.add(at(0))), b0);
+            a1 = _mm512_fmadd_ps(q4[1], _mm512_loadu_ps(ka.add(at(1))), a1);
+            b1 = _mm512_fmadd_ps(q4[1], _mm512_loadu_ps(kb.add(at(1))), b1);
+            a2 = _mm512_fmadd_ps(q4[2], _mm512_loadu_ps(ka.add(at(2))), a2);
+            b2 = _mm512_fmadd_ps(q4[2], _mm512_loadu_ps(kb.add(at(2))), b2);
+            a3 = _mm512_fmadd_ps(q4[3], _mm512_loadu_ps(ka.add(at(3))), a3);
+            b3 = _mm512_fmadd_ps(q4[3], _mm512_loadu_ps(kb.add(at(3))), b3);
         }
+        let sum = |x0, x1, x2, x3| _mm512_add_ps(_mm512_add_ps(x0, x1), _mm512_add_ps(x2, x3));
+        _mm512_storeu_ps(o.add(pc * LANES), sum(a0, a1, a2, a3));
+        if two {
+            _mm512_storeu_ps(o.add((pc + 1) * LANES), sum(b0, b1, b2, b3));
+        }
+        pc += 2;
     }
-    std::mem::transmute(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)))
+}
+
+/// The scores of one query vector against consecutive LANES-key pieces of K^T (`k`:
+/// `[pieces, d, LANES]`), into `out` (`[pieces, LANES]`).
+#[inline(always)]
+fn piece_scores(q: &[f32], k: &[f32], out: &mut [f32]) {
+    let d = q.len();
+    for (o, kp) in out.chunks_exact_mut(LANES).zip(k.chunks_exact(d * LANES)) {
+        o.copy_from_slice(&chunk_scores(q, kp, LANES));
+    }
 }
 
 /// Keys per softmax step: a block is walked in chunks of up to 16 keys, one register of
 /// scores (two on AVX2).
 const LANES: usize = 16;
 
-/// Online softmax for the item's rows and query heads, one chunk of keys at a time, into
-/// `s.out` (`[rows, heads, head_dim]`).
+/// The item's rows and query heads against its keys, into unnormalized partials: the
+/// chunk's K^T and V are widened to f32 once for all rows and heads; then per query
+/// vector the scores of its keys, their max, the weights `e^(s - m)` and the weighted sum
+/// of V rows.
 ///
-/// Each query vector's arithmetic is fixed by its own key range and the block layout: scores
-/// over the K^T chunk (keys in lanes), masked lanes contribute exact zeros, the denominator
-/// keeps one partial sum per lane and the output sums run key by key. So a row gets the same
-/// bits whatever else shares its tile or step.
+/// A query vector's arithmetic is fixed by its own key range and the chunk grid: scores in
+/// LANES-key pieces aligned to the chunk start, masked lanes exact zeros, the denominator
+/// one partial sum per lane, the V sum over the keys in order (even and odd keys apart). So
+/// a row gets the same bits whatever else shares its tile or step.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn attend_tile(
@@ -238,161 +349,186 @@ fn attend_tile(
     meta: &AttentionMeta,
     p: &AttentionParams,
     it: &Item,
+    part: &mut [f32],
     s: &mut TileScratch,
-    chunk_scores: impl Fn(&[f32], &[f32], usize) -> [f32; LANES],
+    scores: impl Fn(&[f32], &[f32], &mut [f32]),
 ) {
-    let (b, rows, kvh) = (it.b, it.rows.clone(), it.kvh);
+    let (rows, kvh, keys) = (it.rows.clone(), it.kvh, it.keys.clone());
     let d = p.head_dim;
-    let group = p.num_heads / p.num_kv_heads;
-    let nh = it.heads.len();
+    let nh = p.num_heads / p.num_kv_heads;
     let bs = meta.block_size;
-    let q_start = meta.cu_seqlens_q[b] as usize;
-    let q_len = meta.cu_seqlens_q[b + 1] as usize - q_start;
-    let k_len = meta.seq_lens_k[b] as usize;
-    let table = &meta.block_tables[b * meta.max_blocks..(b + 1) * meta.max_blocks];
+    let table = &meta.block_tables[it.b * meta.max_blocks..(it.b + 1) * meta.max_blocks];
     let n = rows.len();
-    // Causal range of keys of each row: [first, end).
-    let span = |i: usize| {
-        let pos = k_len - q_len + (rows.start + i - q_start);
-        let first = p.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        (first, pos + 1)
-    };
-    let TileScratch {
-        out,
-        m,
-        l,
-        kt,
-        vb,
-        padded,
-    } = s;
-    for (buf, len, init) in [
-        (&mut *out, n * nh * d, 0.0),
-        (&mut *m, n * nh, f32::NEG_INFINITY),
-        (&mut *l, n * nh * LANES, 0.0),
-        (&mut *kt, d * bs, 0.0),
-        (&mut *vb, d * bs, 0.0),
-        (&mut *padded, d * LANES, 0.0),
-    ] {
-        buf.clear();
-        buf.resize(len, init);
+    let span = row_span(meta, p, it.b);
+    let (out, ml) = part.split_at_mut(n * nh * d);
+    let (m, l) = ml.split_at_mut(n * nh);
+    // Columns are keys from the chunk start `c0`. K^T is kept as LANES-key pieces
+    // `[pieces, d, LANES]` (a 16-key block is one piece as stored), V as `[keys, d]`.
+    let c0 = keys.start / key_chunk(bs) * key_chunk(bs);
+    let (b0, b1) = (keys.start / bs, keys.end.div_ceil(bs));
+    let cols = (b1 * bs - c0).div_ceil(LANES) * LANES;
+    let TileScratch { kt, vb, w } = s;
+    for (buf, len) in [(&mut *kt, d * cols), (&mut *vb, cols * d), (&mut *w, cols)] {
+        if buf.len() < len {
+            buf.resize(len, 0.0);
+        }
     }
-    let (lo_all, hi_all) = (span(0).0, span(n - 1).1);
-    let mut blk_start = lo_all / bs * bs;
-    while blk_start < hi_all {
-        let blk = table[blk_start / bs] as usize;
-        let at = (blk * p.num_kv_heads + kvh) * d * bs;
-        widen(&k_cache[at..][..d * bs], kt);
-        widen(&v_cache[at..][..d * bs], vb);
-        for c0 in (0..bs).step_by(LANES) {
-            let (key0, lanes) = (blk_start + c0, LANES.min(bs - c0));
-            if key0 + lanes <= lo_all || key0 >= hi_all {
-                continue;
-            }
-            let (k_rows, stride) = if lanes == LANES {
-                (&kt[c0..], bs)
-            } else {
-                for dd in 0..d {
-                    padded[dd * LANES..][..lanes].copy_from_slice(&kt[dd * bs + c0..][..lanes]);
-                }
-                (&padded[..], LANES)
-            };
-            for i in 0..n {
-                let (first, end) = span(i);
-                let (lo, hi) = (key0.max(first), (key0 + lanes).min(end));
-                if lo >= hi {
-                    continue;
-                }
-                let (ja, jb) = (lo - key0, hi - key0);
-                for (hi, h) in it.heads.clone().enumerate() {
-                    let s_idx = i * nh + hi;
-                    let qh = &q[((rows.start + i) * p.num_heads + kvh * group + h) * d..][..d];
-                    let mut s = chunk_scores(qh, k_rows, stride);
-                    s.iter_mut().for_each(|s| *s *= p.scale);
-                    if let Some(cap) = p.softcap {
-                        s.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
-                    }
-                    for (j, s) in s.iter_mut().enumerate() {
-                        if j < ja || j >= jb {
-                            *s = f32::NEG_INFINITY;
-                        }
-                    }
-                    let m_old = m[s_idx];
-                    let m_new = s.iter().fold(m_old, |a, &b| a.max(b));
-                    let corr = if m_old == f32::NEG_INFINITY {
-                        0.0
-                    } else {
-                        exp_nonpositive(m_old - m_new)
-                    };
-                    let mut w = [0f32; LANES];
-                    for (j, (w, &s)) in w.iter_mut().zip(&s).enumerate() {
-                        let e = exp_nonpositive(s - m_new);
-                        *w = if j >= ja && j < jb { e } else { 0.0 };
-                    }
-                    // The softmax denominator, one partial sum per key lane.
-                    let lv: &mut [f32; LANES] =
-                        (&mut l[s_idx * LANES..][..LANES]).try_into().unwrap();
-                    for j in 0..LANES {
-                        lv[j] = lv[j] * corr + w[j];
-                    }
-                    let oh = &mut out[s_idx * d..][..d];
-                    let vs = &vb[c0 * d..];
-                    match d {
-                        64 => accumulate_pv::<4>(oh, corr, &w, ja..jb, vs, d),
-                        128 => accumulate_pv::<8>(oh, corr, &w, ja..jb, vs, d),
-                        _ => {
-                            oh.iter_mut().for_each(|x| *x *= corr);
-                            for j in ja..jb {
-                                let v = &vs[j * d..][..d];
-                                oh.iter_mut()
-                                    .zip(v)
-                                    .for_each(|(x, &v)| *x = w[j].mul_add(v, *x));
-                            }
-                        }
-                    }
-                    m[s_idx] = m_new;
+    for bi in b0..b1 {
+        let at = (table[bi] as usize * p.num_kv_heads + kvh) * d * bs;
+        if let Some(&ahead) = table[..b1].get(bi + PREFETCH_BLOCKS) {
+            let at = (ahead as usize * p.num_kv_heads + kvh) * d * bs;
+            prefetch(&k_cache[at..][..d * bs]);
+            prefetch(&v_cache[at..][..d * bs]);
+        }
+        let col = bi * bs - c0;
+        if bs == LANES && col.is_multiple_of(LANES) {
+            widen(&k_cache[at..][..d * bs], &mut kt[col * d..][..d * bs]);
+        } else {
+            for dd in 0..d {
+                for k in 0..bs {
+                    let (pc, lane) = ((col + k) / LANES, (col + k) % LANES);
+                    kt[(pc * d + dd) * LANES + lane] = k_cache[at + dd * bs + k].to_f32();
                 }
             }
         }
-        blk_start += bs;
+        widen(&v_cache[at..][..bs * d], &mut vb[col * d..][..bs * d]);
     }
-    for (s_idx, lv) in l.chunks_exact(LANES).enumerate() {
-        let li: f32 = lv.iter().sum();
-        let inv = if li > 0.0 { 1.0 / li } else { 0.0 };
-        out[s_idx * d..(s_idx + 1) * d]
-            .iter_mut()
-            .for_each(|x| *x *= inv);
+    for i in 0..n {
+        let r = span(rows.start + i);
+        let (lo, hi) = (r.start.max(keys.start), r.end.min(keys.end));
+        for h in 0..nh {
+            let s_idx = i * nh + h;
+            let oh = &mut out[s_idx * d..][..d];
+            if lo >= hi {
+                (m[s_idx], l[s_idx]) = (f32::NEG_INFINITY, 0.0);
+                oh.fill(0.0);
+                continue;
+            }
+            let qh = &q[((rows.start + i) * p.num_heads + kvh * nh + h) * d..][..d];
+            let pieces = (lo - c0) / LANES..(hi - c0).div_ceil(LANES);
+            let (pa, pb) = (pieces.start, pieces.end);
+            scores(
+                qh,
+                &kt[pa * d * LANES..pb * d * LANES],
+                &mut w[pa * LANES..pb * LANES],
+            );
+            let mut mv = [f32::NEG_INFINITY; LANES];
+            for pc in pieces.clone() {
+                let sc: &mut [f32; LANES] = (&mut w[pc * LANES..][..LANES]).try_into().unwrap();
+                sc.iter_mut().for_each(|s| *s *= p.scale);
+                if let Some(cap) = p.softcap {
+                    sc.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
+                }
+                for (j, s) in sc.iter_mut().enumerate() {
+                    let key = c0 + pc * LANES + j;
+                    if key < lo || key >= hi {
+                        *s = f32::NEG_INFINITY;
+                    }
+                    mv[j] = mv[j].max(*s);
+                }
+            }
+            let mx = mv.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            let mut lv = [0f32; LANES];
+            for pc in pieces {
+                let wp: &mut [f32; LANES] = (&mut w[pc * LANES..][..LANES]).try_into().unwrap();
+                for j in 0..LANES {
+                    let e = if wp[j] == f32::NEG_INFINITY {
+                        0.0
+                    } else {
+                        exp_nonpositive(wp[j] - mx)
+                    };
+                    wp[j] = e;
+                    lv[j] += e;
+                }
+            }
+            (m[s_idx], l[s_idx]) = (mx, lv.iter().sum());
+            let (wk, vk) = (&w[lo - c0..hi - c0], &vb[(lo - c0) * d..(hi - c0) * d]);
+            let odd = (lo - c0) % 2 == 1;
+            match d {
+                64 => sum_rows::<4>(oh, wk, vk, odd),
+                128 => sum_rows::<8>(oh, wk, vk, odd),
+                _ => sum_rows_any(oh, wk, vk, odd),
+            }
+        }
     }
 }
 
-/// `o = o * corr + sum_j w[j] v_j` for `o` of `C * LANES` values, every element an FMA chain
-/// over the keys in order (the same arithmetic as the plain loop for other head sizes), held
-/// in registers across the keys.
+/// Blocks ahead whose K/V are requested from memory while one is widened: a decode's
+/// blocks are scattered over the pool, beyond what the hardware prefetcher follows.
+const PREFETCH_BLOCKS: usize = 2;
+
+/// Asks for `data` to be brought into the cache.
 #[inline(always)]
-fn accumulate_pv<const C: usize>(
-    o: &mut [f32],
-    corr: f32,
-    w: &[f32; LANES],
-    keys: std::ops::Range<usize>,
-    v: &[f32],
-    row: usize,
-) {
-    let mut acc = [[0f32; LANES]; C];
-    for (c, a) in acc.iter_mut().enumerate() {
+fn prefetch(data: &[f16]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in data.chunks(32) {
+        // SAFETY: a prefetch hint on a valid address; it never faults.
+        unsafe {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            _mm_prefetch::<_MM_HINT_T0>(line.as_ptr() as *const i8);
+        }
+    }
+}
+
+/// Keys per chunk for a block size: KEY_CHUNK rounded up to whole blocks.
+fn key_chunk(block_size: usize) -> usize {
+    KEY_CHUNK.div_ceil(block_size) * block_size
+}
+
+/// `o = sum_j w[j] v_j` over `C * LANES`-wide rows, in registers: one FMA chain per element
+/// for the even keys (counted from the chunk start) and one for the odd, added at the end.
+#[inline(always)]
+fn sum_rows<const C: usize>(o: &mut [f32], w: &[f32], v: &[f32], first_odd: bool) {
+    let d = C * LANES;
+    let [mut even, mut odd] = [[[0f32; LANES]; C]; 2];
+    let mut j = 0;
+    if first_odd {
+        fma_row(&mut odd, w[0], &v[..d]);
+        j = 1;
+    }
+    while j + 1 < w.len() {
+        fma_row(&mut even, w[j], &v[j * d..][..d]);
+        fma_row(&mut odd, w[j + 1], &v[(j + 1) * d..][..d]);
+        j += 2;
+    }
+    if j < w.len() {
+        fma_row(&mut even, w[j], &v[j * d..][..d]);
+    }
+    for c in 0..C {
         for k in 0..LANES {
-            a[k] = o[c * LANES + k] * corr;
+            o[c * LANES + k] = even[c][k] + odd[c][k];
         }
     }
-    for j in keys {
-        let (wj, vr) = (w[j], &v[j * row..][..C * LANES]);
-        for (c, a) in acc.iter_mut().enumerate() {
-            for k in 0..LANES {
-                a[k] = wj.mul_add(vr[c * LANES + k], a[k]);
-            }
+}
+
+/// `a += wj * vr`, element by element.
+#[inline(always)]
+fn fma_row<const C: usize>(a: &mut [[f32; LANES]; C], wj: f32, vr: &[f32]) {
+    for (c, a) in a.iter_mut().enumerate() {
+        for k in 0..LANES {
+            a[k] = wj.mul_add(vr[c * LANES + k], a[k]);
         }
     }
-    for (c, a) in acc.iter().enumerate() {
-        o[c * LANES..][..LANES].copy_from_slice(a);
+}
+
+/// [`sum_rows`] for any head size (up to 512), the same arithmetic.
+fn sum_rows_any(o: &mut [f32], w: &[f32], v: &[f32], first_odd: bool) {
+    let d = o.len();
+    assert!(d <= 512, "head_dim {d} above 512 is not supported");
+    let mut odd = [0f32; 512];
+    let odd = &mut odd[..d];
+    o.fill(0.0);
+    for (j, (&wj, vr)) in w.iter().zip(v.chunks_exact(d)).enumerate() {
+        let acc = if (j + first_odd as usize) % 2 == 1 {
+            &mut *odd
+        } else {
+            &mut *o
+        };
+        acc.iter_mut()
+            .zip(vr)
+            .for_each(|(a, &x)| *a = wj.mul_add(x, *a));
     }
+    o.iter_mut().zip(&*odd).for_each(|(a, &b)| *a += b);
 }
 
 /// f16 -> f32, 16 values per instruction where the CPU has AVX-512 (half's slice conversion
