@@ -3,7 +3,8 @@
 # and packs them with a 10-layer cut of the test model (Q4_0 embedding, ~40 MB: the whole
 # GGUF is too big to send) into .device/bundle.tar.xz, for a GPU host with no network.
 # Usage: scripts/cuda/bundle.sh   (first time: scripts/cuda/setup-toolchain.sh)
-# On the GPU host: scripts/cuda/check.sh runs the tests and the device benchmark.
+# On the GPU host: scripts/cuda/check.sh runs the tests and the device benchmark,
+# scripts/cuda/serve-peer.sh the served benchmark against transformers.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -30,6 +31,9 @@ cp target-cuda/release/ferrite "$stage/bin/ferrite"
 cp "$tests" "$stage/bin/cuda-tests"
 strip "$stage/bin/ferrite" "$stage/bin/cuda-tests"
 cargo run --release -q -p ferrite-model --example cut_gguf -- "$model" "$stage/models/smollm2-10l.gguf" 10 q4_0
+# The 8B shape with SmolLM2's tokenizer, for the served peer benchmark (serve-peer.sh).
+cargo run --release -q -p ferrite-model --example hf_folder -- "$model" scripts/cuda/llama-3.1-8b.json \
+  "$stage/models/llama-8b-shape"
 mkdir -p .device
 tar -C "$stage" -cf - bin models | xz -6 -T2 > .device/bundle.tar.xz
 ls -la .device/bundle.tar.xz
