@@ -3,7 +3,9 @@
 # agent `full` split served over HTTP, closed loop at C = 1, 2, 4, 8, 16, by ferrite and by
 # Hugging Face transformers' server with continuous batching, on the same Llama-3.1-8B-shaped
 # folder with random bf16 weights and SmolLM2's tokenizer (models/llama-8b-shape in the bundle).
-# Env: PEER_PROMPTS (prompts per level for the peer and ferrite's same-prompt run, default 20).
+# Each level draws its own prompts (--fresh-prompts); a shared system prompt and tool schemas
+# stay cacheable, as in real agent traffic. Arguments pick the parts: `peer` (transformers and
+# ferrite on the same PEER_PROMPTS prompts per level, default 20), `full` (ferrite, 100).
 set -uo pipefail
 out=${OUT:-/tmp/ferrite-out}
 mkdir -p "$out" /tmp/ferrite
@@ -18,33 +20,40 @@ wait_up() {
 }
 bench() { # LABEL URL NUM_PROMPTS OUT_NAME
   "$ferrite" bench serve --base-url "$2/v1" --model-name "$model" --tokenizer "$tok" \
-    --dataset agent --preset full --num-prompts "$3" --label "$1" --out "$out/$4.json" \
+    --dataset agent --preset full --num-prompts "$3" --fresh-prompts --label "$1" --out "$out/$4.json" \
     --charts-dir "$out/charts-$4" 2>&1 | grep -v "^\s*$" | tee "$out/$4.txt"
 }
-"$ferrite" serve "$model" --device cuda --load-format dummy --max-model-len 8192 \
-  --max-num-batched-tokens 8192 --served-model-name "$model" --port 8021 > "$out/ferrite-serve.log" 2>&1 &
-pid=$!
-if wait_up http://127.0.0.1:8021; then
-  bench ferrite http://127.0.0.1:8021 100 ferrite-full
-  bench ferrite http://127.0.0.1:8021 "$peer_prompts" ferrite-peer-prompts
-else
-  tail -20 "$out/ferrite-serve.log"
-fi
-kill $pid; wait $pid 2>/dev/null
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-PYTHONUNBUFFERED=1 python3 scripts/cuda/transformers_serve.py "$model" 8022 \
-  > "$out/transformers-serve.log" 2>&1 &
-pid=$!
-if wait_up http://127.0.0.1:8022; then
-  # One request loads the model before the clock starts (the server loads on first use).
-  curl -s -m 600 http://127.0.0.1:8022/v1/chat/completions -H 'content-type: application/json' \
-    -d "{\"model\": \"$model\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"max_tokens\": 4}" \
-    | head -c 600; echo
-  bench "transformers $(python3 -c 'import transformers; print(transformers.__version__)') serve --continuous-batching" \
-    http://127.0.0.1:8022 "$peer_prompts" transformers-peer-prompts
-else
-  echo "transformers serve did not come up"
-fi
-tail -30 "$out/transformers-serve.log"
-kill $pid; wait $pid 2>/dev/null
+parts=" $* "
+ferrite_part() {
+  "$ferrite" serve "$model" --device cuda --load-format dummy --max-model-len 16384 \
+    --max-num-batched-tokens 8192 --served-model-name "$model" --port 8021 > "$out/ferrite-serve.log" 2>&1 &
+  local pid=$!
+  if wait_up http://127.0.0.1:8021; then
+    [[ $parts == *" peer "* ]] && bench ferrite http://127.0.0.1:8021 "$peer_prompts" ferrite-peer-prompts
+    [[ $parts == *" full "* ]] && bench ferrite http://127.0.0.1:8021 100 ferrite-full
+  else
+    tail -20 "$out/ferrite-serve.log"
+  fi
+  kill $pid; wait $pid 2>/dev/null
+}
+peer_part() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  PYTHONUNBUFFERED=1 python3 scripts/cuda/transformers_serve.py "$model" 8022 \
+    > "$out/transformers-serve.log" 2>&1 &
+  local pid=$!
+  if wait_up http://127.0.0.1:8022; then
+    # One request loads the model before the clock starts (the server loads on first use).
+    curl -s -m 600 http://127.0.0.1:8022/v1/chat/completions -H 'content-type: application/json' \
+      -d "{\"model\": \"$model\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"max_tokens\": 4}" \
+      | head -c 600; echo
+    bench "transformers $(python3 -c 'import transformers; print(transformers.__version__)') serve --continuous-batching" \
+      http://127.0.0.1:8022 "$peer_prompts" transformers-peer-prompts
+  else
+    echo "transformers serve did not come up"
+  fi
+  tail -30 "$out/transformers-serve.log"
+  kill $pid; wait $pid 2>/dev/null
+}
+[[ $parts == *" peer "* ]] && peer_part
+ferrite_part
