@@ -52,7 +52,7 @@ fn main() {
         .build()
         .unwrap();
     let (mut hot, mut cold) = (0.0, 0.0);
-    let steps = 200;
+    let steps: usize = std::env::var("STEPS").map_or(200, |s| s.parse().unwrap());
     pool.install(|| {
         for s in 0..steps {
             // Weights stream through the caches between steps.

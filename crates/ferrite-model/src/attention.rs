@@ -203,7 +203,7 @@ struct TileScratch {
     /// The chunk in f32: K^T `[head_dim, keys]`, V `[keys, head_dim]`.
     kt: Vec<f32>,
     vb: Vec<f32>,
-    /// One query vector's scores, then its weights, per key.
+    /// One row's scores, then its weights, `[heads, keys]`.
     w: Vec<f32>,
 }
 
@@ -273,19 +273,75 @@ unsafe fn attend_tile_avx512(
     if !p.head_dim.is_multiple_of(4) {
         return attend_tile(q, k_cache, v_cache, meta, p, it, part, s, piece_scores);
     }
-    let scores = |q: &[f32], k: &[f32], out: &mut [f32]| unsafe { piece_scores_avx512(q, k, out) };
+    let scores = |q: &[f32], d: usize, k: &[f32], out: &mut [f32], stride: usize| unsafe {
+        piece_scores_avx512(q, d, k, out, stride)
+    };
     attend_tile(q, k_cache, v_cache, meta, p, it, part, s, scores)
 }
 
-/// [`piece_scores`] with one 16-lane register per accumulator, two pieces at a time (eight
-/// independent FMA chains); each piece's arithmetic is [`chunk_scores`]'.
+/// [`piece_scores`] with one 16-lane register per accumulator: the heads of a KV head in
+/// groups of up to three against each piece (each K row loaded once for the group), or a lone
+/// head two pieces at a time; either way at least eight independent FMA chains, and each
+/// (head, piece) gets [`chunk_scores`]' arithmetic.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn piece_scores_avx512(q: &[f32], k: &[f32], out: &mut [f32]) {
+unsafe fn piece_scores_avx512(q: &[f32], d: usize, k: &[f32], out: &mut [f32], stride: usize) {
+    let (nh, pieces) = (q.len() / d, k.len() / (d * LANES));
+    assert!(d.is_multiple_of(4) && out.len() >= (nh - 1) * stride + pieces * LANES);
+    if nh == 1 {
+        return pair_scores_avx512(q, k, &mut out[..pieces * LANES]);
+    }
+    let (q, k, o) = (q.as_ptr(), k.as_ptr(), out.as_mut_ptr());
+    let mut h0 = 0;
+    while h0 < nh {
+        let g = (nh - h0).min(3);
+        for pc in 0..pieces {
+            let (qh, kp) = (q.add(h0 * d), k.add(pc * d * LANES));
+            let op = o.add(h0 * stride + pc * LANES);
+            match g {
+                3 => heads_piece_avx512::<3>(qh, d, kp, op, stride),
+                2 => heads_piece_avx512::<2>(qh, d, kp, op, stride),
+                _ => heads_piece_avx512::<1>(qh, d, kp, op, stride),
+            }
+        }
+        h0 += g;
+    }
+}
+
+/// R consecutive query heads (`q`, `d` apart) against one piece, into `out` (`stride` apart).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn heads_piece_avx512<const R: usize>(
+    q: *const f32,
+    d: usize,
+    k: *const f32,
+    out: *mut f32,
+    stride: usize,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 4]; R];
+    for dd in (0..d).step_by(4) {
+        let kr = [0, 1, 2, 3].map(|u| _mm512_loadu_ps(k.add((dd + u) * LANES)));
+        for (r, a) in acc.iter_mut().enumerate() {
+            for u in 0..4 {
+                a[u] = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(r * d + dd + u)), kr[u], a[u]);
+            }
+        }
+    }
+    for (r, [a0, a1, a2, a3]) in acc.into_iter().enumerate() {
+        let sum = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+        _mm512_storeu_ps(out.add(r * stride), sum);
+    }
+}
+
+/// One query vector against consecutive pieces, two at a time.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn pair_scores_avx512(q: &[f32], k: &[f32], out: &mut [f32]) {
     use std::arch::x86_64::*;
     let d = q.len();
     let pieces = out.len() / LANES;
-    assert!(d.is_multiple_of(4) && k.len() == pieces * d * LANES);
+    assert!(k.len() == pieces * d * LANES);
     let (q, k, o) = (q.as_ptr(), k.as_ptr(), out.as_mut_ptr());
     let mut pc = 0;
     while pc < pieces {
@@ -317,13 +373,16 @@ unsafe fn piece_scores_avx512(q: &[f32], k: &[f32], out: &mut [f32]) {
     }
 }
 
-/// The scores of one query vector against consecutive LANES-key pieces of K^T (`k`:
-/// `[pieces, d, LANES]`), into `out` (`[pieces, LANES]`).
+/// The scores of each query head of a row (`q`: `[heads, d]`) against consecutive LANES-key
+/// pieces of K^T (`k`: `[pieces, d, LANES]`), into `out` (head `h` at `h * stride`, `[pieces,
+/// LANES]`).
 #[inline(always)]
-fn piece_scores(q: &[f32], k: &[f32], out: &mut [f32]) {
-    let d = q.len();
-    for (o, kp) in out.chunks_exact_mut(LANES).zip(k.chunks_exact(d * LANES)) {
-        o.copy_from_slice(&chunk_scores(q, kp, LANES));
+fn piece_scores(q: &[f32], d: usize, k: &[f32], out: &mut [f32], stride: usize) {
+    for (h, qh) in q.chunks_exact(d).enumerate() {
+        let oh = &mut out[h * stride..];
+        for (o, kp) in oh.chunks_exact_mut(LANES).zip(k.chunks_exact(d * LANES)) {
+            o.copy_from_slice(&chunk_scores(qh, kp, LANES));
+        }
     }
 }
 
@@ -351,7 +410,7 @@ fn attend_tile(
     it: &Item,
     part: &mut [f32],
     s: &mut TileScratch,
-    scores: impl Fn(&[f32], &[f32], &mut [f32]),
+    scores: impl Fn(&[f32], usize, &[f32], &mut [f32], usize),
 ) {
     let (rows, kvh, keys) = (it.rows.clone(), it.kvh, it.keys.clone());
     let d = p.head_dim;
@@ -368,7 +427,11 @@ fn attend_tile(
     let (b0, b1) = (keys.start / bs, keys.end.div_ceil(bs));
     let cols = (b1 * bs - c0).div_ceil(LANES) * LANES;
     let TileScratch { kt, vb, w } = s;
-    for (buf, len) in [(&mut *kt, d * cols), (&mut *vb, cols * d), (&mut *w, cols)] {
+    for (buf, len) in [
+        (&mut *kt, d * cols),
+        (&mut *vb, cols * d),
+        (&mut *w, nh * cols),
+    ] {
         if buf.len() < len {
             buf.resize(len, 0.0);
         }
@@ -396,25 +459,29 @@ fn attend_tile(
     for i in 0..n {
         let r = span(rows.start + i);
         let (lo, hi) = (r.start.max(keys.start), r.end.min(keys.end));
+        let o_row = &mut out[i * nh * d..][..nh * d];
+        if lo >= hi {
+            m[i * nh..][..nh].fill(f32::NEG_INFINITY);
+            l[i * nh..][..nh].fill(0.0);
+            o_row.fill(0.0);
+            continue;
+        }
+        let q_row = &q[((rows.start + i) * p.num_heads + kvh * nh) * d..][..nh * d];
+        let pieces = (lo - c0) / LANES..(hi - c0).div_ceil(LANES);
+        let (pa, pb) = (pieces.start, pieces.end);
+        scores(
+            q_row,
+            d,
+            &kt[pa * d * LANES..pb * d * LANES],
+            &mut w[pa * LANES..],
+            cols,
+        );
         for h in 0..nh {
             let s_idx = i * nh + h;
-            let oh = &mut out[s_idx * d..][..d];
-            if lo >= hi {
-                (m[s_idx], l[s_idx]) = (f32::NEG_INFINITY, 0.0);
-                oh.fill(0.0);
-                continue;
-            }
-            let qh = &q[((rows.start + i) * p.num_heads + kvh * nh + h) * d..][..d];
-            let pieces = (lo - c0) / LANES..(hi - c0).div_ceil(LANES);
-            let (pa, pb) = (pieces.start, pieces.end);
-            scores(
-                qh,
-                &kt[pa * d * LANES..pb * d * LANES],
-                &mut w[pa * LANES..pb * LANES],
-            );
+            let wh = &mut w[h * cols..][..cols];
             let mut mv = [f32::NEG_INFINITY; LANES];
             for pc in pieces.clone() {
-                let sc: &mut [f32; LANES] = (&mut w[pc * LANES..][..LANES]).try_into().unwrap();
+                let sc: &mut [f32; LANES] = (&mut wh[pc * LANES..][..LANES]).try_into().unwrap();
                 sc.iter_mut().for_each(|s| *s *= p.scale);
                 if let Some(cap) = p.softcap {
                     sc.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
@@ -429,8 +496,8 @@ fn attend_tile(
             }
             let mx = mv.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             let mut lv = [0f32; LANES];
-            for pc in pieces {
-                let wp: &mut [f32; LANES] = (&mut w[pc * LANES..][..LANES]).try_into().unwrap();
+            for pc in pieces.clone() {
+                let wp: &mut [f32; LANES] = (&mut wh[pc * LANES..][..LANES]).try_into().unwrap();
                 for j in 0..LANES {
                     let e = if wp[j] == f32::NEG_INFINITY {
                         0.0
@@ -442,13 +509,26 @@ fn attend_tile(
                 }
             }
             (m[s_idx], l[s_idx]) = (mx, lv.iter().sum());
-            let (wk, vk) = (&w[lo - c0..hi - c0], &vb[(lo - c0) * d..(hi - c0) * d]);
-            let odd = (lo - c0) % 2 == 1;
-            match d {
-                64 => sum_rows::<4>(oh, wk, vk, odd),
-                128 => sum_rows::<8>(oh, wk, vk, odd),
-                _ => sum_rows_any(oh, wk, vk, odd),
+        }
+        let keys_in = (lo - c0)..(hi - c0);
+        let vk = &vb[keys_in.start * d..keys_in.end * d];
+        let odd = keys_in.start % 2 == 1;
+        // Heads in groups that share each V row's loads; a head's sums are the same in any group.
+        let mut h0 = 0;
+        while h0 < nh {
+            let g = (nh - h0).min(if d <= 64 { 3 } else { 1 });
+            let (o, wg) = (&mut o_row[h0 * d..(h0 + g) * d], &w[h0 * cols..]);
+            match (d, g) {
+                (64, 3) => sum_rows::<4, 3>(o, wg, cols, keys_in.clone(), vk, odd),
+                (64, 2) => sum_rows::<4, 2>(o, wg, cols, keys_in.clone(), vk, odd),
+                (64, _) => sum_rows::<4, 1>(o, wg, cols, keys_in.clone(), vk, odd),
+                (128, _) => sum_rows::<8, 1>(o, wg, cols, keys_in.clone(), vk, odd),
+                _ => (0..g).for_each(|u| {
+                    let wk = &w[(h0 + u) * cols..][keys_in.clone()];
+                    sum_rows_any(&mut o[u * d..][..d], wk, vk, odd)
+                }),
             }
+            h0 += g;
         }
     }
 }
@@ -475,28 +555,48 @@ fn key_chunk(block_size: usize) -> usize {
     KEY_CHUNK.div_ceil(block_size) * block_size
 }
 
-/// `o = sum_j w[j] v_j` over `C * LANES`-wide rows, in registers: one FMA chain per element
-/// for the even keys (counted from the chunk start) and one for the odd, added at the end.
+/// `o_h = sum_j w_h[j] v_j` for R heads (weights `w[h * w_stride + key]`) over `C * LANES`-wide
+/// V rows, in registers: per element one FMA chain for the even keys (counted from the chunk
+/// start) and one for the odd, added at the end; each V row is loaded once for the R heads.
 #[inline(always)]
-fn sum_rows<const C: usize>(o: &mut [f32], w: &[f32], v: &[f32], first_odd: bool) {
+fn sum_rows<const C: usize, const R: usize>(
+    o: &mut [f32],
+    w: &[f32],
+    w_stride: usize,
+    keys: std::ops::Range<usize>,
+    v: &[f32],
+    first_odd: bool,
+) {
     let d = C * LANES;
-    let [mut even, mut odd] = [[[0f32; LANES]; C]; 2];
+    let [mut even, mut odd] = [[[[0f32; LANES]; C]; R]; 2];
+    let k0 = keys.start;
+    let wj = |r: usize, j: usize| w[r * w_stride + k0 + j];
+    let n = keys.len();
     let mut j = 0;
     if first_odd {
-        fma_row(&mut odd, w[0], &v[..d]);
+        for (r, a) in odd.iter_mut().enumerate() {
+            fma_row(a, wj(r, 0), &v[..d]);
+        }
         j = 1;
     }
-    while j + 1 < w.len() {
-        fma_row(&mut even, w[j], &v[j * d..][..d]);
-        fma_row(&mut odd, w[j + 1], &v[(j + 1) * d..][..d]);
+    while j + 1 < n {
+        let (va, vb) = (&v[j * d..][..d], &v[(j + 1) * d..][..d]);
+        for r in 0..R {
+            fma_row(&mut even[r], wj(r, j), va);
+            fma_row(&mut odd[r], wj(r, j + 1), vb);
+        }
         j += 2;
     }
-    if j < w.len() {
-        fma_row(&mut even, w[j], &v[j * d..][..d]);
+    if j < n {
+        for (r, a) in even.iter_mut().enumerate() {
+            fma_row(a, wj(r, j), &v[j * d..][..d]);
+        }
     }
-    for c in 0..C {
-        for k in 0..LANES {
-            o[c * LANES + k] = even[c][k] + odd[c][k];
+    for r in 0..R {
+        for c in 0..C {
+            for k in 0..LANES {
+                o[r * d + c * LANES + k] = even[r][c][k] + odd[r][c][k];
+            }
         }
     }
 }
