@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs on the GPU host (from the repository root, .device/bundle.tar.xz and .whl carried): the
+# Runs on the GPU host (from the repository root, .device/bundle.tar.xz and .whl carried; .whl
+# from scripts/cuda/peer-wheels.sh): the
 # agent `full` split served over HTTP, closed loop at C = 1, 2, 4, 8, 16, by ferrite and by
 # Hugging Face transformers' server with continuous batching, on the same Llama-3.1-8B-shaped
 # folder with random bf16 weights and SmolLM2's tokenizer (models/llama-8b-shape in the bundle).
@@ -37,6 +38,7 @@ ferrite_part() {
   kill $pid; wait $pid 2>/dev/null
 }
 peer_part() {
+  rm -rf /tmp/site  # a stale package left there by an earlier call would shadow the image's
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   PYTHONUNBUFFERED=1 python3 scripts/cuda/transformers_serve.py "$model" 8022 \
