@@ -3,6 +3,7 @@
 //! online softmax in f32, K/V read through the block tables.
 
 use crate::disjoint::DisjointSlice;
+use crate::quant::isa::Isa;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
@@ -55,6 +56,25 @@ pub fn paged_attention(
     p: &AttentionParams,
     out: &mut [f32],
 ) {
+    paged_attention_isa(Isa::detect(), q, k_cache, v_cache, meta, p, out)
+}
+
+/// [`paged_attention`] through the kernels of one instruction set (tests run each the CPU has;
+/// `isa` must be supported here).
+pub fn paged_attention_isa(
+    isa: Isa,
+    q: &[f32],
+    k_cache: &[f16],
+    v_cache: &[f16],
+    meta: &AttentionMeta,
+    p: &AttentionParams,
+    out: &mut [f32],
+) {
+    assert!(
+        isa.supported(),
+        "{} kernels on a CPU without them",
+        isa.name()
+    );
     let group = p.num_heads / p.num_kv_heads;
     let chunk = key_chunk(meta.block_size);
     STEP.with_borrow_mut(|w| {
@@ -98,7 +118,7 @@ pub fn paged_attention(
             let len = it.rows.len() * group * (p.head_dim + 2);
             // SAFETY: each item owns `part..part + len`.
             let part = unsafe { parts.range(it.part, len) };
-            SCRATCH.with_borrow_mut(|s| attend(q, k_cache, v_cache, meta, p, it, part, s));
+            SCRATCH.with_borrow_mut(|s| attend(isa, q, k_cache, v_cache, meta, p, it, part, s));
         });
         let (items, parts, out) = (&w.items, &w.parts, DisjointSlice::new(out));
         w.merges.par_iter().for_each(|mg| {
@@ -212,9 +232,10 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<TileScratch> = std::cell::RefCell::default();
 }
 
-/// [`attend_tile`] through the widest instruction set the CPU has.
+/// [`attend_tile`] through the kernels of `isa`.
 #[allow(clippy::too_many_arguments)]
 fn attend(
+    isa: Isa,
     q: &[f32],
     k_cache: &[f16],
     v_cache: &[f16],
@@ -225,16 +246,28 @@ fn attend(
     s: &mut TileScratch,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU supports the features the function is compiled for.
+    if isa == Isa::Avx512Vnni {
+        // SAFETY: the CPU supports the features the function is compiled for (checked by
+        // `paged_attention_isa`).
         return unsafe { attend_tile_avx512(q, k_cache, v_cache, meta, p, it, part, s) };
     }
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+    if isa == Isa::Avx2 {
         // SAFETY: as above.
         return unsafe { attend_tile_avx2(q, k_cache, v_cache, meta, p, it, part, s) };
     }
-    attend_tile(q, k_cache, v_cache, meta, p, it, part, s, piece_scores)
+    attend_tile(
+        q,
+        k_cache,
+        v_cache,
+        meta,
+        p,
+        it,
+        part,
+        s,
+        piece_scores,
+        row_sums,
+    )
 }
 
 /// [`attend_tile`] compiled with AVX2 and FMA (chosen at run time; the default target
@@ -252,7 +285,18 @@ unsafe fn attend_tile_avx2(
     part: &mut [f32],
     s: &mut TileScratch,
 ) {
-    attend_tile(q, k_cache, v_cache, meta, p, it, part, s, piece_scores)
+    attend_tile(
+        q,
+        k_cache,
+        v_cache,
+        meta,
+        p,
+        it,
+        part,
+        s,
+        piece_scores,
+        row_sums,
+    )
 }
 
 /// [`attend_tile`] compiled with AVX-512: the 16-lane dot and exp fill one register.
@@ -271,117 +315,150 @@ unsafe fn attend_tile_avx512(
 ) {
     // SAFETY: this function runs only where the CPU has AVX-512F.
     if !p.head_dim.is_multiple_of(4) {
-        return attend_tile(q, k_cache, v_cache, meta, p, it, part, s, piece_scores);
+        return attend_tile(
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            p,
+            it,
+            part,
+            s,
+            piece_scores,
+            row_sums,
+        );
     }
-    let scores = |q: &[f32], d: usize, k: &[f32], out: &mut [f32], stride: usize| unsafe {
-        piece_scores_avx512(q, d, k, out, stride)
+    let scores =
+        |b: &ScoreBlock, k: &[f32], out: &mut [f32]| unsafe { block_scores_avx512(b, k, out) };
+    let sums = |o: &mut [f32], w: &[f32], cols, keys, vk: &[f32], odd, d| unsafe {
+        row_sums_avx512(o, w, cols, keys, vk, odd, d)
     };
-    attend_tile(q, k_cache, v_cache, meta, p, it, part, s, scores)
+    attend_tile(q, k_cache, v_cache, meta, p, it, part, s, scores, sums)
 }
 
-/// [`piece_scores`] with one 16-lane register per accumulator: the heads of a KV head in
-/// groups of up to three against each piece (each K row loaded once for the group), or a lone
-/// head two pieces at a time; either way at least eight independent FMA chains, and each
-/// (head, piece) gets [`chunk_scores`]' arithmetic.
+/// A group of a tile's rows whose query vectors (each row's heads of one KV head) meet the same
+/// K^T pieces: `q` starts at the first row's first head, rows `row_stride` apart, heads `d`
+/// apart; scores go to `out[(row * heads + head) * cols + piece * LANES + lane]`.
+struct ScoreBlock<'a> {
+    q: &'a [f32],
+    row_stride: usize,
+    rows: usize,
+    heads: usize,
+    d: usize,
+    cols: usize,
+}
+
+impl ScoreBlock<'_> {
+    /// Query vector `v` (row-major over rows and heads) and where its scores start.
+    fn vector(&self, v: usize) -> (usize, usize) {
+        let (row, head) = (v / self.heads, v % self.heads);
+        (row * self.row_stride + head * self.d, v * self.cols)
+    }
+}
+
+/// [`piece_scores`] in 16-lane registers, register-blocked: up to 12 query vectors (several
+/// rows x heads) against up to 8 pieces at once, so each K load and each query broadcast feeds
+/// several FMAs. Every (vector, piece) score is one FMA chain over the head dimension in order,
+/// whatever block it is computed in.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn piece_scores_avx512(q: &[f32], d: usize, k: &[f32], out: &mut [f32], stride: usize) {
-    let (nh, pieces) = (q.len() / d, k.len() / (d * LANES));
-    assert!(d.is_multiple_of(4) && out.len() >= (nh - 1) * stride + pieces * LANES);
-    if nh == 1 {
-        return pair_scores_avx512(q, k, &mut out[..pieces * LANES]);
-    }
-    let (q, k, o) = (q.as_ptr(), k.as_ptr(), out.as_mut_ptr());
-    let mut h0 = 0;
-    while h0 < nh {
-        let g = (nh - h0).min(3);
-        for pc in 0..pieces {
-            let (qh, kp) = (q.add(h0 * d), k.add(pc * d * LANES));
-            let op = o.add(h0 * stride + pc * LANES);
-            match g {
-                3 => heads_piece_avx512::<3>(qh, d, kp, op, stride),
-                2 => heads_piece_avx512::<2>(qh, d, kp, op, stride),
-                _ => heads_piece_avx512::<1>(qh, d, kp, op, stride),
-            }
+unsafe fn block_scores_avx512(b: &ScoreBlock, k: &[f32], out: &mut [f32]) {
+    let pieces = k.len() / (b.d * LANES);
+    let nv = b.rows * b.heads;
+    assert!(pieces == 0 || out.len() >= (nv - 1) * b.cols + pieces * LANES);
+    assert!(b.q.len() >= b.vector(nv - 1).0 + b.d);
+    let mut v0 = 0;
+    while v0 < nv {
+        let n = (nv - v0).min(12);
+        macro_rules! run {
+            ($nv:literal, $np:literal) => {
+                vectors_scores_avx512::<$nv, $np>(b, v0, k, pieces, out)
+            };
         }
-        h0 += g;
+        match n {
+            1 => run!(1, 8),
+            2 => run!(2, 8),
+            3 => run!(3, 7),
+            4 => run!(4, 5),
+            5 => run!(5, 4),
+            6 => run!(6, 4),
+            7 => run!(7, 3),
+            8 => run!(8, 3),
+            9 => run!(9, 2),
+            10 => run!(10, 2),
+            11 => run!(11, 2),
+            _ => run!(12, 2),
+        }
+        v0 += n;
     }
 }
 
-/// R consecutive query heads (`q`, `d` apart) against one piece, into `out` (`stride` apart).
+/// Vectors `v0..v0 + NV` of `b` against all pieces, NP pieces at a time, then one at a time.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn heads_piece_avx512<const R: usize>(
-    q: *const f32,
+unsafe fn vectors_scores_avx512<const NV: usize, const NP: usize>(
+    b: &ScoreBlock,
+    v0: usize,
+    k: &[f32],
+    pieces: usize,
+    out: &mut [f32],
+) {
+    let qs: [*const f32; NV] = std::array::from_fn(|v| b.q.as_ptr().add(b.vector(v0 + v).0));
+    let os: [*mut f32; NV] = std::array::from_fn(|v| out.as_mut_ptr().add(b.vector(v0 + v).1));
+    let mut pc = 0;
+    while pc + NP <= pieces {
+        tile_scores_avx512::<NV, NP>(&qs, b.d, k.as_ptr().add(pc * b.d * LANES), &os, pc);
+        pc += NP;
+    }
+    while pc < pieces {
+        tile_scores_avx512::<NV, 1>(&qs, b.d, k.as_ptr().add(pc * b.d * LANES), &os, pc);
+        pc += 1;
+    }
+}
+
+/// NV query vectors x NP consecutive pieces (from piece `pc`), all accumulators in registers.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn tile_scores_avx512<const NV: usize, const NP: usize>(
+    qs: &[*const f32; NV],
     d: usize,
     k: *const f32,
-    out: *mut f32,
-    stride: usize,
+    os: &[*mut f32; NV],
+    pc: usize,
 ) {
     use std::arch::x86_64::*;
-    let mut acc = [[_mm512_setzero_ps(); 4]; R];
-    for dd in (0..d).step_by(4) {
-        let kr = [0, 1, 2, 3].map(|u| _mm512_loadu_ps(k.add((dd + u) * LANES)));
-        for (r, a) in acc.iter_mut().enumerate() {
-            for u in 0..4 {
-                a[u] = _mm512_fmadd_ps(_mm512_set1_ps(*q.add(r * d + dd + u)), kr[u], a[u]);
+    let mut acc = [[_mm512_setzero_ps(); NP]; NV];
+    for dd in 0..d {
+        let mut kr = [_mm512_setzero_ps(); NP];
+        for (p, x) in kr.iter_mut().enumerate() {
+            *x = _mm512_loadu_ps(k.add((p * d + dd) * LANES));
+        }
+        for (v, a) in acc.iter_mut().enumerate() {
+            let qv = _mm512_set1_ps(*qs[v].add(dd));
+            for (a, &kp) in a.iter_mut().zip(&kr) {
+                *a = _mm512_fmadd_ps(qv, kp, *a);
             }
         }
     }
-    for (r, [a0, a1, a2, a3]) in acc.into_iter().enumerate() {
-        let sum = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
-        _mm512_storeu_ps(out.add(r * stride), sum);
+    for (v, a) in acc.iter().enumerate() {
+        for (p, &x) in a.iter().enumerate() {
+            _mm512_storeu_ps(os[v].add((pc + p) * LANES), x);
+        }
     }
 }
 
-/// One query vector against consecutive pieces, two at a time.
-#[cfg(target_arch = "x86_64")]
+/// The scores of each query vector of `b` against consecutive LANES-key pieces of K^T (`k`:
+/// `[pieces, d, LANES]`), into `out` as [`ScoreBlock`] lays it out.
 #[inline(always)]
-unsafe fn pair_scores_avx512(q: &[f32], k: &[f32], out: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let d = q.len();
-    let pieces = out.len() / LANES;
-    assert!(k.len() == pieces * d * LANES);
-    let (q, k, o) = (q.as_ptr(), k.as_ptr(), out.as_mut_ptr());
-    let mut pc = 0;
-    while pc < pieces {
-        let two = pc + 1 < pieces;
-        let (ka, kb) = (
-            k.add(pc * d * LANES),
-            k.add((pc + two as usize) * d * LANES),
-        );
-        let [mut a0, mut a1, mut a2, mut a3] = [_mm512_setzero_ps(); 4];
-        let [mut b0, mut b1, mut b2, mut b3] = [_mm512_setzero_ps(); 4];
-        for dd in (0..d).step_by(4) {
-            let q4 = [0, 1, 2, 3].map(|u| _mm512_set1_ps(*q.add(dd + u)));
-            let at = |u: usize| (dd + u) * LANES;
-            a0 = _mm512_fmadd_ps(q4[0], _mm512_loadu_ps(ka.add(at(0))), a0);
-            b0 = _mm512_fmadd_ps(q4[0], _mm512_loadu_ps(kb.add(at(0))), b0);
-            a1 = _mm512_fmadd_ps(q4[1], _mm512_loadu_ps(ka.add(at(1))), a1);
-            b1 = _mm512_fmadd_ps(q4[1], _mm512_loadu_ps(kb.add(at(1))), b1);
-            a2 = _mm512_fmadd_ps(q4[2], _mm512_loadu_ps(ka.add(at(2))), a2);
-            b2 = _mm512_fmadd_ps(q4[2], _mm512_loadu_ps(kb.add(at(2))), b2);
-            a3 = _mm512_fmadd_ps(q4[3], _mm512_loadu_ps(ka.add(at(3))), a3);
-            b3 = _mm512_fmadd_ps(q4[3], _mm512_loadu_ps(kb.add(at(3))), b3);
-        }
-        let sum = |x0, x1, x2, x3| _mm512_add_ps(_mm512_add_ps(x0, x1), _mm512_add_ps(x2, x3));
-        _mm512_storeu_ps(o.add(pc * LANES), sum(a0, a1, a2, a3));
-        if two {
-            _mm512_storeu_ps(o.add((pc + 1) * LANES), sum(b0, b1, b2, b3));
-        }
-        pc += 2;
-    }
-}
-
-/// The scores of each query head of a row (`q`: `[heads, d]`) against consecutive LANES-key
-/// pieces of K^T (`k`: `[pieces, d, LANES]`), into `out` (head `h` at `h * stride`, `[pieces,
-/// LANES]`).
-#[inline(always)]
-fn piece_scores(q: &[f32], d: usize, k: &[f32], out: &mut [f32], stride: usize) {
-    for (h, qh) in q.chunks_exact(d).enumerate() {
-        let oh = &mut out[h * stride..];
-        for (o, kp) in oh.chunks_exact_mut(LANES).zip(k.chunks_exact(d * LANES)) {
-            o.copy_from_slice(&chunk_scores(qh, kp, LANES));
+fn piece_scores(b: &ScoreBlock, k: &[f32], out: &mut [f32]) {
+    for v in 0..b.rows * b.heads {
+        let (qa, oa) = b.vector(v);
+        let qv = &b.q[qa..][..b.d];
+        for (o, kp) in out[oa..]
+            .chunks_exact_mut(LANES)
+            .zip(k.chunks_exact(b.d * LANES))
+        {
+            o.copy_from_slice(&chunk_scores(qv, kp, LANES));
         }
     }
 }
@@ -410,7 +487,8 @@ fn attend_tile(
     it: &Item,
     part: &mut [f32],
     s: &mut TileScratch,
-    scores: impl Fn(&[f32], usize, &[f32], &mut [f32], usize),
+    scores: impl Fn(&ScoreBlock, &[f32], &mut [f32]),
+    sums: impl Fn(&mut [f32], &[f32], usize, std::ops::Range<usize>, &[f32], bool, usize),
 ) {
     let (rows, kvh, keys) = (it.rows.clone(), it.kvh, it.keys.clone());
     let d = p.head_dim;
@@ -430,7 +508,7 @@ fn attend_tile(
     for (buf, len) in [
         (&mut *kt, d * cols),
         (&mut *vb, cols * d),
-        (&mut *w, nh * cols),
+        (&mut *w, (12 / nh).max(1) * nh * cols),
     ] {
         if buf.len() < len {
             buf.resize(len, 0.0);
@@ -456,79 +534,204 @@ fn attend_tile(
         }
         widen(&v_cache[at..][..bs * d], &mut vb[col * d..][..bs * d]);
     }
-    for i in 0..n {
-        let r = span(rows.start + i);
-        let (lo, hi) = (r.start.max(keys.start), r.end.min(keys.end));
-        let o_row = &mut out[i * nh * d..][..nh * d];
-        if lo >= hi {
-            m[i * nh..][..nh].fill(f32::NEG_INFINITY);
-            l[i * nh..][..nh].fill(0.0);
-            o_row.fill(0.0);
-            continue;
+    // Rows in groups whose query vectors share each K^T load (up to 12 vectors; `w` holds a group).
+    let group_rows = (12 / nh).max(1);
+    for i0 in (0..n).step_by(group_rows) {
+        let g = group_rows.min(n - i0);
+        let range = |i: usize| {
+            let r = span(rows.start + i);
+            r.start.max(keys.start)..r.end.min(keys.end)
+        };
+        let live = (i0..i0 + g).map(range).filter(|r| r.start < r.end);
+        let pa = live.clone().map(|r| (r.start - c0) / LANES).min();
+        let pb = live.map(|r| (r.end - c0).div_ceil(LANES)).max();
+        if let (Some(pa), Some(pb)) = (pa, pb) {
+            let block = ScoreBlock {
+                q: &q[((rows.start + i0) * p.num_heads + kvh * nh) * d..],
+                row_stride: p.num_heads * d,
+                rows: g,
+                heads: nh,
+                d,
+                cols,
+            };
+            scores(
+                &block,
+                &kt[pa * d * LANES..pb * d * LANES],
+                &mut w[pa * LANES..],
+            );
         }
-        let q_row = &q[((rows.start + i) * p.num_heads + kvh * nh) * d..][..nh * d];
-        let pieces = (lo - c0) / LANES..(hi - c0).div_ceil(LANES);
-        let (pa, pb) = (pieces.start, pieces.end);
-        scores(
-            q_row,
-            d,
-            &kt[pa * d * LANES..pb * d * LANES],
-            &mut w[pa * LANES..],
-            cols,
-        );
-        for h in 0..nh {
-            let s_idx = i * nh + h;
-            let wh = &mut w[h * cols..][..cols];
-            let mut mv = [f32::NEG_INFINITY; LANES];
-            for pc in pieces.clone() {
-                let sc: &mut [f32; LANES] = (&mut wh[pc * LANES..][..LANES]).try_into().unwrap();
-                sc.iter_mut().for_each(|s| *s *= p.scale);
-                if let Some(cap) = p.softcap {
-                    sc.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
-                }
-                for (j, s) in sc.iter_mut().enumerate() {
-                    let key = c0 + pc * LANES + j;
-                    if key < lo || key >= hi {
-                        *s = f32::NEG_INFINITY;
+        for (ii, r) in (i0..i0 + g).map(range).enumerate() {
+            let i = i0 + ii;
+            let (lo, hi) = (r.start, r.end);
+            let o_row = &mut out[i * nh * d..][..nh * d];
+            if lo >= hi {
+                m[i * nh..][..nh].fill(f32::NEG_INFINITY);
+                l[i * nh..][..nh].fill(0.0);
+                o_row.fill(0.0);
+                continue;
+            }
+            let pieces = (lo - c0) / LANES..(hi - c0).div_ceil(LANES);
+            let w = &mut w[ii * nh * cols..];
+            for h in 0..nh {
+                let s_idx = i * nh + h;
+                let wh = &mut w[h * cols..][..cols];
+                let mut mv = [f32::NEG_INFINITY; LANES];
+                for pc in pieces.clone() {
+                    let sc: &mut [f32; LANES] =
+                        (&mut wh[pc * LANES..][..LANES]).try_into().unwrap();
+                    sc.iter_mut().for_each(|s| *s *= p.scale);
+                    if let Some(cap) = p.softcap {
+                        sc.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
                     }
-                    mv[j] = mv[j].max(*s);
+                    for (j, s) in sc.iter_mut().enumerate() {
+                        let key = c0 + pc * LANES + j;
+                        if key < lo || key >= hi {
+                            *s = f32::NEG_INFINITY;
+                        }
+                        mv[j] = mv[j].max(*s);
+                    }
                 }
-            }
-            let mx = mv.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            let mut lv = [0f32; LANES];
-            for pc in pieces.clone() {
-                let wp: &mut [f32; LANES] = (&mut wh[pc * LANES..][..LANES]).try_into().unwrap();
-                for j in 0..LANES {
-                    let e = if wp[j] == f32::NEG_INFINITY {
-                        0.0
-                    } else {
-                        exp_nonpositive(wp[j] - mx)
-                    };
-                    wp[j] = e;
-                    lv[j] += e;
+                let mx = mv.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                let mut lv = [0f32; LANES];
+                for pc in pieces.clone() {
+                    let wp: &mut [f32; LANES] =
+                        (&mut wh[pc * LANES..][..LANES]).try_into().unwrap();
+                    for j in 0..LANES {
+                        let e = if wp[j] == f32::NEG_INFINITY {
+                            0.0
+                        } else {
+                            exp_nonpositive(wp[j] - mx)
+                        };
+                        wp[j] = e;
+                        lv[j] += e;
+                    }
                 }
+                (m[s_idx], l[s_idx]) = (mx, lv.iter().sum());
             }
-            (m[s_idx], l[s_idx]) = (mx, lv.iter().sum());
+            let keys_in = (lo - c0)..(hi - c0);
+            let vk = &vb[keys_in.start * d..keys_in.end * d];
+            let odd = keys_in.start % 2 == 1;
+            sums(o_row, w, cols, keys_in, vk, odd, d);
         }
-        let keys_in = (lo - c0)..(hi - c0);
-        let vk = &vb[keys_in.start * d..keys_in.end * d];
-        let odd = keys_in.start % 2 == 1;
-        // Heads in groups that share each V row's loads; a head's sums are the same in any group.
-        let mut h0 = 0;
-        while h0 < nh {
-            let g = (nh - h0).min(if d <= 64 { 3 } else { 1 });
-            let (o, wg) = (&mut o_row[h0 * d..(h0 + g) * d], &w[h0 * cols..]);
-            match (d, g) {
-                (64, 3) => sum_rows::<4, 3>(o, wg, cols, keys_in.clone(), vk, odd),
-                (64, 2) => sum_rows::<4, 2>(o, wg, cols, keys_in.clone(), vk, odd),
-                (64, _) => sum_rows::<4, 1>(o, wg, cols, keys_in.clone(), vk, odd),
-                (128, _) => sum_rows::<8, 1>(o, wg, cols, keys_in.clone(), vk, odd),
-                _ => (0..g).for_each(|u| {
-                    let wk = &w[(h0 + u) * cols..][keys_in.clone()];
-                    sum_rows_any(&mut o[u * d..][..d], wk, vk, odd)
-                }),
-            }
-            h0 += g;
+    }
+}
+
+/// `o_row`'s `heads x d` outputs as [`sum_rows`] computes them, the heads in groups that
+/// share each V row's loads (a head's sums are the same in any group).
+#[inline(always)]
+fn row_sums(
+    o_row: &mut [f32],
+    w: &[f32],
+    cols: usize,
+    keys: std::ops::Range<usize>,
+    vk: &[f32],
+    odd: bool,
+    d: usize,
+) {
+    let nh = o_row.len() / d;
+    let mut h0 = 0;
+    while h0 < nh {
+        let g = (nh - h0).min(if d <= 64 { 3 } else { 1 });
+        let (o, wg) = (&mut o_row[h0 * d..(h0 + g) * d], &w[h0 * cols..]);
+        match (d, g) {
+            (64, 3) => sum_rows::<4, 3>(o, wg, cols, keys.clone(), vk, odd),
+            (64, 2) => sum_rows::<4, 2>(o, wg, cols, keys.clone(), vk, odd),
+            (64, _) => sum_rows::<4, 1>(o, wg, cols, keys.clone(), vk, odd),
+            (128, _) => sum_rows::<8, 1>(o, wg, cols, keys.clone(), vk, odd),
+            _ => (0..g).for_each(|u| {
+                let wk = &w[(h0 + u) * cols..][keys.clone()];
+                sum_rows_any(&mut o[u * d..][..d], wk, vk, odd)
+            }),
+        }
+        h0 += g;
+    }
+}
+
+/// [`row_sums`] in 16-lane registers: each V row loaded once into registers for the group's
+/// heads (the compiler's version reloads it per head); the same arithmetic.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn row_sums_avx512(
+    o_row: &mut [f32],
+    w: &[f32],
+    cols: usize,
+    keys: std::ops::Range<usize>,
+    vk: &[f32],
+    odd: bool,
+    d: usize,
+) {
+    let nh = o_row.len() / d;
+    if d != 64 {
+        return row_sums(o_row, w, cols, keys, vk, odd, d);
+    }
+    assert!(vk.len() == keys.len() * d && w.len() >= (nh - 1) * cols + keys.end);
+    let mut h0 = 0;
+    while h0 < nh {
+        let g = (nh - h0).min(3);
+        let (o, wg) = (o_row[h0 * d..].as_mut_ptr(), w[h0 * cols..].as_ptr());
+        match g {
+            3 => sums_avx512::<4, 3>(o, wg, cols, keys.clone(), vk.as_ptr(), odd),
+            2 => sums_avx512::<4, 2>(o, wg, cols, keys.clone(), vk.as_ptr(), odd),
+            _ => sums_avx512::<4, 1>(o, wg, cols, keys.clone(), vk.as_ptr(), odd),
+        }
+        h0 += g;
+    }
+}
+
+/// `acc_h += w_h * v` for one V row `v` (`C * LANES` values) and R heads' weights (`w`, `cols` apart).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn sum_key_avx512<const C: usize, const R: usize>(
+    acc: &mut [[std::arch::x86_64::__m512; C]; R],
+    v: *const f32,
+    w: *const f32,
+    cols: usize,
+) {
+    use std::arch::x86_64::*;
+    let mut vr = [_mm512_setzero_ps(); C];
+    for (c, x) in vr.iter_mut().enumerate() {
+        *x = _mm512_loadu_ps(v.add(c * LANES));
+    }
+    for (r, a) in acc.iter_mut().enumerate() {
+        let wj = _mm512_set1_ps(*w.add(r * cols));
+        for (a, &x) in a.iter_mut().zip(&vr) {
+            *a = _mm512_fmadd_ps(wj, x, *a);
+        }
+    }
+}
+
+/// R heads' `o_h = sum_j w_h[j] v_j` (even and odd keys in separate chains, as [`sum_rows`]).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn sums_avx512<const C: usize, const R: usize>(
+    o: *mut f32,
+    w: *const f32,
+    cols: usize,
+    keys: std::ops::Range<usize>,
+    v: *const f32,
+    first_odd: bool,
+) {
+    use std::arch::x86_64::*;
+    let d = C * LANES;
+    let [mut even, mut odd] = [[[_mm512_setzero_ps(); C]; R]; 2];
+    let (k0, n) = (keys.start, keys.len());
+    let mut j = 0;
+    if first_odd && n > 0 {
+        sum_key_avx512::<C, R>(&mut odd, v, w.add(k0), cols);
+        j = 1;
+    }
+    while j + 1 < n {
+        sum_key_avx512::<C, R>(&mut even, v.add(j * d), w.add(k0 + j), cols);
+        sum_key_avx512::<C, R>(&mut odd, v.add((j + 1) * d), w.add(k0 + j + 1), cols);
+        j += 2;
+    }
+    if j < n {
+        sum_key_avx512::<C, R>(&mut even, v.add(j * d), w.add(k0 + j), cols);
+    }
+    for r in 0..R {
+        for c in 0..C {
+            let sum = _mm512_add_ps(even[r][c], odd[r][c]);
+            _mm512_storeu_ps(o.add(r * d + c * LANES), sum);
         }
     }
 }

@@ -1,8 +1,9 @@
 //! The paged varlen attention op against a naive reference (contiguous K/V, f64 math) on
 //! random ragged steps mixing long prefill chunks and single-token decodes.
 
-use ferrite_model::attention::{paged_attention, AttentionMeta, AttentionParams};
+use ferrite_model::attention::{paged_attention_isa, AttentionMeta, AttentionParams};
 use ferrite_model::kv_cache::{write_kv, CacheShape, LayerCache};
+use ferrite_model::quant::Isa;
 use half::f16;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -59,7 +60,7 @@ fn as_f16(x: Vec<f32>) -> Vec<f32> {
     x.into_iter().map(|v| f16::from_f32(v).to_f32()).collect()
 }
 
-fn run_case(rng: &mut StdRng, c: &Case) -> f64 {
+fn run_case(rng: &mut StdRng, c: &Case, isa: Isa) -> f64 {
     let row = c.kv_heads * c.d;
     let nreq = rng.random_range(1..7);
     // (context already cached, new tokens this step): decodes, short and long chunks.
@@ -139,7 +140,7 @@ fn run_case(rng: &mut StdRng, c: &Case) -> f64 {
         softcap: c.softcap,
     };
     let mut out = vec![0f32; q.len()];
-    paged_attention(&q, &cache.k, &cache.v, &meta, &params, &mut out);
+    paged_attention_isa(isa, &q, &cache.k, &cache.v, &meta, &params, &mut out);
     // A row alone in its step gets the same bits as inside its packed tile.
     let width = c.heads * c.d;
     for (t, &(b, pos)) in positions.iter().enumerate().step_by(7) {
@@ -151,7 +152,8 @@ fn run_case(rng: &mut StdRng, c: &Case) -> f64 {
             block_size: c.block_size,
         };
         let mut o = vec![0f32; width];
-        paged_attention(
+        paged_attention_isa(
+            isa,
             &q[t * width..][..width],
             &cache.k,
             &cache.v,
@@ -186,28 +188,32 @@ fn paged_attention_matches_naive_reference() {
     let mut rng = StdRng::seed_from_u64(7);
     let mut worst = 0f64;
     let mut n = 0;
-    for block_size in [1, 4, 16, 32] {
-        for (heads, kv_heads) in [(4, 4), (8, 2), (9, 3), (6, 1)] {
-            for d in [32, 64] {
-                for (window, softcap) in [(None, None), (Some(37), None), (None, Some(30.0))] {
-                    let c = Case {
-                        block_size,
-                        heads,
-                        kv_heads,
-                        d,
-                        window,
-                        softcap,
-                    };
-                    let err = run_case(&mut rng, &c);
-                    assert!(
+    for isa in Isa::available() {
+        for block_size in [1, 4, 16, 32] {
+            for (heads, kv_heads) in [(4, 4), (8, 2), (9, 3), (6, 1)] {
+                for d in [32, 64, 128] {
+                    for (window, softcap) in [(None, None), (Some(37), None), (None, Some(30.0))] {
+                        let c = Case {
+                            block_size,
+                            heads,
+                            kv_heads,
+                            d,
+                            window,
+                            softcap,
+                        };
+                        let err = run_case(&mut rng, &c, isa);
+                        assert!(
                         err < 2e-5,
-                        "max abs error {err} (block {block_size}, {heads}/{kv_heads} heads, d {d}, window {window:?}, softcap {softcap:?})"
+                        "max abs error {err} ({} kernels, block {block_size}, {heads}/{kv_heads} heads, d {d}, window {window:?}, softcap {softcap:?})",
+                        isa.name()
                     );
-                    worst = worst.max(err);
-                    n += 1;
+                        worst = worst.max(err);
+                        n += 1;
+                    }
                 }
             }
         }
     }
-    println!("{n} random ragged steps, worst max abs error {worst:e}");
+    let isas: Vec<_> = Isa::available().iter().map(|i| i.name()).collect();
+    println!("{n} random ragged steps ({isas:?}), worst max abs error {worst:e}");
 }
