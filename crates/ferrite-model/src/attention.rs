@@ -114,11 +114,18 @@ pub fn paged_attention_isa(
         // Every item initializes its own region: no clearing needed.
         w.parts.resize(part, 0.0);
         let parts = DisjointSlice::new(&mut w.parts);
+        let inputs = LayerInputs {
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            p,
+        };
         w.items.par_iter().for_each(|it| {
             let len = it.rows.len() * group * (p.head_dim + 2);
             // SAFETY: each item owns `part..part + len`.
             let part = unsafe { parts.range(it.part, len) };
-            SCRATCH.with_borrow_mut(|s| attend(isa, q, k_cache, v_cache, meta, p, it, part, s));
+            SCRATCH.with_borrow_mut(|s| attend(isa, &inputs, it, part, s));
         });
         let (items, parts, out) = (&w.items, &w.parts, DisjointSlice::new(out));
         w.merges.par_iter().for_each(|mg| {
@@ -202,6 +209,16 @@ struct Item {
     part: usize,
 }
 
+/// What every item of one call reads: the queries, the layer's caches, the step's layout.
+#[derive(Clone, Copy)]
+struct LayerInputs<'a> {
+    q: &'a [f32],
+    k_cache: &'a [f16],
+    v_cache: &'a [f16],
+    meta: &'a AttentionMeta<'a>,
+    p: &'a AttentionParams,
+}
+
 /// The items (consecutive) whose partials make up the output of one tile and KV head.
 struct Merge {
     rows: std::ops::Range<usize>,
@@ -233,107 +250,43 @@ thread_local! {
 }
 
 /// [`attend_tile`] through the kernels of `isa`.
-#[allow(clippy::too_many_arguments)]
-fn attend(
-    isa: Isa,
-    q: &[f32],
-    k_cache: &[f16],
-    v_cache: &[f16],
-    meta: &AttentionMeta,
-    p: &AttentionParams,
-    it: &Item,
-    part: &mut [f32],
-    s: &mut TileScratch,
-) {
+fn attend(isa: Isa, x: &LayerInputs, it: &Item, part: &mut [f32], s: &mut TileScratch) {
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512Vnni {
         // SAFETY: the CPU supports the features the function is compiled for (checked by
         // `paged_attention_isa`).
-        return unsafe { attend_tile_avx512(q, k_cache, v_cache, meta, p, it, part, s) };
+        return unsafe { attend_tile_avx512(x, it, part, s) };
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 {
         // SAFETY: as above.
-        return unsafe { attend_tile_avx2(q, k_cache, v_cache, meta, p, it, part, s) };
+        return unsafe { attend_tile_avx2(x, it, part, s) };
     }
-    attend_tile(
-        q,
-        k_cache,
-        v_cache,
-        meta,
-        p,
-        it,
-        part,
-        s,
-        piece_scores,
-        row_sums,
-    )
+    attend_tile(x, it, part, s, piece_scores, row_sums)
 }
 
 /// [`attend_tile`] compiled with AVX2 and FMA (chosen at run time; the default target
 /// is baseline x86-64, whose SSE2 code is several times slower here).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend_tile_avx2(
-    q: &[f32],
-    k_cache: &[f16],
-    v_cache: &[f16],
-    meta: &AttentionMeta,
-    p: &AttentionParams,
-    it: &Item,
-    part: &mut [f32],
-    s: &mut TileScratch,
-) {
-    attend_tile(
-        q,
-        k_cache,
-        v_cache,
-        meta,
-        p,
-        it,
-        part,
-        s,
-        piece_scores,
-        row_sums,
-    )
+unsafe fn attend_tile_avx2(x: &LayerInputs, it: &Item, part: &mut [f32], s: &mut TileScratch) {
+    attend_tile(x, it, part, s, piece_scores, row_sums)
 }
 
 /// [`attend_tile`] compiled with AVX-512: the 16-lane dot and exp fill one register.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend_tile_avx512(
-    q: &[f32],
-    k_cache: &[f16],
-    v_cache: &[f16],
-    meta: &AttentionMeta,
-    p: &AttentionParams,
-    it: &Item,
-    part: &mut [f32],
-    s: &mut TileScratch,
-) {
+unsafe fn attend_tile_avx512(x: &LayerInputs, it: &Item, part: &mut [f32], s: &mut TileScratch) {
     // SAFETY: this function runs only where the CPU has AVX-512F.
-    if !p.head_dim.is_multiple_of(4) {
-        return attend_tile(
-            q,
-            k_cache,
-            v_cache,
-            meta,
-            p,
-            it,
-            part,
-            s,
-            piece_scores,
-            row_sums,
-        );
+    if !x.p.head_dim.is_multiple_of(4) {
+        return attend_tile(x, it, part, s, piece_scores, row_sums);
     }
     let scores =
         |b: &ScoreBlock, k: &[f32], out: &mut [f32]| unsafe { block_scores_avx512(b, k, out) };
     let sums = |o: &mut [f32], w: &[f32], cols, keys, vk: &[f32], odd, d| unsafe {
         row_sums_avx512(o, w, cols, keys, vk, odd, d)
     };
-    attend_tile(q, k_cache, v_cache, meta, p, it, part, s, scores, sums)
+    attend_tile(x, it, part, s, scores, sums)
 }
 
 /// A group of a tile's rows whose query vectors (each row's heads of one KV head) meet the same
@@ -477,19 +430,21 @@ const LANES: usize = 16;
 /// one partial sum per lane, the V sum over the keys in order (even and odd keys apart). So
 /// a row gets the same bits whatever else shares its tile or step.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn attend_tile(
-    q: &[f32],
-    k_cache: &[f16],
-    v_cache: &[f16],
-    meta: &AttentionMeta,
-    p: &AttentionParams,
+    x: &LayerInputs,
     it: &Item,
     part: &mut [f32],
     s: &mut TileScratch,
     scores: impl Fn(&ScoreBlock, &[f32], &mut [f32]),
     sums: impl Fn(&mut [f32], &[f32], usize, std::ops::Range<usize>, &[f32], bool, usize),
 ) {
+    let LayerInputs {
+        q,
+        k_cache,
+        v_cache,
+        meta,
+        p,
+    } = *x;
     let (rows, kvh, keys) = (it.rows.clone(), it.kvh, it.keys.clone());
     let d = p.head_dim;
     let nh = p.num_heads / p.num_kv_heads;
