@@ -1,5 +1,5 @@
 //! `ferrite bench offline`: prefill and decode throughput straight through the engine, the
-//! counterpart of `llama-bench -p 512 -n 128`.
+//! counterpart of `llama-bench -p 512 -n 128 [-d DEPTHS]`.
 
 use crate::args::EngineFlags;
 use crate::start::start;
@@ -22,6 +22,12 @@ pub struct OfflineArgs {
     /// Decode batch sizes, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     pub batch: Vec<usize>,
+    /// Context already in the KV cache before each measurement, comma-separated (llama-bench's
+    /// `-d`): a request of that many tokens is served first and the measured one extends it, so
+    /// the prefix cache holds the depth and only the new tokens are computed, attending over it.
+    /// Decodes at a depth share one such context.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub depth: Vec<usize>,
     /// Repetitions of each measurement (the best is reported, as llama-bench's mean is over quiet runs).
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
@@ -82,36 +88,80 @@ pub(crate) fn run_batch(
     Ok((firsts, t0.elapsed().as_secs_f64(), total))
 }
 
+/// `prompts` each extended by a shared context of `depth` tokens, after a request that leaves
+/// that context in the prefix cache.
+fn at_depth(
+    engine: &EngineHandle,
+    depth: usize,
+    salt: usize,
+    vocab: usize,
+    prompts: Vec<Vec<u32>>,
+) -> Result<Vec<Vec<u32>>> {
+    if depth == 0 {
+        return Ok(prompts);
+    }
+    let context = prompt(depth, salt, vocab);
+    run_batch(engine, vec![context.clone()], 1)?;
+    Ok(prompts
+        .into_iter()
+        .map(|p| [context.as_slice(), &p].concat())
+        .collect())
+}
+
+/// llama-bench's label for a test at a depth.
+fn label(test: String, depth: usize) -> String {
+    match depth {
+        0 => test,
+        d => format!("{test} @ d{d}"),
+    }
+}
+
 pub fn run(args: OfflineArgs) -> Result<()> {
     if args.engine.max_num_batched_tokens < args.prompt_tokens {
         bail!("--max-num-batched-tokens must be at least --prompt-tokens for a one-step prefill");
+    }
+    if args.depth.iter().any(|&d| d > 0) && args.engine.no_enable_prefix_caching {
+        bail!(
+            "--depth needs the prefix cache to hold the context: drop --no-enable-prefix-caching"
+        );
     }
     let started = start(&args.engine)?;
     let engine = &started.engine;
     let vocab = started.tokenizer.tokenizer.get_vocab_size(true);
     // Warm-up: first touches of buffers and thread start-up.
     run_batch(engine, vec![prompt(32, 0, vocab)], 4)?;
-    let mut best_pp = 0f64;
-    for r in 0..args.repeats {
-        let (ttft, _, _) = run_batch(engine, vec![prompt(args.prompt_tokens, r + 1, vocab)], 1)?;
-        best_pp = best_pp.max(args.prompt_tokens as f64 / ttft[0]);
-    }
     println!("| test | ferrite tokens/s |");
     println!("| --- | ---: |");
-    println!("| pp{} | {best_pp:.1} |", args.prompt_tokens);
-    for &b in &args.batch {
-        let mut best = 0f64;
-        for r in 0..args.repeats {
-            let prompts = (0..b)
-                .map(|i| prompt(16, 100 + r * 64 + i, vocab))
-                .collect();
-            let (firsts, end, total) = run_batch(engine, prompts, args.gen_tokens)?;
-            let first = firsts.iter().copied().fold(0f64, f64::max);
-            // Decode only: tokens after every request's first, over the time after the last first.
-            let decoded = total - b;
-            best = best.max(decoded as f64 / (end - first));
+    // Every measurement draws fresh salts, so no prompt is a prefix-cache hit beyond its depth.
+    let mut salt = 1;
+    let mut fresh = || {
+        salt += 1;
+        salt
+    };
+    for &depth in &args.depth {
+        let mut best_pp = 0f64;
+        for _ in 0..args.repeats {
+            let new = vec![prompt(args.prompt_tokens, fresh(), vocab)];
+            let prompts = at_depth(engine, depth, fresh(), vocab, new)?;
+            let (ttft, _, _) = run_batch(engine, prompts, 1)?;
+            best_pp = best_pp.max(args.prompt_tokens as f64 / ttft[0]);
         }
-        println!("| tg{} @ batch {b} | {best:.1} |", args.gen_tokens);
+        let test = label(format!("pp{}", args.prompt_tokens), depth);
+        println!("| {test} | {best_pp:.1} |");
+        for &b in &args.batch {
+            let mut best = 0f64;
+            for _ in 0..args.repeats {
+                let new = (0..b).map(|_| prompt(16, fresh(), vocab)).collect();
+                let prompts = at_depth(engine, depth, fresh(), vocab, new)?;
+                let (firsts, end, total) = run_batch(engine, prompts, args.gen_tokens)?;
+                let first = firsts.iter().copied().fold(0f64, f64::max);
+                // Decode only: tokens after every request's first, over the time after the last first.
+                let decoded = total - b;
+                best = best.max(decoded as f64 / (end - first));
+            }
+            let test = label(format!("tg{} @ batch {b}", args.gen_tokens), depth);
+            println!("| {test} | {best:.1} |");
+        }
     }
     engine.shutdown();
     Ok(())
