@@ -6,7 +6,7 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Args;
 use ferrite_model::config::ModelConfig;
-use ferrite_model::cuda::kernels::{AttentionMeta, AttentionShape, Kernels};
+use ferrite_model::cuda::kernels::{AttentionMeta, AttentionShape, Kernels, MatIn};
 use ferrite_model::cuda::model::CudaModel;
 use ferrite_model::cuda::weights::Weights;
 use ferrite_model::runner::StepModel;
@@ -50,6 +50,9 @@ fn median(n: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     t.sort_by(f64::total_cmp);
     Ok(t[n / 2])
 }
+
+/// One launch of a matmul kind on one layer's weights.
+type Folded<'a> = &'a dyn Fn(&Tensor) -> Result<()>;
 
 fn sync(dev: &Device) -> Result<()> {
     if let Device::Cuda(d) = dev {
@@ -200,6 +203,128 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
             wbytes / t / 1e9,
             t / (wbytes / copy_bw)
         );
+    }
+    // The same through the small-row matmuls of one- and two-row steps, with the RMSNorms,
+    // the SiLU-mul and the residual adds of the layer folded in.
+    for rows in [1usize, 2] {
+        let x = Tensor::randn(0f32, 1.0, (rows, config.hidden_size), &dev)?;
+        let attn = Tensor::randn(0f32, 1.0, (rows, config.num_heads * config.head_dim), &dev)?
+            .to_dtype(DType::BF16)?;
+        let act = Tensor::randn(0f32, 1.0, (rows, config.intermediate_size), &dev)?
+            .to_dtype(DType::BF16)?;
+        let eps = config.rms_norm_eps;
+        let norm = |norm| MatIn::Rms {
+            x: &x,
+            rows: None,
+            norm,
+            eps,
+        };
+        let t = median(a.repeats, || {
+            for l in &w.layers {
+                kernels.matmul(norm(&l.attn_norm), &l.qkv, DType::BF16)?;
+                kernels.matmul_add(MatIn::Bf16(&attn), &l.o, &x)?;
+                kernels.matmul_silu(norm(&l.ffn_norm), &l.gate_up)?;
+                kernels.matmul_add(MatIn::Bf16(&act), &l.down, &x)?;
+            }
+            kernels.matmul(norm(&w.final_norm), &w.lm_head, DType::F32)?;
+            sync(&dev)
+        })?;
+        println!(
+            "small-row matmuls with norms, SiLU and residual adds folded in, {rows} rows: {:.3} ms = {:.0} GB/s of weights ({:.2}x the weights-read floor)",
+            t * 1e3,
+            wbytes / t / 1e9,
+            t / (wbytes / copy_bw)
+        );
+    }
+    // Each matmul of a layer on its own (all 32 layers' of that kind; the head once), one row:
+    // cuBLAS, the small-row kernel on bf16 rows, and with the op before it folded in.
+    {
+        let x = Tensor::randn(0f32, 1.0, (1, config.hidden_size), &dev)?;
+        let xb = x.to_dtype(DType::BF16)?;
+        let attn = Tensor::randn(0f32, 1.0, (1, config.num_heads * config.head_dim), &dev)?
+            .to_dtype(DType::BF16)?;
+        let act =
+            Tensor::randn(0f32, 1.0, (1, config.intermediate_size), &dev)?.to_dtype(DType::BF16)?;
+        let eps = config.rms_norm_eps;
+        let rms = |norm| MatIn::Rms {
+            x: &x,
+            rows: None,
+            norm,
+            eps,
+        };
+        let layers = &w.layers;
+        let head = std::slice::from_ref(&w.lm_head);
+        let final_norm = &w.final_norm;
+        let kinds: [(&str, Vec<&Tensor>, &Tensor, Folded); 5] = [
+            (
+                "qkv (RMSNorm folded)",
+                layers.iter().map(|l| &l.qkv).collect(),
+                &xb,
+                &|w| {
+                    kernels
+                        .matmul(rms(&layers[0].attn_norm), w, DType::BF16)
+                        .map(|_| ())
+                },
+            ),
+            (
+                "o (residual add folded)",
+                layers.iter().map(|l| &l.o).collect(),
+                &attn,
+                &|w| kernels.matmul_add(MatIn::Bf16(&attn), w, &x),
+            ),
+            (
+                "gate_up (RMSNorm folded)",
+                layers.iter().map(|l| &l.gate_up).collect(),
+                &xb,
+                &|w| {
+                    kernels
+                        .matmul(rms(&layers[0].ffn_norm), w, DType::BF16)
+                        .map(|_| ())
+                },
+            ),
+            (
+                "down (residual add folded)",
+                layers.iter().map(|l| &l.down).collect(),
+                &act,
+                &|w| kernels.matmul_add(MatIn::Bf16(&act), w, &x),
+            ),
+            (
+                "LM head (final RMSNorm folded)",
+                head.iter().collect(),
+                &xb,
+                &|w| kernels.matmul(rms(final_norm), w, DType::F32).map(|_| ()),
+            ),
+        ];
+        println!("| one row, all layers | weights MB | floor us | cuBLAS us | small-row us | folded us | folded / floor |");
+        println!("|---|---:|---:|---:|---:|---:|---:|");
+        for (name, ws, input, folded) in kinds {
+            let time = |f: Folded| {
+                median(a.repeats, || {
+                    for w in &ws {
+                        f(w)?;
+                    }
+                    sync(&dev)
+                })
+            };
+            let cublas = time(&|w| kernels.matmul_nt(input, w, DType::BF16).map(|_| ()))?;
+            let small = time(&|w| {
+                kernels
+                    .matmul(MatIn::Bf16(input), w, DType::BF16)
+                    .map(|_| ())
+            })?;
+            let fold = time(folded)?;
+            let bytes: f64 = ws.iter().map(|w| (w.elem_count() * 2) as f64).sum();
+            let floor = bytes / copy_bw;
+            println!(
+                "| {name} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} |",
+                bytes / 1e6,
+                floor * 1e6,
+                cublas * 1e6,
+                small * 1e6,
+                fold * 1e6,
+                fold / floor
+            );
+        }
     }
     // Prefill: one request, the whole prompt in one step.
     let p = a.prompt_tokens;

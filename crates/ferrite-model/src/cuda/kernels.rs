@@ -3,6 +3,7 @@
 
 use crate::runner::RowDraw;
 use anyhow::{bail, ensure, Context, Result};
+use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda::cudarc::driver::{
     CudaFunction, CudaModule, DevicePtr, LaunchConfig, PushKernelArg,
 };
@@ -10,7 +11,8 @@ use candle_core::cuda::cudarc::nvrtc::Ptx;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Shape, Storage, Tensor};
 use half::bf16;
-use std::sync::Arc;
+use std::collections::hash_map::{Entry, HashMap};
+use std::sync::{Arc, Mutex};
 
 /// sm_80 and sm_90 machine code plus sm_90 PTX, built by `build.rs`.
 static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/ferrite.fatbin"));
@@ -20,13 +22,25 @@ const ATTENTION_THREADS: u32 = 128;
 /// (its `ROWS`) and of the tensor-core one (`MMA_ROWS`).
 pub const ATTENTION_ROWS: usize = 16;
 const MMA_ROWS: usize = 64;
+/// Steps of up to this many rows (decodes of one or two requests) get the fused one-warp-per-
+/// column matmuls (`gemv_r*_bf16`); larger ones cuBLAS.
+pub const GEMV_MAX_ROWS: usize = 2;
+/// The `__launch_bounds__` of `gemv_r*_bf16`.
+const GEMV_THREADS: u32 = 512;
+/// Shared memory the fused matmuls may take for their input rows.
+const GEMV_MAX_SHARED: usize = 160 * 1024;
 
 pub struct Kernels {
     dev: CudaDevice,
     _module: Arc<CudaModule>,
     embed: CudaFunction,
-    add_rms_norm: CudaFunction,
+    rms_norm: CudaFunction,
     silu_mul: CudaFunction,
+    /// For 1 and 2 rows.
+    gemv: [CudaFunction; 2],
+    /// Blocks of `gemv[r - 1]` per multiprocessor with `k`-wide rows, by (r, k): asked of the
+    /// driver once per shape, not at every launch.
+    gemv_occupancy: Mutex<HashMap<(usize, usize), u32>>,
     qkv_rope_write: CudaFunction,
     /// Head size 256 on CUDA cores; 64 and 128 on tensor cores.
     attention: CudaFunction,
@@ -119,14 +133,23 @@ impl Kernels {
                 .load_function(name)
                 .with_context(|| format!("kernel {name}"))
         };
+        let gemv = [f("gemv_r1_bf16")?, f("gemv_r2_bf16")?];
+        for g in &gemv {
+            g.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                GEMV_MAX_SHARED as i32,
+            )?;
+        }
         let multiprocessors = stream.context().attribute(
             candle_core::cuda::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as u32;
         Ok(Self {
             dev: dev.clone(),
             embed: f("embed_bf16")?,
-            add_rms_norm: f("add_rms_norm_bf16")?,
+            rms_norm: f("rms_norm_bf16")?,
             silu_mul: f("silu_mul_bf16")?,
+            gemv,
+            gemv_occupancy: Mutex::default(),
             qkv_rope_write: f("qkv_rope_write_bf16")?,
             attention: f("paged_attention_d256_bf16")?,
             attention_mma: [
@@ -187,19 +210,29 @@ impl Kernels {
     /// and f32 accumulation, one cublasGemmEx call. The LM head asks for f32: logits rounded
     /// to bf16 would lose near-ties.
     pub fn matmul_nt(&self, x: &Tensor, w: &Tensor, out_dtype: DType) -> Result<Tensor> {
+        let out = self.output((x.dim(0)?, w.dim(0)?), out_dtype)?;
+        self.gemm(x, w, &out, 0.0)?;
+        Ok(out)
+    }
+
+    /// `out = x @ w^T + beta * out`, `out` bf16 or f32 `[R, n]`.
+    fn gemm(&self, x: &Tensor, w: &Tensor, out: &Tensor, beta: f32) -> Result<()> {
         use candle_core::cuda::cudarc::cublas::{result::gemm_ex, sys};
         let (r, k) = x.dims2()?;
         let (n, k2) = w.dims2()?;
-        ensure!(k == k2, "matmul of [{r}, {k}] by [{n}, {k2}]^T");
-        let out = self.output((r, n), out_dtype)?;
-        let out_type = match out_dtype {
+        ensure!(
+            k == k2 && out.dims2()? == (r, n),
+            "matmul of [{r}, {k}] by [{n}, {k2}]^T into {:?}",
+            out.dims()
+        );
+        let out_type = match out.dtype() {
             DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
             _ => sys::cudaDataType::CUDA_R_32F,
         };
         if r == 0 {
-            return Ok(out);
+            return Ok(());
         }
-        let (alpha, beta) = (1f32, 0f32);
+        let alpha = 1f32;
         let blas = self.dev.cublas_handle();
         // Column-major view: out^T [n, r] = w [k, n]^T x^T [k, r].
         // SAFETY: pointers come from live contiguous tensors of the shapes checked above.
@@ -219,7 +252,7 @@ impl Kernels {
                 sys::cudaDataType::CUDA_R_16BF,
                 k as i32,
                 (&beta as *const f32).cast(),
-                ptr(&out)? as *mut _,
+                ptr(out)? as *mut _,
                 out_type,
                 n as i32,
                 sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -227,7 +260,105 @@ impl Kernels {
             )
         }
         .context("cublasGemmEx")?;
+        Ok(())
+    }
+
+    /// `input @ w^T` into a new `[R, n]` tensor of `dtype` (bf16, or f32 for logits).
+    pub fn matmul(&self, input: MatIn, w: &Tensor, dtype: DType) -> Result<Tensor> {
+        let out = self.output((input.rows()?, w.dim(0)?), dtype)?;
+        let mode = match dtype {
+            DType::BF16 => GEMV_OUT_BF16,
+            _ => GEMV_OUT_F32,
+        };
+        if !self.gemv(&input, w, &out, mode)? {
+            self.gemm(&self.materialize(input)?, w, &out, 0.0)?;
+        }
         Ok(out)
+    }
+
+    /// `silu(gate) * up` of `input @ w^T`, `[R, I]` bf16, for gate|up weights `[2I, k]` whose
+    /// rows alternate gate, up (see [`super::weights::interleave_gate_up`]).
+    pub fn matmul_silu(&self, input: MatIn, w: &Tensor) -> Result<Tensor> {
+        let out = self.output((input.rows()?, w.dim(0)? / 2), DType::BF16)?;
+        if !self.gemv(&input, w, &out, GEMV_OUT_SILU)? {
+            let gate_up = self.output((input.rows()?, w.dim(0)?), DType::BF16)?;
+            self.gemm(&self.materialize(input)?, w, &gate_up, 0.0)?;
+            self.silu_mul_into(&gate_up, &out)?;
+        }
+        Ok(out)
+    }
+
+    /// `x += input @ w^T` on the f32 residual stream `x [R, n]` (the residual add folded
+    /// into the matmul).
+    pub fn matmul_add(&self, input: MatIn, w: &Tensor, x: &Tensor) -> Result<()> {
+        if !self.gemv(&input, w, x, GEMV_OUT_ADD)? {
+            self.gemm(&self.materialize(input)?, w, x, 1.0)?;
+        }
+        Ok(())
+    }
+
+    /// The fused small-row matmul into `out`, when the step is small enough; false otherwise.
+    fn gemv(&self, input: &MatIn, w: &Tensor, out: &Tensor, out_mode: i32) -> Result<bool> {
+        let r = input.rows()?;
+        let (n, k) = w.dims2()?;
+        let shared = GEMV_MAX_ROWS * k * 2;
+        if r == 0 || r > GEMV_MAX_ROWS || k % 8 != 0 || shared > GEMV_MAX_SHARED {
+            return Ok(false);
+        }
+        let (in_mode, src, rows, norm, eps) = match input {
+            MatIn::Bf16(a) => (GEMV_IN_BF16, *a, None, None, 0.0),
+            MatIn::Rms { x, rows, norm, eps } => (GEMV_IN_RMS, *x, *rows, Some(*norm), *eps),
+        };
+        let out_cols = if out_mode == GEMV_OUT_SILU { n / 2 } else { n };
+        ensure!(
+            src.dim(1)? == k && out.dims2()? == (r, out_cols),
+            "matmul input {:?} for weights [{n}, {k}] into {:?}",
+            src.dims(),
+            out.dims()
+        );
+        let f = &self.gemv[r - 1];
+        let shared = (r * k * 2) as u32;
+        let per_sm = match self.gemv_occupancy.lock().unwrap().entry((r, k)) {
+            Entry::Occupied(e) => *e.get(),
+            Entry::Vacant(e) => *e.insert(
+                f.occupancy_max_active_blocks_per_multiprocessor(
+                    GEMV_THREADS,
+                    shared as usize,
+                    None,
+                )?
+                .max(1),
+            ),
+        };
+        let warps = GEMV_THREADS as usize / 32;
+        let blocks = n
+            .div_ceil(warps)
+            .min((per_sm * self.multiprocessors) as usize);
+        self.launch(
+            f,
+            cfg((blocks as u32, 1, 1), GEMV_THREADS, shared),
+            &[
+                Arg::P(ptr(w)?),
+                Arg::I(n as i32),
+                Arg::I(k as i32),
+                Arg::I(r as i32),
+                Arg::I(in_mode),
+                Arg::P(ptr(src)?),
+                opt(rows)?,
+                opt(norm)?,
+                Arg::F(eps),
+                Arg::I(out_mode),
+                Arg::P(ptr(out)?),
+            ],
+        )?;
+        Ok(true)
+    }
+
+    /// The bf16 rows a matmul reads, computed by the kernel that folds into the small-row path.
+    fn materialize(&self, input: MatIn) -> Result<Tensor> {
+        match input {
+            MatIn::Bf16(a) => Ok(a.clone()),
+            MatIn::Rms { x, rows, norm, eps } => self.rms_norm(x, rows, norm, eps),
+        }
     }
 
     /// One token per row of f32 `[R, n]` logits, as `params` (`[R * DRAW_PARAMS]` u32, see
@@ -274,12 +405,11 @@ impl Kernels {
         Ok(x)
     }
 
-    /// `x += delta` (when given) on the residual stream, then RMSNorm into bf16. With `rows`,
-    /// only those rows of `x` are read, updated and normalized, in that order.
-    pub fn add_rms_norm(
+    /// RMSNorm of the f32 residual stream into bf16; with `rows`, only those rows of `x`, in
+    /// that order.
+    pub fn rms_norm(
         &self,
         x: &Tensor,
-        delta: Option<&Tensor>,
         rows: Option<&Tensor>,
         weight: &Tensor,
         eps: f32,
@@ -289,11 +419,10 @@ impl Kernels {
         let out = self.output((n, hidden), DType::BF16)?;
         if n > 0 {
             self.launch(
-                &self.add_rms_norm,
+                &self.rms_norm,
                 cfg((n as u32, 1, 1), 256, 0),
                 &[
                     Arg::P(ptr(x)?),
-                    opt(delta)?,
                     opt(rows)?,
                     Arg::P(ptr(weight)?),
                     Arg::P(ptr(&out)?),
@@ -305,25 +434,23 @@ impl Kernels {
         Ok(out)
     }
 
-    /// `[T, 2I]` stacked gate|up into `silu(gate) * up`, `[T, I]`.
-    pub fn silu_mul(&self, gate_up: &Tensor) -> Result<Tensor> {
+    /// `[T, 2I]` interleaved gate|up into `silu(gate) * up`, `out [T, I]`.
+    fn silu_mul_into(&self, gate_up: &Tensor, out: &Tensor) -> Result<()> {
         let (t, two_i) = gate_up.dims2()?;
-        let inter = two_i / 2;
-        let out = self.output((t, inter), DType::BF16)?;
-        let n = t * inter;
+        ensure!(
+            out.dims2()? == (t, two_i / 2),
+            "silu-mul of {:?}",
+            gate_up.dims()
+        );
+        let n = t * two_i / 2;
         if n > 0 {
             self.launch(
                 &self.silu_mul,
                 cfg((n.div_ceil(256) as u32, 1, 1), 256, 0),
-                &[
-                    Arg::P(ptr(gate_up)?),
-                    Arg::P(ptr(&out)?),
-                    Arg::I(inter as i32),
-                    Arg::Z(n),
-                ],
+                &[Arg::P(ptr(gate_up)?), Arg::P(ptr(out)?), Arg::Z(n)],
             )?;
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Splits `[T, (H + 2 Hkv) D]` QKV rows: Q rotated into the returned `[T, H * D]`, K
@@ -505,6 +632,36 @@ pub fn draw_params(draws: &[RowDraw], rows: usize) -> Vec<u32> {
     }
     p
 }
+
+/// What a matmul reads: bf16 rows, or the RMSNorm before it, folded into the matmul when the
+/// step is small (see [`GEMV_MAX_ROWS`]).
+pub enum MatIn<'a> {
+    Bf16(&'a Tensor),
+    /// RMSNorm (weights `norm`) of the f32 residual stream `x`; with `rows`, only those rows.
+    Rms {
+        x: &'a Tensor,
+        rows: Option<&'a Tensor>,
+        norm: &'a Tensor,
+        eps: f32,
+    },
+}
+
+impl MatIn<'_> {
+    fn rows(&self) -> Result<usize> {
+        Ok(match self {
+            MatIn::Bf16(a) => a.dim(0)?,
+            MatIn::Rms { x, rows, .. } => rows.map_or(x.dim(0), |r| r.dim(0))?,
+        })
+    }
+}
+
+// Input and output modes of `gemv_r*_bf16` (ferrite.cu).
+const GEMV_IN_BF16: i32 = 0;
+const GEMV_IN_RMS: i32 = 1;
+const GEMV_OUT_BF16: i32 = 0;
+const GEMV_OUT_F32: i32 = 1;
+const GEMV_OUT_ADD: i32 = 2;
+const GEMV_OUT_SILU: i32 = 3;
 
 /// A kernel argument: device pointer, int, float or size.
 enum Arg {

@@ -1,8 +1,10 @@
 //! The Llama family on a CUDA GPU as one packed forward pass per step: bf16 weights, matmuls
-//! through cuBLAS (cublasGemmEx), everything else in ferrite's kernels; the residual stream in f32.
+//! through cuBLAS (cublasGemmEx) or, for steps of one or two rows, ferrite's own with the
+//! RMSNorms, the SiLU-mul and the residual adds folded in; everything else in ferrite's kernels; the residual stream
+//! in f32, updated by the matmuls' epilogues.
 
 use super::graph::DecodeGraphs;
-use super::kernels::{draw_params, AttentionMeta, AttentionShape, Kernels, QkvParams};
+use super::kernels::{draw_params, AttentionMeta, AttentionShape, Kernels, MatIn, QkvParams};
 use super::weights::Weights;
 use crate::config::{ModelConfig, RopeStyle};
 use crate::ops::RopeTable;
@@ -215,10 +217,14 @@ impl CudaModel {
         let k = &self.kernels;
         let eps = c.rms_norm_eps;
         let x = k.embed(ids, &w.embedding)?;
-        let mut delta: Option<Tensor> = None;
+        let norm = |norm, rows| MatIn::Rms {
+            x: &x,
+            rows,
+            norm,
+            eps,
+        };
         for (l, (kc, vc)) in w.layers.iter().zip(&self.cache) {
-            let normed = k.add_rms_norm(&x, delta.as_ref(), None, &l.attn_norm, eps)?;
-            let qkv = k.matmul_nt(&normed, &l.qkv, DType::BF16)?;
+            let qkv = k.matmul(norm(&l.attn_norm, None), &l.qkv, DType::BF16)?;
             let q = k.qkv_rope_write(
                 &qkv,
                 positions,
@@ -238,15 +244,12 @@ impl CudaModel {
                 },
             )?;
             let attn = k.paged_attention(&q, kc, vc, &meta, &shape)?;
-            let o = k.matmul_nt(&attn, &l.o, DType::BF16)?;
-            let normed = k.add_rms_norm(&x, Some(&o), None, &l.ffn_norm, eps)?;
-            let gate_up = k.matmul_nt(&normed, &l.gate_up, DType::BF16)?;
-            let act = k.silu_mul(&gate_up)?;
-            delta = Some(k.matmul_nt(&act, &l.down, DType::BF16)?);
+            k.matmul_add(MatIn::Bf16(&attn), &l.o, &x)?;
+            let act = k.matmul_silu(norm(&l.ffn_norm, None), &l.gate_up)?;
+            k.matmul_add(MatIn::Bf16(&act), &l.down, &x)?;
         }
-        // Only the rows that need logits get the last residual add, the final norm and the head.
-        let last = k.add_rms_norm(&x, delta.as_ref(), Some(rows), &w.final_norm, eps)?;
-        k.matmul_nt(&last, &w.lm_head, DType::F32)
+        // Only the rows that need logits get the final norm and the head.
+        k.matmul(norm(&w.final_norm, Some(rows)), &w.lm_head, DType::F32)
     }
 }
 

@@ -18,7 +18,7 @@ pub struct LayerWeights {
     pub k_norm: Option<Tensor>,
     pub o: Tensor,
     pub ffn_norm: Tensor,
-    /// `[2 I, hidden]`: gate rows, then up rows.
+    /// `[2 I, hidden]`: gate and up rows alternating (see [`interleave_gate_up`]).
     pub gate_up: Tensor,
     pub down: Tensor,
 }
@@ -28,6 +28,14 @@ pub struct Weights {
     pub layers: Vec<LayerWeights>,
     pub final_norm: Tensor,
     pub lm_head: Tensor,
+}
+
+/// Gate `[I, h]` and up `[I, h]` as one `[2I, h]` matrix whose rows alternate gate, up: one
+/// matmul makes both, and the small-row matmul's warp that makes gate j makes up j next and
+/// writes `silu(gate) * up` itself.
+pub fn interleave_gate_up(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let (i, h) = gate.dims2()?;
+    Ok(Tensor::stack(&[gate, up], 1)?.reshape((2 * i, h))?)
 }
 
 impl Weights {
@@ -86,7 +94,7 @@ impl Weights {
                 k_norm: t("attn_k_norm.weight").ok(),
                 o: t("attn_output.weight")?,
                 ffn_norm: t("ffn_norm.weight")?,
-                gate_up: Tensor::cat(&[t("ffn_gate.weight")?, t("ffn_up.weight")?], 0)?,
+                gate_up: interleave_gate_up(&t("ffn_gate.weight")?, &t("ffn_up.weight")?)?,
                 down: t("ffn_down.weight")?,
             });
             progress(i + 1, config.num_layers);
@@ -161,7 +169,10 @@ impl Weights {
                 k_norm: norm("k_norm")?,
                 o: t("self_attn.o_proj.weight")?,
                 ffn_norm: t("post_attention_layernorm.weight")?,
-                gate_up: Tensor::cat(&[t("mlp.gate_proj.weight")?, t("mlp.up_proj.weight")?], 0)?,
+                gate_up: interleave_gate_up(
+                    &t("mlp.gate_proj.weight")?,
+                    &t("mlp.up_proj.weight")?,
+                )?,
                 down: t("mlp.down_proj.weight")?,
             });
             progress(i + 1, config.num_layers);
