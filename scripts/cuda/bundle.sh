@@ -29,7 +29,10 @@ stage=$(mktemp -d); trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/bin" "$stage/models"
 cp target-cuda/release/ferrite "$stage/bin/ferrite"
 cp "$tests" "$stage/bin/cuda-tests"
-strip "$stage/bin/ferrite" "$stage/bin/cuda-tests"
+# Writes the llama.cpp peer's GGUF there (serve-peer.sh llamacpp-build).
+cargo build --release -q -p ferrite-model --example random_gguf
+cp target-cuda/release/examples/random_gguf "$stage/bin/random_gguf"
+strip "$stage/bin/ferrite" "$stage/bin/cuda-tests" "$stage/bin/random_gguf"
 cargo run --release -q -p ferrite-model --example cut_gguf -- "$model" "$stage/models/smollm2-10l.gguf" 10 q4_0
 # The 8B shape with SmolLM2's tokenizer, for the served peer benchmark (serve-peer.sh).
 cargo run --release -q -p ferrite-model --example hf_folder -- "$model" scripts/cuda/llama-3.1-8b.json \

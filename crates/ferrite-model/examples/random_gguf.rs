@@ -1,0 +1,114 @@
+//! Writes a Llama GGUF with the shape of a Hugging Face config.json, random F16 weights and the
+//! tokenizer of another GGUF: the model llama.cpp serves in the GPU peer benchmark
+//! (`scripts/cuda/serve-peer.sh llamacpp`), the same shape and vocabulary as the folder ferrite
+//! and transformers serve there with random weights (`examples/hf_folder.rs`).
+//! Usage: cargo run --release -p ferrite-model --example random_gguf -- TOKENIZER.gguf CONFIG.json OUT.gguf
+
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::Device;
+use ferrite_model::config::ModelConfig;
+use half::f16;
+use rand::{Rng, SeedableRng};
+use std::fs::File;
+use std::io::BufWriter;
+
+/// Values drawn once and reused round-robin from a per-tensor offset: a benchmark needs the
+/// bytes, not fresh randomness for each of billions of weights.
+struct Pool(Vec<f16>);
+
+impl Pool {
+    fn matrix(&self, rows: usize, cols: usize, offset: usize) -> Result<QTensor> {
+        let n = rows * cols;
+        let mut bytes = Vec::with_capacity(2 * n);
+        for i in 0..n {
+            let v = self.0[(i + offset) % self.0.len()];
+            bytes.extend_from_slice(&v.to_le_bytes());
+        }
+        Ok(qtensor_from_ggml(GgmlDType::F16, &bytes, vec![rows, cols], &Device::Cpu)?)
+    }
+}
+
+fn ones(n: usize) -> Result<QTensor> {
+    let bytes: Vec<u8> = (0..n).flat_map(|_| 1f32.to_le_bytes()).collect();
+    Ok(qtensor_from_ggml(GgmlDType::F32, &bytes, vec![n], &Device::Cpu)?)
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let [tokenizer, config, output] = args.as_slice() else {
+        bail!("usage: random_gguf TOKENIZER.gguf CONFIG.json OUT.gguf");
+    };
+    let mut reader = File::open(tokenizer).with_context(|| format!("opening {tokenizer}"))?;
+    let content = gguf_file::Content::read(&mut reader)?;
+    let vocab = match &content.metadata["tokenizer.ggml.tokens"] {
+        Value::Array(tokens) => tokens.len(),
+        _ => bail!("{tokenizer}: no tokenizer.ggml.tokens"),
+    };
+    let c = ModelConfig::from_hf_config(std::path::Path::new(config))?;
+    let (h, layers) = (c.hidden_size, c.num_layers);
+    let u32v = |v: usize| Value::U32(v as u32);
+    let own = [
+        ("general.architecture", Value::String("llama".into())),
+        ("general.name", Value::String("random".into())),
+        ("general.file_type", Value::U32(1)),
+        // The server sizes its context with -c; this only has to be at least that.
+        ("llama.context_length", Value::U32(131072)),
+        ("llama.embedding_length", u32v(h)),
+        ("llama.block_count", u32v(layers)),
+        ("llama.feed_forward_length", u32v(c.intermediate_size)),
+        ("llama.rope.dimension_count", u32v(c.head_dim)),
+        ("llama.attention.head_count", u32v(c.num_heads)),
+        ("llama.attention.head_count_kv", u32v(c.num_kv_heads)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(c.rms_norm_eps)),
+        ("llama.rope.freq_base", Value::F32(c.rope_theta)),
+        ("llama.vocab_size", u32v(vocab)),
+    ];
+    let mut metadata: Vec<(&str, &Value)> = own.iter().map(|(k, v)| (*k, v)).collect();
+    metadata.extend(
+        content
+            .metadata
+            .iter()
+            .filter(|(k, _)| k.starts_with("tokenizer."))
+            .map(|(k, v)| (k.as_str(), v)),
+    );
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+    let pool = Pool(
+        (0..(1 << 24) + 7)
+            .map(|_| f16::from_f32(rng.random_range(-0.03f32..0.03)))
+            .collect(),
+    );
+    let (q, kv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    let mut tensors: Vec<(String, QTensor)> = vec![
+        ("token_embd.weight".into(), pool.matrix(vocab, h, 0)?),
+        ("output.weight".into(), pool.matrix(vocab, h, 1)?),
+        ("output_norm.weight".into(), ones(h)?),
+    ];
+    for i in 0..layers {
+        let shapes = [
+            ("attn_q", q, h),
+            ("attn_k", kv, h),
+            ("attn_v", kv, h),
+            ("attn_output", h, q),
+            ("ffn_gate", c.intermediate_size, h),
+            ("ffn_up", c.intermediate_size, h),
+            ("ffn_down", h, c.intermediate_size),
+        ];
+        for (j, (name, rows, cols)) in shapes.into_iter().enumerate() {
+            let t = pool.matrix(rows, cols, 7919 * (i * 7 + j))?;
+            tensors.push((format!("blk.{i}.{name}.weight"), t));
+        }
+        tensors.push((format!("blk.{i}.attn_norm.weight"), ones(h)?));
+        tensors.push((format!("blk.{i}.ffn_norm.weight"), ones(h)?));
+    }
+    let pairs: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let mut w = BufWriter::new(File::create(output)?);
+    gguf_file::write(&mut w, &metadata, &pairs)?;
+    println!(
+        "{output}: {layers} layers, hidden {h}, vocabulary {vocab}, {} tensors",
+        pairs.len()
+    );
+    Ok(())
+}
