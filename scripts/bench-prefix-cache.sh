@@ -120,6 +120,11 @@ last prompt in its KV cache and computes only what follows the common prefix.
 
 {chr(10).join(srows)}
 
+The same session on the H200 with an 8B-shaped model stays flat with caching (14-32 ms every
+turn; 20 -> 138 ms without): [`h200-prefix-cache.md`](h200-prefix-cache.md). On these 2 cores it
+cannot: the new tokens' attention over the history costs as much as their matmuls by ~3K tokens
+(next section), so TTFT follows the new tokens times a cost per token that grows with the history.
+
 ## What a late turn costs: new tokens on top of a cached context
 
 `ferrite bench offline --prompt-tokens 256 --gen-tokens 32 --batch 1 --depth 0,3328` beside
