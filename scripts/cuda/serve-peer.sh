@@ -7,10 +7,12 @@
 # Each level draws its own prompts (--fresh-prompts); a shared system prompt and tool schemas
 # stay cacheable, as in real agent traffic. Arguments pick the parts: `peer` (transformers and
 # ferrite on the same PEER_PROMPTS prompts per level, default 20), `full` (ferrite, 100),
-# `llamacpp-build` (builds llama.cpp's server for CUDA there from .peer/llama.cpp.tar.xz and
+# `llamacpp-build` (builds llama.cpp's server for CUDA there from .peer/llama.cpp.tar.xz, which
+# scripts/cuda/peer-llamacpp-src.sh packs, and
 # writes its GGUF: the same shape and tokenizer, random F16 weights; ~6 min on 16 cores) and
 # `llamacpp` (llama.cpp's server, then ferrite, on the same PEER_PROMPTS prompts, both told to
-# ignore EOS so that random weights give every request its 70 tokens).
+# ignore EOS so that random weights give every request its 70 tokens), `session` (one agent
+# session replayed turn by turn at concurrency 1 against ferrite with prefix caching on and off).
 set -uo pipefail
 out=${OUT:-/tmp/ferrite-out}
 mkdir -p "$out" /tmp/ferrite
@@ -93,7 +95,23 @@ llamacpp_part() {
   grep -i "error\|CUDA\|flash\|n_ctx\|slots" "$out/llamacpp-serve.log" | head -20
   kill $pid; wait $pid 2>/dev/null
 }
+session_part() {
+  for mode in on off; do
+    local flags=()
+    [ $mode = off ] && flags=(--no-enable-prefix-caching)
+    "$ferrite" serve "$model" --device cuda --load-format dummy --max-model-len 16384 \
+      --served-model-name "$model" --port 8031 "${flags[@]}" > "$out/session-$mode-serve.log" 2>&1 &
+    local pid=$!
+    wait_up http://127.0.0.1:8031 || tail -20 "$out/session-$mode-serve.log"
+    "$ferrite" bench serve --base-url http://127.0.0.1:8031/v1 --model-name "$model" --tokenizer "$tok" \
+      --dataset session --num-prompts 14 --max-tokens 16 --ignore-eos --concurrency 1 --warmup 0 \
+      --label "ferrite, prefix caching $mode" --out "$out/session-$mode.json" \
+      --charts-dir "$out/charts-session-$mode" 2>&1 | grep -v "^\s*$" | tail -4
+    kill $pid; wait $pid 2>/dev/null
+  done
+}
 ferrite_dir=/tmp/ferrite
+[[ $parts == *" session "* ]] && { session_part; exit; }
 [[ $parts == *" llamacpp-build "* ]] && { llamacpp_build; exit; }
 [[ $parts == *" llamacpp "* ]] && llamacpp_part
 [[ $parts == *" peer "* ]] && peer_part
