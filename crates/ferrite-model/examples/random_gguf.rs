@@ -27,13 +27,23 @@ impl Pool {
             let v = self.0[(i + offset) % self.0.len()];
             bytes.extend_from_slice(&v.to_le_bytes());
         }
-        Ok(qtensor_from_ggml(GgmlDType::F16, &bytes, vec![rows, cols], &Device::Cpu)?)
+        Ok(qtensor_from_ggml(
+            GgmlDType::F16,
+            &bytes,
+            vec![rows, cols],
+            &Device::Cpu,
+        )?)
     }
 }
 
 fn ones(n: usize) -> Result<QTensor> {
     let bytes: Vec<u8> = (0..n).flat_map(|_| 1f32.to_le_bytes()).collect();
-    Ok(qtensor_from_ggml(GgmlDType::F32, &bytes, vec![n], &Device::Cpu)?)
+    Ok(qtensor_from_ggml(
+        GgmlDType::F32,
+        &bytes,
+        vec![n],
+        &Device::Cpu,
+    )?)
 }
 
 fn main() -> Result<()> {
@@ -62,7 +72,10 @@ fn main() -> Result<()> {
         ("llama.rope.dimension_count", u32v(c.head_dim)),
         ("llama.attention.head_count", u32v(c.num_heads)),
         ("llama.attention.head_count_kv", u32v(c.num_kv_heads)),
-        ("llama.attention.layer_norm_rms_epsilon", Value::F32(c.rms_norm_eps)),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            Value::F32(c.rms_norm_eps),
+        ),
         ("llama.rope.freq_base", Value::F32(c.rope_theta)),
         ("llama.vocab_size", u32v(vocab)),
     ];

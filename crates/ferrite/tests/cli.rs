@@ -69,3 +69,62 @@ fn hugging_face_folders_need_a_gpu() {
         "{err}"
     );
 }
+
+#[test]
+fn bench_depth_needs_the_prefix_cache() {
+    let (ok, err) = ferrite(&[
+        "bench",
+        "offline",
+        "m.gguf",
+        "--depth",
+        "0,64",
+        "--no-enable-prefix-caching",
+    ]);
+    assert!(!ok);
+    assert!(
+        err.contains("--depth needs the prefix cache to hold the context"),
+        "{err}"
+    );
+}
+
+/// `bench offline --depth` on the test model: a row per test and depth, llama-bench's labels.
+#[test]
+fn bench_offline_reports_each_depth() {
+    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let fetched = Command::new("bash")
+        .arg(root.join("scripts/fetch-model.sh"))
+        .output()
+        .expect("fetch-model.sh");
+    assert!(fetched.status.success());
+    let model = String::from_utf8(fetched.stdout).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+        .args(["bench", "offline", model.trim(), "--prompt-tokens", "16"])
+        .args(["--gen-tokens", "4", "--batch", "1,2", "--depth", "0,40"])
+        .args(["--repeats", "1", "--log-level", "warn"])
+        .output()
+        .expect("run ferrite");
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<&str> = table
+        .lines()
+        .filter_map(|l| l.strip_prefix("| ")?.split(" |").next())
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            "test",
+            "---",
+            "pp16",
+            "tg4 @ batch 1",
+            "tg4 @ batch 2",
+            "pp16 @ d40",
+            "tg4 @ batch 1 @ d40",
+            "tg4 @ batch 2 @ d40"
+        ],
+        "{table}"
+    );
+}
