@@ -24,4 +24,13 @@ kill $server; wait $server 2>/dev/null || true
 /tmp/ferrite/bin/ferrite bench offline --device cuda --load-format dummy \
   scripts/cuda/llama-3.1-8b.json --max-model-len 8192 --max-num-batched-tokens 8192 \
   --prompt-tokens 4608 --batch 1,8,32,128 2>&1 | tee "$out/bench-offline.log" || status=1
+# GGUF blocks kept quantized on the GPU against the same file dequantized to bf16: the 8B shape
+# (SmolLM2's vocabulary) as Q4_0 blocks drawn at random.
+/tmp/ferrite/bin/random_gguf /tmp/ferrite/models/smollm2-10l.gguf scripts/cuda/llama-3.1-8b.json \
+  /tmp/ferrite/q4_0.gguf q4_0
+for format in native f32; do
+  /tmp/ferrite/bin/ferrite bench offline --device cuda /tmp/ferrite/q4_0.gguf --weight-format $format \
+    --max-model-len 8192 --max-num-batched-tokens 8192 --prompt-tokens 4608 --batch 1,8,32 2>&1 \
+    | tee "$out/bench-offline-q4_0-$format.log" || status=1
+done
 exit $status

@@ -2,7 +2,8 @@
 //! tokenizer of another GGUF: the model llama.cpp serves in the GPU peer benchmark
 //! (`scripts/cuda/serve-peer.sh llamacpp`), the same shape and vocabulary as the folder ferrite
 //! and transformers serve there with random weights (`examples/hf_folder.rs`).
-//! Usage: cargo run --release -p ferrite-model --example random_gguf -- TOKENIZER.gguf CONFIG.json OUT.gguf
+//! With `q4_0` the matrices are Q4_0 blocks instead (ferrite's quantized GGUF path on the GPU).
+//! Usage: cargo run --release -p ferrite-model --example random_gguf -- TOKENIZER.gguf CONFIG.json OUT.gguf [q4_0]
 
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::ggml_file::qtensor_from_ggml;
@@ -15,20 +16,46 @@ use rand::{Rng, SeedableRng};
 use std::fs::File;
 use std::io::BufWriter;
 
-/// Values drawn once and reused round-robin from a per-tensor offset: a benchmark needs the
-/// bytes, not fresh randomness for each of billions of weights.
-struct Pool(Vec<f16>);
+/// Blocks of values drawn once and reused round-robin from a per-tensor offset: a benchmark
+/// needs the bytes, not fresh randomness for each of billions of weights.
+struct Pool {
+    dtype: GgmlDType,
+    bytes: Vec<u8>,
+}
 
 impl Pool {
+    fn new(dtype: GgmlDType) -> Result<Self> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+        let values: Vec<f32> = (0..1 << 24)
+            .map(|_| rng.random_range(-0.03f32..0.03))
+            .collect();
+        let bytes = match dtype {
+            GgmlDType::F16 => values
+                .iter()
+                .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+                .collect(),
+            _ => {
+                let t = candle_core::Tensor::from_vec(values, (1 << 14, 1 << 10), &Device::Cpu)?;
+                QTensor::quantize(&t, dtype)?.data()?.into_owned()
+            }
+        };
+        Ok(Self { dtype, bytes })
+    }
+
     fn matrix(&self, rows: usize, cols: usize, offset: usize) -> Result<QTensor> {
-        let n = rows * cols;
-        let mut bytes = Vec::with_capacity(2 * n);
-        for i in 0..n {
-            let v = self.0[(i + offset) % self.0.len()];
-            bytes.extend_from_slice(&v.to_le_bytes());
-        }
+        let block = self.dtype.type_size();
+        let (have, want) = (
+            self.bytes.len() / block,
+            rows * cols / self.dtype.block_size(),
+        );
+        let bytes: Vec<u8> = (0..want)
+            .flat_map(|b| {
+                let at = (b + offset) % have * block;
+                self.bytes[at..at + block].iter().copied()
+            })
+            .collect();
         Ok(qtensor_from_ggml(
-            GgmlDType::F16,
+            self.dtype,
             &bytes,
             vec![rows, cols],
             &Device::Cpu,
@@ -48,8 +75,10 @@ fn ones(n: usize) -> Result<QTensor> {
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let [tokenizer, config, output] = args.as_slice() else {
-        bail!("usage: random_gguf TOKENIZER.gguf CONFIG.json OUT.gguf");
+    let (tokenizer, config, output, dtype) = match args.as_slice() {
+        [t, c, o] => (t, c, o, GgmlDType::F16),
+        [t, c, o, q] if q == "q4_0" => (t, c, o, GgmlDType::Q4_0),
+        _ => bail!("usage: random_gguf TOKENIZER.gguf CONFIG.json OUT.gguf [q4_0]"),
     };
     let mut reader = File::open(tokenizer).with_context(|| format!("opening {tokenizer}"))?;
     let content = gguf_file::Content::read(&mut reader)?;
@@ -63,7 +92,11 @@ fn main() -> Result<()> {
     let own = [
         ("general.architecture", Value::String("llama".into())),
         ("general.name", Value::String("random".into())),
-        ("general.file_type", Value::U32(1)),
+        // llama.cpp's file types: 1 mostly F16, 2 mostly Q4_0.
+        (
+            "general.file_type",
+            Value::U32(if dtype == GgmlDType::F16 { 1 } else { 2 }),
+        ),
         // The server sizes its context with -c; this only has to be at least that.
         ("llama.context_length", Value::U32(131072)),
         ("llama.embedding_length", u32v(h)),
@@ -87,12 +120,7 @@ fn main() -> Result<()> {
             .filter(|(k, _)| k.starts_with("tokenizer."))
             .map(|(k, v)| (k.as_str(), v)),
     );
-    let mut rng = rand::rngs::StdRng::seed_from_u64(0);
-    let pool = Pool(
-        (0..(1 << 24) + 7)
-            .map(|_| f16::from_f32(rng.random_range(-0.03f32..0.03)))
-            .collect(),
-    );
+    let pool = Pool::new(dtype)?;
     let (q, kv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
     let mut tensors: Vec<(String, QTensor)> = vec![
         ("token_embd.weight".into(), pool.matrix(vocab, h, 0)?),
@@ -120,7 +148,7 @@ fn main() -> Result<()> {
     let mut w = BufWriter::new(File::create(output)?);
     gguf_file::write(&mut w, &metadata, &pairs)?;
     println!(
-        "{output}: {layers} layers, hidden {h}, vocabulary {vocab}, {} tensors",
+        "{output}: {layers} layers, hidden {h}, vocabulary {vocab}, {} tensors, {dtype:?} matrices",
         pairs.len()
     );
     Ok(())

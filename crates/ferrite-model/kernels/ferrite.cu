@@ -60,6 +60,12 @@ extern "C" __global__ void silu_mul_bf16(const bf16* gu, bf16* out, size_t n) {
   out[i] = __float2bfloat16(silu_times(__bfloat162float(gu[2 * i]), __bfloat162float(gu[2 * i + 1])));
 }
 
+// x[i] += d[i] (the residual add after a matmul that cannot fold it in).
+extern "C" __global__ void add_f32(float* x, const float* d, size_t n) {
+  size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+  if (i < n) x[i] += d[i];
+}
+
 // Splits one token's fused QKV row, adds the bias, applies the per-head Q/K RMSNorm (Qwen3),
 // rotates Q and K, writes Q to `q_out [T, H, D]` and K/V into the cache at the token's slot.
 // Grid: T blocks; a warp per head; dynamic shared memory: D floats per warp.

@@ -12,7 +12,7 @@ use ferrite_model::cuda::kernels::{
     draw_params, AttentionMeta, AttentionShape, Kernels, MatIn, QkvParams,
 };
 use ferrite_model::cuda::model::CudaModel;
-use ferrite_model::cuda::weights::Weights;
+use ferrite_model::cuda::weights::{Linear, Weights};
 use ferrite_model::gguf::GgufFile;
 use ferrite_model::kv_cache::{CacheShape, KvCache};
 use ferrite_model::linear::WeightFormat;
@@ -388,8 +388,9 @@ fn folded_matmuls_match_host() {
             .fold(0f64, f64::max)
     };
     let (n, k, eps) = (1000, 576, 1e-5f32);
-    let w = rand((n, k), DType::BF16);
-    let wh = host(&w);
+    let wt = rand((n, k), DType::BF16);
+    let wh = host(&wt);
+    let w = Linear::Dense(wt);
     let norm = rand((1, k), DType::BF16).flatten_all().unwrap();
     let normh = host(&norm);
     for r in 1..=3 {
@@ -590,10 +591,42 @@ fn qkv_rope_write_matches_host() {
     }
 }
 
-/// The whole CUDA model against the CPU backend (f32 weights) on a real GGUF, teacher-forced:
-/// two requests packed together, prefilled in chunks, then decoded token by token.
+/// The whole CUDA model (GGUF dequantized to bf16) against the CPU backend (f32 weights) on a
+/// real GGUF, teacher-forced: three requests packed together, prefilled in chunks, then
+/// decoded token by token.
 #[test]
 fn model_agrees_with_cpu_backend() {
+    let a = agreement_with_cpu(false);
+    // bf16 weights (8-bit mantissa) against f32 move logits by a few hundredths, so the two
+    // backends may only disagree where the CPU's top two are that close.
+    assert!(
+        a.widest_flip < 0.1,
+        "a disagreement where the CPU's margin is {}",
+        a.widest_flip
+    );
+    assert!(a.top1 >= 0.99, "top-1 agreement {}", a.top1);
+    // bf16 weights and activations against f32: about 2^-9 relative per value.
+    assert!(a.mean_abs < 0.1, "mean |dlogit| {}", a.mean_abs);
+}
+
+/// The same with the GGUF's blocks kept quantized on the GPU (candle's MMVQ/MMQ kernels, which
+/// round each input row to 8-bit blocks, Q8_1, before the dot products).
+#[test]
+fn quantized_gguf_agrees_with_cpu_backend() {
+    let a = agreement_with_cpu(true);
+    // Q8_1 inputs: ~2^-8 relative per value on top of bf16 elsewhere.
+    assert!(a.top1 >= 0.95, "top-1 agreement {}", a.top1);
+    assert!(a.mean_abs < 0.3, "mean |dlogit| {}", a.mean_abs);
+}
+
+struct Agreement {
+    top1: f64,
+    mean_abs: f64,
+    /// The CPU's largest top-1 margin where the two picked different tokens.
+    widest_flip: f32,
+}
+
+fn agreement_with_cpu(quantized: bool) -> Agreement {
     let path = std::env::var("FERRITE_CUDA_TEST_MODEL")
         .expect("FERRITE_CUDA_TEST_MODEL: a Llama-family GGUF (scripts/cuda/check.sh sets it)");
     let dev = device();
@@ -632,7 +665,8 @@ fn model_agrees_with_cpu_backend() {
         CpuModel::new(model, KvCache::new(shape, config.num_layers), None)
     };
     let mut gpu = {
-        let w = Weights::from_gguf(&mut g, &config, &dev, |_, _| {}).unwrap();
+        let w = Weights::from_gguf(&mut g, &config, &dev, quantized, |_, _| {}).unwrap();
+        assert_eq!(w.quantized(), quantized);
         let mut c = config.clone();
         c.vocab_size = w.embedding.dim(0).unwrap();
         let mut m = CudaModel::new(c, dev.clone(), w, max_pos, "cuda:0".into()).unwrap();
@@ -692,19 +726,15 @@ fn model_agrees_with_cpu_backend() {
     let top1 = agree as f64 / rows as f64;
     let mean_abs = sum_abs / (rows * vocab) as f64;
     println!(
-        "model {}: {rows} positions, top-1 agreement {:.2}%, mean |dlogit| {mean_abs:.4}, max |dlogit| {max_abs:.3}",
-        path,
+        "model {path} ({}): {rows} positions, top-1 agreement {:.2}%, mean |dlogit| {mean_abs:.4}, max |dlogit| {max_abs:.3}",
+        if quantized { "GGUF blocks quantized on the GPU" } else { "bf16 on the GPU" },
         100.0 * top1
     );
-    // bf16 weights (8-bit mantissa) against f32 move logits by a few hundredths, so the two
-    // backends may only disagree where the CPU's top two are that close.
-    assert!(
-        widest_flip < 0.1,
-        "a disagreement where the CPU's margin is {widest_flip}"
-    );
-    assert!(top1 >= 0.99, "top-1 agreement {top1}");
-    // bf16 weights and activations against f32: about 2^-9 relative per value.
-    assert!(mean_abs < 0.1, "mean |dlogit| {mean_abs}");
+    Agreement {
+        top1,
+        mean_abs,
+        widest_flip,
+    }
 }
 
 /// Decode steps replayed from CUDA graphs (padded to their bucket, stale table rows from a
@@ -719,7 +749,7 @@ fn decode_graphs_match_eager_steps() {
     let (bs, blocks, max_pos) = (16, 64, 512);
     let mut models: Vec<CudaModel> = (0..2)
         .map(|_| {
-            let w = Weights::from_gguf(&mut g, &config, &dev, |_, _| {}).unwrap();
+            let w = Weights::from_gguf(&mut g, &config, &dev, false, |_, _| {}).unwrap();
             let mut c = config.clone();
             c.vocab_size = w.embedding.dim(0).unwrap();
             let mut m = CudaModel::new(c, dev.clone(), w, max_pos, "cuda:0".into()).unwrap();
@@ -879,7 +909,7 @@ fn safetensors_checkpoint_matches_gguf() {
         m.allocate_cache(blocks, bs).unwrap();
         m
     };
-    let w = Weights::from_gguf(&mut g, &config, &dev, |_, _| {}).unwrap();
+    let w = Weights::from_gguf(&mut g, &config, &dev, false, |_, _| {}).unwrap();
     let mut from_gguf = build(config.clone(), w);
     let w = Weights::from_safetensors(&dir, &hf, &dev, |_, _| {}).unwrap();
     let mut from_st = build(hf, w);

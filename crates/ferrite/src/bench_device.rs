@@ -8,7 +8,7 @@ use clap::Args;
 use ferrite_model::config::ModelConfig;
 use ferrite_model::cuda::kernels::{AttentionMeta, AttentionShape, Kernels, MatIn};
 use ferrite_model::cuda::model::CudaModel;
-use ferrite_model::cuda::weights::Weights;
+use ferrite_model::cuda::weights::{Linear, Weights};
 use ferrite_model::runner::StepModel;
 use ferrite_model::step::PackedStep;
 use std::path::PathBuf;
@@ -52,7 +52,7 @@ fn median(n: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 }
 
 /// One launch of a matmul kind on one layer's weights.
-type Folded<'a> = &'a dyn Fn(&Tensor) -> Result<()>;
+type Folded<'a> = &'a dyn Fn(&Linear) -> Result<()>;
 
 fn sync(dev: &Device) -> Result<()> {
     if let Device::Cuda(d) = dev {
@@ -189,12 +189,12 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
             .to_dtype(DType::BF16)?;
         let t = median(a.repeats, || {
             for l in &w.layers {
-                kernels.matmul_nt(&x, &l.qkv, DType::BF16)?;
-                kernels.matmul_nt(&xo, &l.o, DType::BF16)?;
-                kernels.matmul_nt(&x, &l.gate_up, DType::BF16)?;
-                kernels.matmul_nt(&xi, &l.down, DType::BF16)?;
+                kernels.matmul_nt(&x, l.qkv.dense()?, DType::BF16)?;
+                kernels.matmul_nt(&xo, l.o.dense()?, DType::BF16)?;
+                kernels.matmul_nt(&x, l.gate_up.dense()?, DType::BF16)?;
+                kernels.matmul_nt(&xi, l.down.dense()?, DType::BF16)?;
             }
-            kernels.matmul_nt(&x, &w.lm_head, DType::F32)?;
+            kernels.matmul_nt(&x, w.lm_head.dense()?, DType::F32)?;
             sync(&dev)
         })?;
         println!(
@@ -255,7 +255,7 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
         let layers = &w.layers;
         let head = std::slice::from_ref(&w.lm_head);
         let final_norm = &w.final_norm;
-        let kinds: [(&str, Vec<&Tensor>, &Tensor, Folded); 5] = [
+        let kinds: [(&str, Vec<&Linear>, &Tensor, Folded); 5] = [
             (
                 "qkv (RMSNorm folded)",
                 layers.iter().map(|l| &l.qkv).collect(),
@@ -306,14 +306,18 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
                     sync(&dev)
                 })
             };
-            let cublas = time(&|w| kernels.matmul_nt(input, w, DType::BF16).map(|_| ()))?;
+            let cublas = time(&|w| {
+                kernels
+                    .matmul_nt(input, w.dense()?, DType::BF16)
+                    .map(|_| ())
+            })?;
             let small = time(&|w| {
                 kernels
                     .matmul(MatIn::Bf16(input), w, DType::BF16)
                     .map(|_| ())
             })?;
             let fold = time(folded)?;
-            let bytes: f64 = ws.iter().map(|w| (w.elem_count() * 2) as f64).sum();
+            let bytes: f64 = ws.iter().map(|w| w.bytes() as f64).sum();
             let floor = bytes / copy_bw;
             println!(
                 "| {name} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} |",

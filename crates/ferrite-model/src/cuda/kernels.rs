@@ -1,6 +1,7 @@
 //! Launches of ferrite's own CUDA kernels (`kernels/ferrite.cu`), on candle tensors: each
 //! wrapper checks shapes, allocates its output on the device's stream and launches once.
 
+use super::weights::Linear;
 use crate::runner::RowDraw;
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
@@ -9,6 +10,7 @@ use candle_core::cuda::cudarc::driver::{
 };
 use candle_core::cuda::cudarc::nvrtc::Ptx;
 use candle_core::op::BackpropOp;
+use candle_core::quantized::QTensor;
 use candle_core::{CudaDevice, CudaStorage, DType, Shape, Storage, Tensor};
 use half::bf16;
 use std::collections::hash_map::{Entry, HashMap};
@@ -36,6 +38,7 @@ pub struct Kernels {
     embed: CudaFunction,
     rms_norm: CudaFunction,
     silu_mul: CudaFunction,
+    add_f32: CudaFunction,
     /// For 1 and 2 rows.
     gemv: [CudaFunction; 2],
     /// Blocks of `gemv[r - 1]` per multiprocessor with `k`-wide rows, by (r, k): asked of the
@@ -148,6 +151,7 @@ impl Kernels {
             embed: f("embed_bf16")?,
             rms_norm: f("rms_norm_bf16")?,
             silu_mul: f("silu_mul_bf16")?,
+            add_f32: f("add_f32")?,
             gemv,
             gemv_occupancy: Mutex::default(),
             qkv_rope_write: f("qkv_rope_write_bf16")?,
@@ -264,7 +268,11 @@ impl Kernels {
     }
 
     /// `input @ w^T` into a new `[R, n]` tensor of `dtype` (bf16, or f32 for logits).
-    pub fn matmul(&self, input: MatIn, w: &Tensor, dtype: DType) -> Result<Tensor> {
+    pub fn matmul(&self, input: MatIn, w: &Linear, dtype: DType) -> Result<Tensor> {
+        let w = match w {
+            Linear::Quant(q) => return Ok(self.quant_matmul(input, q)?.to_dtype(dtype)?),
+            Linear::Dense(w) => w,
+        };
         let out = self.output((input.rows()?, w.dim(0)?), dtype)?;
         let mode = match dtype {
             DType::BF16 => GEMV_OUT_BF16,
@@ -278,21 +286,59 @@ impl Kernels {
 
     /// `silu(gate) * up` of `input @ w^T`, `[R, I]` bf16, for gate|up weights `[2I, k]` whose
     /// rows alternate gate, up (see [`super::weights::interleave_gate_up`]).
-    pub fn matmul_silu(&self, input: MatIn, w: &Tensor) -> Result<Tensor> {
-        let out = self.output((input.rows()?, w.dim(0)? / 2), DType::BF16)?;
-        if !self.gemv(&input, w, &out, GEMV_OUT_SILU)? {
-            let gate_up = self.output((input.rows()?, w.dim(0)?), DType::BF16)?;
-            self.gemm(&self.materialize(input)?, w, &gate_up, 0.0)?;
-            self.silu_mul_into(&gate_up, &out)?;
-        }
+    pub fn matmul_silu(&self, input: MatIn, w: &Linear) -> Result<Tensor> {
+        let out = self.output((input.rows()?, w.dims()?.0 / 2), DType::BF16)?;
+        let gate_up = match w {
+            Linear::Quant(q) => self.quant_matmul(input, q)?.to_dtype(DType::BF16)?,
+            Linear::Dense(w) => {
+                if self.gemv(&input, w, &out, GEMV_OUT_SILU)? {
+                    return Ok(out);
+                }
+                let gate_up = self.output((input.rows()?, w.dim(0)?), DType::BF16)?;
+                self.gemm(&self.materialize(input)?, w, &gate_up, 0.0)?;
+                gate_up
+            }
+        };
+        self.silu_mul_into(&gate_up, &out)?;
         Ok(out)
     }
 
     /// `x += input @ w^T` on the f32 residual stream `x [R, n]` (the residual add folded
     /// into the matmul).
-    pub fn matmul_add(&self, input: MatIn, w: &Tensor, x: &Tensor) -> Result<()> {
-        if !self.gemv(&input, w, x, GEMV_OUT_ADD)? {
-            self.gemm(&self.materialize(input)?, w, x, 1.0)?;
+    pub fn matmul_add(&self, input: MatIn, w: &Linear, x: &Tensor) -> Result<()> {
+        match w {
+            Linear::Quant(q) => self.add_into(x, &self.quant_matmul(input, q)?),
+            Linear::Dense(w) => {
+                if !self.gemv(&input, w, x, GEMV_OUT_ADD)? {
+                    self.gemm(&self.materialize(input)?, w, x, 1.0)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// candle's quantized CUDA matmul (its MMVQ kernels up to 8 rows, MMQ or dequantize +
+    /// matmul beyond) on the input rows in f32, `[R, n]` f32 out.
+    fn quant_matmul(&self, input: MatIn, q: &QTensor) -> Result<Tensor> {
+        let a = self.materialize(input)?.to_dtype(DType::F32)?;
+        Ok(a.apply_op1_no_bwd(q)?)
+    }
+
+    /// `x += d`, both f32 of the same shape.
+    fn add_into(&self, x: &Tensor, d: &Tensor) -> Result<()> {
+        ensure!(
+            x.dims() == d.dims(),
+            "adding {:?} into {:?}",
+            d.dims(),
+            x.dims()
+        );
+        let n = x.elem_count();
+        if n > 0 {
+            self.launch(
+                &self.add_f32,
+                cfg((n.div_ceil(256) as u32, 1, 1), 256, 0),
+                &[Arg::P(ptr(x)?), Arg::P(ptr(d)?), Arg::Z(n)],
+            )?;
         }
         Ok(())
     }

@@ -6,6 +6,7 @@ use super::model::CudaModel;
 use super::weights::Weights;
 use crate::config::ModelConfig;
 use crate::gguf::GgufFile;
+use crate::linear::WeightFormat;
 use crate::loader::{EngineArgs, LoadFormat, LoadedEngine};
 use crate::runner::ModelRunner;
 use crate::step::PackedStep;
@@ -68,7 +69,20 @@ pub fn load(
             let mut g = GgufFile::open(&args.model)?;
             let config = ModelConfig::from_gguf(&g)?;
             let tokenizer = ModelTokenizer::load(&g)?;
-            let weights = Weights::from_gguf(&mut g, &config, &device, progress)?;
+            let params: usize = g
+                .content
+                .tensor_infos
+                .values()
+                .map(|t| t.shape.elem_count())
+                .sum();
+            // `native` keeps the GGUF blocks (candle's quantized matmuls), `f32` dequantizes to
+            // bf16 (cuBLAS and ferrite's small-row matmuls: faster, see h200.md), `auto` takes
+            // bf16 when that needs at most half the GPU's memory.
+            let quantized = match args.weight_format {
+                WeightFormat::Auto => 2 * params as u64 > ctx.mem_get_info()?.1 as u64 / 2,
+                format => format == WeightFormat::Native,
+            };
+            let weights = Weights::from_gguf(&mut g, &config, &device, quantized, progress)?;
             (config, tokenizer, weights)
         }
     };
@@ -84,7 +98,10 @@ pub fn load(
     )?;
     let tokens = args.max_num_batched_tokens.min(max_model_len);
     let mut activation_bytes = profile_step(&mut model, tokens, args.block_size)?;
-    if !args.enforce_eager {
+    // candle's quantized matmuls keep a workspace they may move between calls, which a
+    // captured graph would go on pointing at: quantized weights run eagerly.
+    let graphs = !args.enforce_eager && !model.weights().quantized();
+    if graphs {
         activation_bytes += graph_bytes(&config, args.max_num_seqs.min(MAX_GRAPH_BATCH));
     }
     let (_, total) = ctx.mem_get_info()?;
@@ -97,7 +114,7 @@ pub fn load(
     )?;
     // One block more than the scheduler hands out: decode graphs pad into it.
     model.allocate_cache(plan.num_blocks + 1, args.block_size)?;
-    if !args.enforce_eager {
+    if graphs {
         model.enable_decode_graphs(args.max_num_seqs, plan.num_blocks as u32)?;
     }
     Ok(LoadedEngine {

@@ -299,8 +299,13 @@ impl StepModel for CudaModel {
     }
 
     fn describe(&self) -> String {
+        let weights = if self.weights.quantized() {
+            "GGUF blocks through candle's quantized matmuls, the rest bf16"
+        } else {
+            "bf16 weights"
+        };
         format!(
-            "backend {} (bf16 weights), kernels: ferrite CUDA + cuBLAS",
+            "backend {} ({weights}), kernels: ferrite CUDA + cuBLAS",
             self.name
         )
     }
