@@ -43,6 +43,8 @@ pub struct EngineFlags {
     /// `native`: quantized weights repacked for ferrite's int8 kernels; `f32`: dequantized
     /// to f32 at load (exact, 4-8x the memory, slower); `auto`: f32 up to 1 GiB of f32
     /// weights (models so small that int8 activations change their answers), else native.
+    /// On CUDA, for GGUF: `native` keeps the blocks (candle's quantized matmuls), `f32`
+    /// dequantizes to bf16 (faster), `auto` takes bf16 if it needs at most half the GPU.
     #[arg(long, default_value = "auto", value_parser = parse_weight_format)]
     pub weight_format: WeightFormat,
     /// Reuse the KV blocks of earlier requests with the same prefix (on by default).
