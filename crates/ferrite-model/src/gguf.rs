@@ -122,6 +122,15 @@ impl GgufFile {
             .map_err(|e| anyhow!("{}: cannot read `{name}`: {e}", self.path.display()))
     }
 
+    /// Weights in all tensors (what `WeightFormat::Auto` sizes a model by).
+    pub fn param_count(&self) -> usize {
+        self.content
+            .tensor_infos
+            .values()
+            .map(|t| t.shape.elem_count())
+            .sum()
+    }
+
     /// Bytes of all tensor data as stored.
     pub fn tensor_bytes(&self) -> usize {
         self.content

@@ -78,13 +78,7 @@ impl LlamaModel {
         mut progress: impl FnMut(usize, usize),
     ) -> Result<Self> {
         let config = ModelConfig::from_gguf(gguf)?;
-        let params: usize = gguf
-            .content
-            .tensor_infos
-            .values()
-            .map(|t| t.shape.elem_count())
-            .sum();
-        let format = format.resolve(params as u64);
+        let format = format.resolve(gguf.param_count() as u64);
         let dev = Device::Cpu;
         let embd = gguf.tensor("token_embd.weight", &dev)?;
         let (vocab, hidden) = embd.shape().dims2()?;

@@ -69,17 +69,11 @@ pub fn load(
             let mut g = GgufFile::open(&args.model)?;
             let config = ModelConfig::from_gguf(&g)?;
             let tokenizer = ModelTokenizer::load(&g)?;
-            let params: usize = g
-                .content
-                .tensor_infos
-                .values()
-                .map(|t| t.shape.elem_count())
-                .sum();
             // `native` keeps the GGUF blocks (candle's quantized matmuls), `f32` dequantizes to
             // bf16 (cuBLAS and ferrite's small-row matmuls: faster, see h200.md), `auto` takes
             // bf16 when that needs at most half the GPU's memory.
             let quantized = match args.weight_format {
-                WeightFormat::Auto => 2 * params as u64 > ctx.mem_get_info()?.1 as u64 / 2,
+                WeightFormat::Auto => 2 * g.param_count() as u64 > ctx.mem_get_info()?.1 as u64 / 2,
                 format => format == WeightFormat::Native,
             };
             let weights = Weights::from_gguf(&mut g, &config, &device, quantized, progress)?;
