@@ -16,7 +16,7 @@ load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 
 out=$(mktemp -d)
 "$llama_bench" -m "$model" -p 512 -n 128 -t "$threads" -o json > "$out/llama.json" 2> "$out/llama.err"
-./target/release/ferrite bench offline "$model" --threads "$threads" --weight-format native \
+./target/release/ferrite bench offline "$model" --threads "$threads" \
   --prompt-tokens 512 --gen-tokens 128 --batch 1,8,32 --repeats 3 \
   --kv-cache-memory 1000000000 --log-level info > "$out/ferrite.md" 2> "$out/ferrite.log"
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -26,7 +26,7 @@ load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 yes > /dev/null &
 busy=$!
 "$llama_bench" -m "$model" -p 512 -n 128 -t "$threads" -r 2 -o json > "$out/llama-busy.json" 2>> "$out/llama.err"
-./target/release/ferrite bench offline "$model" --threads "$threads" --weight-format native \
+./target/release/ferrite bench offline "$model" --threads "$threads" \
   --prompt-tokens 512 --gen-tokens 128 --batch 1 --repeats 2 \
   --kv-cache-memory 1000000000 --log-level warn > "$out/ferrite-busy.md"
 kill "$busy"
@@ -72,7 +72,7 @@ one run on the same machine and the same GGUF.
 - Machine: {cpu}, {os.cpu_count()} cores visible, {threads} threads for each engine; load average
   before {lb}, after {la}.
 - Model: `{os.path.basename(model)}` (SmolLM2-135M-Instruct, Q4_1, 30 layers).
-- ferrite {commit}: `ferrite bench offline --weight-format native --prompt-tokens 512 --gen-tokens 128 --batch 1,8,32`
+- ferrite {commit}: `ferrite bench offline --prompt-tokens 512 --gen-tokens 128 --batch 1,8,32`
   (best of 3; weights `native`: Q4_1/Q8_0 repacked for ferrite's int8 kernels, kernel set
   `{isa}`; prefill is one 512-token step; decode is tokens after the first over the time after
   the last first token).

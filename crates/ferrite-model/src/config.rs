@@ -1,5 +1,6 @@
-//! Model hyper-parameters read from GGUF metadata, for the Llama family.
+//! The hyper-parameters the engine and the families share, read through [`ConfigSource`].
 
+use crate::config_source::ConfigSource;
 use crate::gguf::GgufFile;
 use anyhow::{bail, Result};
 
@@ -10,6 +11,31 @@ pub enum RopeStyle {
     Interleaved,
     /// Halves (i, i + d/2): GPT-NeoX style, used as-is by Qwen2 GGUFs.
     Neox,
+}
+
+/// How rotary frequencies are stretched for contexts past the trained one (`rope_scaling`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor`.
+    Linear(f32),
+    /// Llama 3.1+: long wavelengths divided by `factor`, short ones kept, a smooth blend between.
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_positions: usize,
+    },
+    /// YaRN (Qwen, DeepSeek): NTK-by-parts interpolation and an attention temperature.
+    Yarn {
+        factor: f32,
+        original_max_positions: usize,
+        beta_fast: f32,
+        beta_slow: f32,
+    },
+    /// Per-pair divisors read from the checkpoint (GGUF `rope_freqs.weight`: llama.cpp's
+    /// converter bakes Llama 3's scaling into it).
+    Factors(Vec<f32>),
 }
 
 #[derive(Clone, Debug)]
@@ -26,115 +52,62 @@ pub struct ModelConfig {
     pub rope_theta: f32,
     pub rope_dim: usize,
     pub rope_style: RopeStyle,
+    pub rope_scaling: RopeScaling,
     pub context_length: usize,
     pub sliding_window: Option<usize>,
 }
 
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2"];
-
 impl ModelConfig {
     pub fn from_gguf(g: &GgufFile) -> Result<Self> {
-        let arch = g.string("general.architecture")?;
-        if !SUPPORTED_ARCHITECTURES.contains(&arch.as_str()) {
-            bail!(
-                "unsupported model architecture `{arch}` in {} (supported: {})",
-                g.path.display(),
-                SUPPORTED_ARCHITECTURES.join(", ")
-            );
-        }
-        let key = |k: &str| format!("{arch}.{k}");
-        let hidden_size = g.usize(&key("embedding_length"))?;
-        let num_heads = g.usize(&key("attention.head_count"))?;
-        let num_kv_heads = g
-            .opt_u64(&key("attention.head_count_kv"))
-            .map_or(num_heads, |v| v as usize);
-        if num_heads % num_kv_heads != 0 {
-            bail!("{num_heads} attention heads are not a multiple of {num_kv_heads} KV heads");
-        }
-        let head_dim = g
-            .opt_u64(&key("attention.key_length"))
-            .map_or(hidden_size / num_heads, |v| v as usize);
-        let vocab_size = g
-            .opt_u64(&key("vocab_size"))
-            .map(|v| v as usize)
-            .or_else(|| {
-                g.string_array("tokenizer.ggml.tokens")
-                    .ok()
-                    .map(|t| t.len())
-            })
-            .unwrap_or(0);
-        Ok(Self {
-            num_layers: g.usize(&key("block_count"))?,
-            hidden_size,
-            intermediate_size: g.usize(&key("feed_forward_length"))?,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            vocab_size,
-            rms_norm_eps: g
-                .opt_f32(&key("attention.layer_norm_rms_epsilon"))
-                .unwrap_or(1e-5),
-            rope_theta: g.opt_f32(&key("rope.freq_base")).unwrap_or(10_000.0),
-            rope_dim: g
-                .opt_u64(&key("rope.dimension_count"))
-                .map_or(head_dim, |v| v as usize),
-            rope_style: if arch == "qwen2" {
-                RopeStyle::Neox
-            } else {
-                RopeStyle::Interleaved
-            },
-            context_length: g.usize(&key("context_length")).unwrap_or(4096),
-            sliding_window: g
-                .opt_u64(&key("attention.sliding_window"))
-                .map(|v| v as usize),
-            architecture: arch,
-        })
+        crate::models::config(&ConfigSource::from_gguf(g)?)
     }
 
-    /// From a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3). Hugging Face
-    /// checkpoints keep Q/K unpermuted, so rotary pairs are halves (NeoX style).
+    /// From a Hugging Face `config.json`.
     pub fn from_hf_config(path: &std::path::Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
-        let j: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| anyhow::anyhow!("{} is not JSON: {e}", path.display()))?;
-        let num = |k: &str| j.get(k).and_then(|v| v.as_u64()).map(|v| v as usize);
-        let need = |k: &str| {
-            num(k).ok_or_else(|| anyhow::anyhow!("{} has no integer `{k}`", path.display()))
+        crate::models::config(&ConfigSource::from_hf(path)?)
+    }
+
+    /// The fields every decoder shares, under their `config.json` names. Hugging Face
+    /// checkpoints keep Q/K unpermuted, so their rotary pairs are halves (NeoX style);
+    /// llama.cpp's converter permutes Llama's for adjacent pairs.
+    pub fn common(src: &ConfigSource, interleaved_in_gguf: bool) -> Result<Self> {
+        let hidden_size = src.usize("hidden_size")?;
+        let num_heads = src.usize("num_attention_heads")?;
+        let num_kv_heads = src.opt_usize("num_key_value_heads").unwrap_or(num_heads);
+        src.check_heads(num_heads, num_kv_heads)?;
+        let head_dim = src.opt_usize("head_dim").unwrap_or(hidden_size / num_heads);
+        let rope_style = if src.is_gguf() && interleaved_in_gguf {
+            RopeStyle::Interleaved
+        } else {
+            RopeStyle::Neox
         };
-        let model_type = j.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
-        let architecture = match model_type {
-            "llama" | "mistral" | "qwen2" | "qwen3" => model_type.to_string(),
-            _ => bail!(
-                "unsupported model_type `{model_type}` in {} (supported: llama, mistral, qwen2, qwen3)",
-                path.display()
-            ),
-        };
-        let hidden_size = need("hidden_size")?;
-        let num_heads = need("num_attention_heads")?;
-        let num_kv_heads = num("num_key_value_heads").unwrap_or(num_heads);
-        if num_heads % num_kv_heads != 0 {
-            bail!("{num_heads} attention heads are not a multiple of {num_kv_heads} KV heads");
-        }
-        let head_dim = num("head_dim").unwrap_or(hidden_size / num_heads);
-        let float = |k: &str| j.get(k).and_then(|v| v.as_f64()).map(|v| v as f32);
+        let rope_dim = src.opt_usize("rope_dim").unwrap_or(head_dim);
         Ok(Self {
-            num_layers: need("num_hidden_layers")?,
+            architecture: src.architecture().to_string(),
+            num_layers: src.usize("num_hidden_layers")?,
             hidden_size,
-            intermediate_size: need("intermediate_size")?,
+            intermediate_size: src.usize("intermediate_size")?,
             num_heads,
             num_kv_heads,
             head_dim,
-            vocab_size: need("vocab_size")?,
-            rms_norm_eps: float("rms_norm_eps").unwrap_or(1e-6),
-            rope_theta: float("rope_theta").unwrap_or(10_000.0),
-            rope_dim: head_dim,
-            rope_style: RopeStyle::Neox,
-            context_length: num("max_position_embeddings").unwrap_or(4096),
+            vocab_size: src.opt_usize("vocab_size").unwrap_or(0),
+            rms_norm_eps: src.opt_f32("rms_norm_eps").unwrap_or(if src.is_gguf() {
+                1e-5
+            } else {
+                1e-6
+            }),
+            rope_theta: src
+                .opt_f32("rope_theta")
+                .or_else(|| src.opt_f32("rope_parameters.rope_theta"))
+                .unwrap_or(10_000.0),
+            rope_dim,
+            rope_style,
+            rope_scaling: rope_scaling(src)?,
+            context_length: src.opt_usize("max_position_embeddings").unwrap_or(4096),
             // Qwen2 configs name a window but turn it off.
-            sliding_window: num("sliding_window")
-                .filter(|_| j.get("use_sliding_window").and_then(|v| v.as_bool()) != Some(false)),
-            architecture,
+            sliding_window: src
+                .opt_usize("sliding_window")
+                .filter(|_| src.opt_bool("use_sliding_window") != Some(false)),
         })
     }
 
@@ -142,6 +115,45 @@ impl ModelConfig {
     pub fn kv_bytes_per_token(&self, elem_bytes: usize) -> usize {
         2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_bytes
     }
+}
+
+/// `rope_scaling` (`rope_parameters` in transformers 5), or GGUF's `rope.scaling.*`.
+fn rope_scaling(src: &ConfigSource) -> Result<RopeScaling> {
+    let key = |k: &str| {
+        ["rope_scaling", "rope_parameters"]
+            .iter()
+            .map(|p| format!("{p}.{k}"))
+            .find(|k| src.get(k).is_some())
+    };
+    let f = |k: &str, default: f32| key(k).and_then(|k| src.opt_f32(&k)).unwrap_or(default);
+    let kind = key("rope_type")
+        .or_else(|| key("type"))
+        .and_then(|k| src.opt_str(&k).map(str::to_string))
+        .unwrap_or_default();
+    let original = key("original_max_position_embeddings").and_then(|k| src.opt_usize(&k));
+    let factor = f("factor", 1.0);
+    Ok(match kind.as_str() {
+        "" | "default" | "none" => RopeScaling::None,
+        "linear" => RopeScaling::Linear(factor),
+        "llama3" => RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: f("low_freq_factor", 1.0),
+            high_freq_factor: f("high_freq_factor", 4.0),
+            original_max_positions: original.unwrap_or(8192),
+        },
+        "yarn" => RopeScaling::Yarn {
+            factor,
+            original_max_positions: original
+                .or_else(|| src.opt_usize("max_position_embeddings"))
+                .unwrap_or(4096),
+            beta_fast: f("beta_fast", 32.0),
+            beta_slow: f("beta_slow", 1.0),
+        },
+        other => bail!(
+            "{}: rope scaling `{other}` is not supported (supported: linear, llama3, yarn)",
+            src.path().display()
+        ),
+    })
 }
 
 #[cfg(test)]

@@ -7,7 +7,6 @@
 use half::f16;
 
 use half::slice::HalfFloatSliceExt;
-use rayon::prelude::*;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CacheShape {
@@ -22,37 +21,18 @@ impl CacheShape {
     pub fn row(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }
-
-    pub fn elems_per_layer(&self) -> usize {
-        self.num_blocks * self.block_size * self.row()
-    }
 }
 
+/// One layer's K and V pages (the layout above), allocated once at start-up.
 pub struct LayerCache {
     pub k: Vec<f16>,
     pub v: Vec<f16>,
-}
-
-pub struct KvCache {
     pub shape: CacheShape,
-    pub layers: Vec<LayerCache>,
 }
 
-impl KvCache {
-    pub fn new(shape: CacheShape, num_layers: usize) -> Self {
-        let n = shape.elems_per_layer();
-        let layers = (0..num_layers)
-            .map(|_| LayerCache {
-                k: vec![f16::ZERO; n],
-                v: vec![f16::ZERO; n],
-            })
-            .collect();
-        Self { shape, layers }
-    }
-
-    pub fn bytes_per_block(shape_block: usize, row: usize, num_layers: usize) -> usize {
-        2 * num_layers * shape_block * row * std::mem::size_of::<f16>()
-    }
+/// Bytes of one block across `num_layers` layers of `row` K (and V) elements per token.
+pub fn bytes_per_block(block_size: usize, row: usize, num_layers: usize) -> usize {
+    2 * num_layers * block_size * row * std::mem::size_of::<f16>()
 }
 
 /// Writes each new token's K/V row (`[T, kv_heads * head_dim]`) into its slot.
@@ -79,16 +59,4 @@ pub fn write_kv(
             vc[head + j * d..][..d].convert_from_f32_slice(v);
         }
     }
-}
-
-/// Zeroes nothing and touches every page, so the pool's memory is resident from the start
-/// and RSS does not grow with load.
-pub fn prefault(cache: &mut KvCache) {
-    cache.layers.par_iter_mut().for_each(|l| {
-        for buf in [&mut l.k, &mut l.v] {
-            for chunk in buf.chunks_mut(1024) {
-                chunk[0] = f16::ZERO;
-            }
-        }
-    });
 }

@@ -1,22 +1,25 @@
-//! ferrite-model: weights and tokenizer from GGUF, the packed Llama-family forward pass,
+//! ferrite-model: the backend trait and its CPU (and CUDA) implementations, weights and
+//! tokenizer from GGUF or safetensors, the model families written once against the backend,
 //! the paged KV cache and attention, the memory budget, the sampler and the model runner.
 
 pub mod attention;
+pub mod backend;
 pub mod chat_template;
 pub mod config;
-pub mod cpu;
+pub mod config_source;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod disjoint;
 pub mod gguf;
 pub mod kv_cache;
 pub mod linear;
-pub mod llama;
 pub mod loader;
 pub mod memory;
+pub mod models;
 pub mod ops;
 pub mod quant;
 pub mod runner;
 pub mod sampler;
 pub mod step;
 pub mod tokenizer;
+pub mod weights;

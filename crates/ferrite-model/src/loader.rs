@@ -1,20 +1,22 @@
 //! Start-up: load weights and tokenizer, profile the activation peak, size the KV pool,
 //! and hand back a runner and the scheduler's configuration.
 
+use crate::backend::cpu::CpuBackend;
 use crate::config::ModelConfig;
-use crate::cpu::CpuModel;
+use crate::config_source::ConfigSource;
 use crate::gguf::GgufFile;
-use crate::kv_cache::{prefault, CacheShape, KvCache};
+use crate::kv_cache::bytes_per_block;
 use crate::linear::WeightFormat;
-use crate::llama::LlamaModel;
 use crate::memory::{self, MemoryPlan, PlanInputs};
-use crate::runner::ModelRunner;
+use crate::models::{self, Decoder};
+use crate::runner::{ModelRunner, StepModel};
 use crate::step::PackedStep;
 use crate::tokenizer::ModelTokenizer;
+use crate::weights::WeightSource;
 use anyhow::{bail, Result};
 use ferrite_core::prefix_hash::HashAlgo;
 use ferrite_core::scheduler::SchedulerConfig;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Engine settings, named after vLLM's flags.
 #[derive(Clone, Debug)]
@@ -137,8 +139,7 @@ impl EngineArgs {
         activation_bytes: u64,
     ) -> Result<(MemoryPlan, SchedulerConfig)> {
         let row = config.num_kv_heads * config.head_dim;
-        let bytes_per_block =
-            KvCache::bytes_per_block(self.block_size, row, config.num_layers) as u64;
+        let bytes_per_block = bytes_per_block(self.block_size, row, config.num_layers) as u64;
         let plan = memory::plan(&PlanInputs {
             device_bytes,
             utilization: self.gpu_memory_utilization,
@@ -162,18 +163,30 @@ impl EngineArgs {
     }
 }
 
-/// The model's configuration without loading it: GGUF metadata, or a Hugging Face
-/// `config.json` (given, or in the given folder).
-pub fn read_config(model: &std::path::Path) -> Result<ModelConfig> {
-    if model.extension().is_some_and(|e| e == "gguf") {
-        return ModelConfig::from_gguf(&GgufFile::open(model)?);
-    }
-    let path = if model.is_dir() {
+/// A Hugging Face model given as its folder or its `config.json`: the config's path.
+pub fn hf_config_path(model: &Path) -> PathBuf {
+    if model.is_dir() {
         model.join("config.json")
     } else {
         model.to_path_buf()
-    };
-    ModelConfig::from_hf_config(&path)
+    }
+}
+
+pub fn is_gguf(model: &Path) -> bool {
+    model.extension().is_some_and(|e| e == "gguf")
+}
+
+/// The model's configuration source without loading it: GGUF metadata, or a Hugging Face
+/// `config.json` (given, or in the given folder).
+pub fn config_source(model: &Path) -> Result<ConfigSource> {
+    if is_gguf(model) {
+        return ConfigSource::from_gguf(&GgufFile::open(model)?);
+    }
+    ConfigSource::from_hf(&hf_config_path(model))
+}
+
+pub fn read_config(model: &Path) -> Result<ModelConfig> {
+    models::config(&config_source(model)?)
 }
 
 pub struct LoadedEngine {
@@ -185,12 +198,12 @@ pub struct LoadedEngine {
 }
 
 /// Loads everything. `progress(done, total)` follows weight loading.
-pub fn load(args: &EngineArgs, progress: impl FnMut(usize, usize)) -> Result<LoadedEngine> {
+pub fn load(args: &EngineArgs, mut progress: impl FnMut(usize, usize)) -> Result<LoadedEngine> {
     if args.block_size == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
         bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be positive");
     }
     match args.device {
-        DeviceKind::Cpu => load_cpu(args, progress),
+        DeviceKind::Cpu => load_cpu(args, &mut progress),
         #[cfg(feature = "cuda")]
         DeviceKind::Cuda(ordinal) => crate::cuda::loader::load(args, ordinal, progress),
         #[cfg(not(feature = "cuda"))]
@@ -200,21 +213,53 @@ pub fn load(args: &EngineArgs, progress: impl FnMut(usize, usize)) -> Result<Loa
     }
 }
 
-fn load_cpu(args: &EngineArgs, progress: impl FnMut(usize, usize)) -> Result<LoadedEngine> {
+/// The weights, their configuration and the tokenizer of `MODEL`: a GGUF file, or a Hugging
+/// Face folder (`config.json`, `tokenizer.json`, `*.safetensors`).
+pub fn open_model(model: &Path) -> Result<(ConfigSource, WeightSource, ModelTokenizer)> {
+    if is_gguf(model) {
+        let gguf = GgufFile::open(model)?;
+        let src = ConfigSource::from_gguf(&gguf)?;
+        let tokenizer = ModelTokenizer::load(&gguf)?;
+        return Ok((src, WeightSource::gguf(gguf)?, tokenizer));
+    }
+    let path = hf_config_path(model);
+    let src = ConfigSource::from_hf(&path)?;
+    let config = models::config(&src)?;
+    let tokenizer = ModelTokenizer::for_config(&path, config.vocab_size)?;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    Ok((src, WeightSource::safetensors(dir)?, tokenizer))
+}
+
+/// A family on the CPU backend, KV cache not yet allocated.
+pub fn load_cpu_decoder(
+    model: &Path,
+    format: WeightFormat,
+    threads: Option<usize>,
+    max_positions: Option<usize>,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(Decoder<CpuBackend>, ModelTokenizer)> {
+    let (src, mut weights, tokenizer) = open_model(model)?;
+    let config = models::config(&src)?;
+    let max_positions = max_positions.unwrap_or(config.context_length);
+    let backend = CpuBackend::new(format, threads);
+    let decoder = models::load(backend, &src, &mut weights, max_positions, progress)?;
+    Ok((decoder, tokenizer))
+}
+
+fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result<LoadedEngine> {
     if args.load_format == LoadFormat::Dummy {
         bail!("--load-format dummy needs --device cuda");
     }
-    if args.model.is_dir() || args.model.extension().is_some_and(|e| e == "json") {
-        bail!(
-            "{}: the CPU backend loads GGUF files; Hugging Face checkpoints need --device cuda",
-            args.model.display()
-        );
-    }
-    let mut gguf = GgufFile::open(&args.model)?;
-    let config = ModelConfig::from_gguf(&gguf)?;
-    let tokenizer = ModelTokenizer::load(&gguf)?;
+    let config = read_config(&args.model)?;
     let max_model_len = args.max_model_len(&config)?;
-    let mut model = LlamaModel::load(&mut gguf, args.weight_format, max_model_len, progress)?;
+    let (mut model, tokenizer) = load_cpu_decoder(
+        &args.model,
+        args.weight_format,
+        args.threads,
+        Some(max_model_len),
+        progress,
+    )?;
+    let config = model.config.clone();
     let activation_bytes =
         profile_activations(&mut model, args.max_num_batched_tokens, args.block_size)?;
     let (plan, scheduler) = args.plan(
@@ -224,20 +269,9 @@ fn load_cpu(args: &EngineArgs, progress: impl FnMut(usize, usize)) -> Result<Loa
         model.weight_bytes() as u64,
         activation_bytes,
     )?;
-    let shape = CacheShape {
-        num_blocks: plan.num_blocks,
-        block_size: args.block_size,
-        num_kv_heads: config.num_kv_heads,
-        head_dim: config.head_dim,
-    };
-    let mut cache = KvCache::new(shape, config.num_layers);
-    prefault(&mut cache);
+    model.allocate_cache(plan.num_blocks, args.block_size)?;
     Ok(LoadedEngine {
-        runner: ModelRunner::new(
-            Box::new(CpuModel::new(model, cache, args.threads)),
-            args.block_size,
-            args.seed,
-        ),
+        runner: ModelRunner::new(Box::new(model), args.block_size, args.seed),
         tokenizer,
         scheduler,
         plan,
@@ -246,23 +280,20 @@ fn load_cpu(args: &EngineArgs, progress: impl FnMut(usize, usize)) -> Result<Loa
 }
 
 /// Peak extra memory of one step at the full token budget, measured by running it.
-fn profile_activations(model: &mut LlamaModel, tokens: usize, block_size: usize) -> Result<u64> {
+fn profile_activations(
+    model: &mut Decoder<CpuBackend>,
+    tokens: usize,
+    block_size: usize,
+) -> Result<u64> {
     let c = model.config.clone();
     let tokens = tokens.min(model.max_positions());
-    let blocks = tokens.div_ceil(block_size);
-    let shape = CacheShape {
-        num_blocks: blocks,
-        block_size,
-        num_kv_heads: c.num_kv_heads,
-        head_dim: c.head_dim,
-    };
-    let mut scratch = KvCache::new(shape, c.num_layers);
-    prefault(&mut scratch);
+    model.allocate_cache(tokens.div_ceil(block_size), block_size)?;
     let step = PackedStep::profile(tokens, block_size, c.vocab_size);
     let before = memory::rss_bytes();
     let measured = memory::reset_peak_rss();
-    model.forward(&step, &mut scratch)?;
+    model.forward(&step)?;
     let peak = memory::peak_rss_bytes();
+    model.allocate_cache(0, block_size)?;
     Ok(if measured && peak > before {
         peak - before
     } else {

@@ -1,6 +1,7 @@
 //! Token-wise CPU ops over the packed `[T, hidden]` matrix: they never see sequence boundaries.
 
-use crate::config::RopeStyle;
+use crate::backend::Activation;
+use crate::config::{ModelConfig, RopeScaling, RopeStyle};
 use rayon::prelude::*;
 
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -16,16 +17,43 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         });
 }
 
-/// `gate_up` rows are `[gate | up]` of width `2 * inter`; writes `silu(gate) * up`.
-pub fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) {
-    out.par_chunks_mut(inter)
-        .zip(gate_up.par_chunks(2 * inter))
-        .for_each(|(o, gu)| {
+/// `gate_up` rows are `[gate | up]` of width `2 * inter`; writes `act(gate) * up`.
+pub fn gated_mul(gate_up: &[f32], inter: usize, act: Activation, out: &mut [f32]) {
+    let rows = out.par_chunks_mut(inter).zip(gate_up.par_chunks(2 * inter));
+    match act {
+        Activation::Silu => rows.for_each(|(o, gu)| {
             let (g, u) = gu.split_at(inter);
             for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
                 *o = g / (1.0 + (-g).exp()) * u;
             }
-        });
+        }),
+        Activation::GeluTanh => rows.for_each(|(o, gu)| {
+            const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+            let (g, u) = gu.split_at(inter);
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                let inner = SQRT_2_OVER_PI * (g + 0.044715 * g * g * g);
+                *o = 0.5 * g * (1.0 + inner.tanh()) * u;
+            }
+        }),
+    }
+}
+
+/// RMSNorm of every head (`weight.len()` wide) of every row, in place (Q/K norm).
+pub fn head_rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
+    let d = weight.len();
+    x.par_chunks_mut(d).for_each(|head| {
+        let ms = head.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        head.iter_mut()
+            .zip(weight)
+            .for_each(|(v, w)| *v = *v * inv * w);
+    });
+}
+
+/// `cap * tanh(x / cap)`, in place (Gemma 2's final-logit soft-cap).
+pub fn softcap(x: &mut [f32], cap: f32) {
+    x.par_chunks_mut(4096)
+        .for_each(|c| c.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh()));
 }
 
 /// `x += y`, element-wise.
@@ -33,6 +61,94 @@ pub fn add_in_place(x: &mut [f32], y: &[f32]) {
     x.par_chunks_mut(4096)
         .zip(y.par_chunks(4096))
         .for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(a, b)| *a += b));
+}
+
+/// One rotary embedding: which dimensions rotate, their base, pairing and scaling.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeSpec {
+    pub dim: usize,
+    pub theta: f32,
+    pub style: RopeStyle,
+    pub scaling: RopeScaling,
+}
+
+impl RopeSpec {
+    /// The model's own rotary embedding.
+    pub fn of(c: &ModelConfig) -> Self {
+        Self {
+            dim: c.rope_dim,
+            theta: c.rope_theta,
+            style: c.rope_style,
+            scaling: c.rope_scaling.clone(),
+        }
+    }
+
+    /// Each pair's angular frequency, and the factor cos and sin are scaled by (YaRN's
+    /// attention temperature; 1 otherwise). Computed in f64 as transformers does in f32
+    /// or better.
+    fn inv_freq(&self) -> (Vec<f64>, f64) {
+        let (dim, base) = (self.dim as f64, self.theta as f64);
+        let half = self.dim / 2;
+        let plain = |i: usize| 1.0 / base.powf(2.0 * i as f64 / dim);
+        let mut mscale = 1.0;
+        let freqs = (0..half)
+            .map(|i| match &self.scaling {
+                RopeScaling::None => plain(i),
+                RopeScaling::Linear(f) => plain(i) / *f as f64,
+                RopeScaling::Factors(v) => plain(i) / v.get(i).copied().unwrap_or(1.0) as f64,
+                RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_positions,
+                } => {
+                    let (factor, low, high) = (
+                        *factor as f64,
+                        *low_freq_factor as f64,
+                        *high_freq_factor as f64,
+                    );
+                    let orig = *original_max_positions as f64;
+                    let freq = plain(i);
+                    let wavelen = 2.0 * std::f64::consts::PI / freq;
+                    if wavelen < orig / high {
+                        freq
+                    } else if wavelen > orig / low {
+                        freq / factor
+                    } else {
+                        let smooth = (orig / wavelen - low) / (high - low);
+                        (1.0 - smooth) * freq / factor + smooth * freq
+                    }
+                }
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_positions,
+                    beta_fast,
+                    beta_slow,
+                } => {
+                    let factor = *factor as f64;
+                    mscale = if factor <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * factor.ln() + 1.0
+                    };
+                    let orig = *original_max_positions as f64;
+                    let correction = |rotations: f64| {
+                        dim * (orig / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                            / (2.0 * base.ln())
+                    };
+                    let low = correction(*beta_fast as f64).floor().max(0.0);
+                    let mut high = correction(*beta_slow as f64).ceil().min(dim - 1.0);
+                    if high == low {
+                        high += 0.001;
+                    }
+                    let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    let extrapolate = 1.0 - ramp;
+                    plain(i) / factor * (1.0 - extrapolate) + plain(i) * extrapolate
+                }
+            })
+            .collect();
+        (freqs, mscale)
+    }
 }
 
 /// Precomputed cos/sin per (position, pair).
@@ -49,23 +165,23 @@ impl RopeTable {
         (&self.cos, &self.sin)
     }
 
-    pub fn new(rope_dim: usize, theta: f32, max_pos: usize, style: RopeStyle) -> Self {
-        let half = rope_dim / 2;
+    pub fn new(spec: &RopeSpec, max_pos: usize) -> Self {
+        let (inv_freq, mscale) = spec.inv_freq();
+        let half = inv_freq.len();
         let mut cos = Vec::with_capacity(max_pos * half);
         let mut sin = Vec::with_capacity(max_pos * half);
         for p in 0..max_pos {
-            for i in 0..half {
-                let freq = 1.0 / (theta as f64).powf(2.0 * i as f64 / rope_dim as f64);
+            for &freq in &inv_freq {
                 let a = p as f64 * freq;
-                cos.push(a.cos() as f32);
-                sin.push(a.sin() as f32);
+                cos.push((a.cos() * mscale) as f32);
+                sin.push((a.sin() * mscale) as f32);
             }
         }
         Self {
             cos,
             sin,
             half,
-            style,
+            style: spec.style,
         }
     }
 

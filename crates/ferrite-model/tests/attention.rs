@@ -87,6 +87,7 @@ fn run_case(rng: &mut StdRng, c: &Case, isa: Isa) -> f64 {
     let mut cache = LayerCache {
         k: vec![f16::NAN; num_blocks * c.block_size * row],
         v: vec![f16::NAN; num_blocks * c.block_size * row],
+        shape,
     };
     let max_blocks = shapes
         .iter()

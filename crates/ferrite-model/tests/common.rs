@@ -2,23 +2,27 @@
 
 #![allow(dead_code)]
 
-use ferrite_model::gguf::GgufFile;
-use ferrite_model::kv_cache::{CacheShape, KvCache};
+use ferrite_model::backend::cpu::CpuBackend;
 use ferrite_model::linear::WeightFormat;
-use ferrite_model::llama::LlamaModel;
+use ferrite_model::loader::load_cpu_decoder;
+use ferrite_model::models::Decoder;
+use ferrite_model::runner::StepModel;
 use ferrite_model::step::PackedStep;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+
+pub type CpuDecoder = Decoder<CpuBackend>;
 
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// Path of the SmolLM2 GGUF, fetched (and checksummed) by `scripts/fetch-model.sh`.
-pub fn model_path() -> PathBuf {
+/// Path of a test model's GGUF (`smollm2`, `gemma3`), fetched (and checksummed) by
+/// `scripts/fetch-model.sh`.
+pub fn fetch_model(name: &str) -> PathBuf {
     let out = Command::new("bash")
         .arg(repo_root().join("scripts/fetch-model.sh"))
-        .arg("smollm2")
+        .arg(name)
         .output()
         .expect("run scripts/fetch-model.sh");
     assert!(
@@ -29,29 +33,27 @@ pub fn model_path() -> PathBuf {
     PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
 }
 
-pub fn load_model(format: WeightFormat) -> LlamaModel {
-    let mut g = GgufFile::open(&model_path()).unwrap();
-    LlamaModel::load(&mut g, format, 4096, |_, _| {}).unwrap()
+/// Path of the SmolLM2 GGUF.
+pub fn model_path() -> PathBuf {
+    fetch_model("smollm2")
 }
 
-pub fn cache_for(model: &LlamaModel, num_blocks: usize, block_size: usize) -> KvCache {
-    let c = &model.config;
-    KvCache::new(
-        CacheShape {
-            num_blocks,
-            block_size,
-            num_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-        },
-        c.num_layers,
-    )
+/// A model on the CPU backend (4096 positions), its KV cache not yet allocated.
+pub fn load_path(path: &Path, format: WeightFormat) -> CpuDecoder {
+    load_cpu_decoder(path, format, None, Some(4096), &mut |_, _| {})
+        .unwrap()
+        .0
+}
+
+pub fn load_model(format: WeightFormat) -> CpuDecoder {
+    load_path(&model_path(), format)
 }
 
 /// Logits of every position of `tokens`, run as one prefill in a fresh cache.
-pub fn all_logits(model: &mut LlamaModel, tokens: &[u32]) -> Vec<Vec<f32>> {
+pub fn all_logits(model: &mut CpuDecoder, tokens: &[u32]) -> Vec<Vec<f32>> {
     let bs = 16;
     let blocks = tokens.len().div_ceil(bs);
-    let mut cache = cache_for(model, blocks, bs);
+    model.allocate_cache(blocks, bs).unwrap();
     let mut step = PackedStep::default();
     let table: Vec<u32> = (0..blocks as u32).collect();
     step.push(tokens, 0, &table, bs);
@@ -59,7 +61,7 @@ pub fn all_logits(model: &mut LlamaModel, tokens: &[u32]) -> Vec<Vec<f32>> {
     step.finish();
     let v = model.config.vocab_size;
     model
-        .forward(&step, &mut cache)
+        .forward(&step)
         .unwrap()
         .chunks(v)
         .map(|r| r.to_vec())

@@ -7,16 +7,14 @@
 
 use candle_core::{DType, Device, Tensor};
 use ferrite_model::config::{ModelConfig, RopeStyle};
-use ferrite_model::cpu::CpuModel;
 use ferrite_model::cuda::kernels::{
     draw_params, AttentionMeta, AttentionShape, Kernels, MatIn, QkvParams,
 };
 use ferrite_model::cuda::model::CudaModel;
 use ferrite_model::cuda::weights::{Linear, Weights};
 use ferrite_model::gguf::GgufFile;
-use ferrite_model::kv_cache::{CacheShape, KvCache};
 use ferrite_model::linear::WeightFormat;
-use ferrite_model::llama::LlamaModel;
+use ferrite_model::loader::load_cpu_decoder;
 use ferrite_model::ops::RopeTable;
 use ferrite_model::runner::{RowDraw, StepModel};
 use ferrite_model::sampler::argmax;
@@ -655,14 +653,12 @@ fn agreement_with_cpu(quantized: bool) -> Agreement {
     let bs = 16;
     let blocks = 64;
     let mut cpu = {
-        let model = LlamaModel::load(&mut g, WeightFormat::F32, max_pos, |_, _| {}).unwrap();
-        let shape = CacheShape {
-            num_blocks: blocks,
-            block_size: bs,
-            num_kv_heads: config.num_kv_heads,
-            head_dim: config.head_dim,
-        };
-        CpuModel::new(model, KvCache::new(shape, config.num_layers), None)
+        let path = std::path::Path::new(&path);
+        let mut m = load_cpu_decoder(path, WeightFormat::F32, None, Some(max_pos), &mut |_, _| {})
+            .unwrap()
+            .0;
+        m.allocate_cache(blocks, bs).unwrap();
+        m
     };
     let mut gpu = {
         let w = Weights::from_gguf(&mut g, &config, &dev, quantized, |_, _| {}).unwrap();

@@ -8,6 +8,7 @@ use ferrite_core::engine::{EngineError, EngineHandle};
 use ferrite_core::request::FinishReason;
 use ferrite_core::sampling::SamplingParams;
 use ferrite_model::linear::WeightFormat;
+use ferrite_model::runner::StepModel;
 use ferrite_model::sampler::{log_sum_exp, top_k_logprobs};
 use ferrite_model::step::PackedStep;
 
@@ -31,7 +32,7 @@ fn logits_do_not_depend_on_the_rest_of_the_batch() {
     let alone_last = alone.last().unwrap();
 
     let bs = 16;
-    let mut cache = cache_for(&model, 200, bs);
+    model.allocate_cache(200, bs).unwrap();
     let mut next_block = 0u32;
     let mut blocks = |n: usize| {
         let t: Vec<u32> = (next_block..next_block + n as u32).collect();
@@ -55,7 +56,7 @@ fn logits_do_not_depend_on_the_rest_of_the_batch() {
     }
     warm.logits_indices = vec![0];
     warm.finish();
-    model.forward(&warm, &mut cache).unwrap();
+    model.forward(&warm).unwrap();
 
     let a_table = blocks(a.len().div_ceil(bs));
     let mut step = PackedStep::default();
@@ -93,7 +94,7 @@ fn logits_do_not_depend_on_the_rest_of_the_batch() {
     step.finish();
     assert_eq!(step.num_seqs(), 8);
     let v = model.config.vocab_size;
-    let packed = model.forward(&step, &mut cache).unwrap();
+    let packed = model.forward(&step).unwrap();
     let packed_a = &packed[v..2 * v];
     let max_diff = alone_last
         .iter()

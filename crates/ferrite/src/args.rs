@@ -40,9 +40,9 @@ pub struct EngineFlags {
     /// Threads that run the model (default: the cores this process may use).
     #[arg(long, short = 't', value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: Option<u16>,
-    /// `native`: quantized weights repacked for ferrite's int8 kernels; `f32`: dequantized
-    /// to f32 at load (exact, 4-8x the memory, slower); `auto`: f32 up to 1 GiB of f32
-    /// weights (models so small that int8 activations change their answers), else native.
+    /// `native`: quantized weights repacked for ferrite's int8 kernels (on the CPU, what
+    /// `auto` picks); `f32`: dequantized to f32 at load (exact activations, 4-8x the memory,
+    /// ~7x slower decode).
     /// On CUDA, for GGUF: `native` keeps the blocks (candle's quantized matmuls), `f32`
     /// dequantizes to bf16 (faster), `auto` takes bf16 if it needs at most half the GPU.
     #[arg(long, default_value = "auto", value_parser = parse_weight_format)]

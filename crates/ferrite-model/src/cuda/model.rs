@@ -7,7 +7,7 @@ use super::graph::DecodeGraphs;
 use super::kernels::{draw_params, AttentionMeta, AttentionShape, Kernels, MatIn, QkvParams};
 use super::weights::Weights;
 use crate::config::{ModelConfig, RopeStyle};
-use crate::ops::RopeTable;
+use crate::ops::{RopeSpec, RopeTable};
 use crate::runner::{RowDraw, StepModel};
 use crate::step::PackedStep;
 use anyhow::{bail, Result};
@@ -58,12 +58,7 @@ impl CudaModel {
             bail!("not a CUDA device")
         };
         let kernels = Kernels::load(dev)?;
-        let rope = RopeTable::new(
-            config.rope_dim,
-            config.rope_theta,
-            max_positions,
-            config.rope_style,
-        );
+        let rope = RopeTable::new(&RopeSpec::of(&config), max_positions);
         let (cos, sin) = rope.tables();
         let half = config.rope_dim / 2;
         Ok(Self {

@@ -1,0 +1,375 @@
+//! The CPU backend: ferrite's int8 kernels over weights repacked at load (or candle's f32
+//! GEMM for float weights), the paged f16 KV cache and attention, on a dedicated thread
+//! pool. Every op works row by row or tile by tile on fixed grids, so a row's bits never
+//! depend on the other rows of its step.
+
+use super::{AttentionSpec, Backend, Epilogue, LinearIn, QkvPrep, Stack, Step};
+use crate::attention::{paged_attention, AttentionMeta, AttentionParams};
+use crate::kv_cache::{write_kv, CacheShape, LayerCache};
+use crate::linear::{project, Linear, LinearInput, WeightFormat};
+use crate::ops::{add_in_place, gated_mul, head_rms_norm, rms_norm, softcap, RopeSpec, RopeTable};
+use crate::quant::activations::QuantizedActs;
+use crate::quant::Isa;
+use anyhow::{bail, Result};
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
+use candle_core::quantized::QTensor;
+use candle_core::Device;
+use half::f16;
+use rayon::prelude::*;
+use std::sync::Arc;
+
+/// Row-major activations; `rows = data.len() / cols`.
+#[derive(Default)]
+pub struct Mat {
+    pub data: Vec<f32>,
+    pub cols: usize,
+}
+
+impl Mat {
+    fn rows(&self) -> usize {
+        self.data.len().checked_div(self.cols).unwrap_or(0)
+    }
+
+    /// Resized to `[rows, cols]`, allocating only past its capacity.
+    fn shape(&mut self, rows: usize, cols: usize) -> &mut [f32] {
+        self.cols = cols;
+        self.data.resize(rows * cols, 0.0);
+        &mut self.data
+    }
+}
+
+/// The embedding table in its GGUF blocks: rows are dequantized as tokens look them up.
+pub struct Embedding {
+    table: QTensor,
+    hidden: usize,
+}
+
+pub struct CpuBackend {
+    format: WeightFormat,
+    /// The threads that run steps: the forward pass starts on one of them, so its parallel
+    /// ops split work by stealing instead of handing every op to the pool from outside
+    /// (a wake-up per op); the HTTP side and tokenization never run here.
+    pool: Arc<rayon::ThreadPool>,
+    // Buffers of one step, grown to the largest step (the start-up profile runs one at the
+    // full token budget) and reused, so later steps allocate nothing here.
+    normed: Vec<f32>,
+    acts: QuantizedActs,
+    /// One projection's output when Q/K/V or gate/up are not stacked.
+    part: Vec<f32>,
+    proj: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// The rows that need logits.
+    sel: Mat,
+    logits: Vec<f32>,
+}
+
+impl CpuBackend {
+    /// `threads`: compute threads (default: the cores this process may use).
+    pub fn new(format: WeightFormat, threads: Option<usize>) -> Self {
+        let threads =
+            threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("ferrite-compute-{i}"))
+            .build()
+            .expect("compute thread pool");
+        Self {
+            format: format.resolve_cpu(),
+            pool: Arc::new(pool),
+            normed: Vec::new(),
+            acts: QuantizedActs::default(),
+            part: Vec::new(),
+            proj: Vec::new(),
+            k: Vec::new(),
+            v: Vec::new(),
+            sel: Mat::default(),
+            logits: Vec::new(),
+        }
+    }
+
+    /// Runs `w` on `input` into `out` (reused).
+    fn project_into(
+        &mut self,
+        input: LinearIn<Self>,
+        w: &[Linear],
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let (x, cols) = match input {
+            LinearIn::Plain(x) => (&x.data[..], x.cols),
+            LinearIn::RmsNorm { x, norm, eps } => {
+                self.normed.resize(x.data.len(), 0.0);
+                rms_norm(&x.data, norm, eps, &mut self.normed);
+                (&self.normed[..], x.cols)
+            }
+        };
+        let rows = x.len().checked_div(cols).unwrap_or(0);
+        let input = LinearInput::new(x, rows, cols, &mut self.acts);
+        project(w, &input, out, &mut self.part)
+    }
+}
+
+fn width(w: &[Linear]) -> usize {
+    w.iter().map(Linear::out_features).sum()
+}
+
+impl Backend for CpuBackend {
+    type Act = Mat;
+    type Vector = Vec<f32>;
+    /// Stacked when their forms match, else one per part (sharing one input quantization).
+    type Linear = Vec<Linear>;
+    type Embedding = Embedding;
+    type Rope = RopeTable;
+    type LayerCache = LayerCache;
+    type StepInputs = ();
+
+    fn vector(&self, v: Vec<f32>) -> Result<Vec<f32>> {
+        Ok(v)
+    }
+
+    /// `[gate; up]` stacked by rows: [`gated_mul`] reads each row as `[gate | up]`.
+    fn linear(&self, parts: Vec<QTensor>, _stack: Stack) -> Result<Vec<Linear>> {
+        Linear::projections(parts, self.format)
+    }
+
+    fn embedding(&self, table: QTensor) -> Result<Embedding> {
+        let (_, hidden) = table.shape().dims2()?;
+        Ok(Embedding { table, hidden })
+    }
+
+    fn rope(&self, spec: &RopeSpec, max_positions: usize) -> Result<RopeTable> {
+        Ok(RopeTable::new(spec, max_positions))
+    }
+
+    fn linear_bytes(&self, w: &Vec<Linear>) -> usize {
+        w.iter().map(Linear::bytes).sum()
+    }
+
+    fn embedding_bytes(&self, e: &Embedding) -> usize {
+        e.table.storage_size_in_bytes()
+    }
+
+    fn layer_cache(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<LayerCache> {
+        let n = num_blocks * block_size * kv_heads * head_dim;
+        let mut l = LayerCache {
+            k: vec![f16::ZERO; n],
+            v: vec![f16::ZERO; n],
+            shape: CacheShape {
+                num_blocks,
+                block_size,
+                num_kv_heads: kv_heads,
+                head_dim,
+            },
+        };
+        // Touch every page, so the pool's memory is resident from the start and RSS does
+        // not grow with load.
+        for buf in [&mut l.k, &mut l.v] {
+            buf.par_chunks_mut(1024).for_each(|c| c[0] = f16::ZERO);
+        }
+        Ok(l)
+    }
+
+    fn run<R: Send>(&mut self, f: impl FnOnce(&mut Self) -> R + Send) -> R {
+        let pool = self.pool.clone();
+        pool.install(|| f(self))
+    }
+
+    fn upload(&mut self, _step: &crate::step::PackedStep) -> Result<()> {
+        Ok(())
+    }
+
+    fn embed(
+        &mut self,
+        s: &Step<Self>,
+        e: &Embedding,
+        scale: Option<f32>,
+        out: &mut Mat,
+    ) -> Result<()> {
+        let h = e.hidden;
+        let dtype = e.table.dtype();
+        let data = e.table.data()?;
+        let row_bytes = h / dtype.block_size() * dtype.type_size();
+        let x = out.shape(s.host.input_ids.len(), h);
+        for (row, &id) in x.chunks_mut(h).zip(&s.host.input_ids) {
+            let bytes = &data[id as usize * row_bytes..][..row_bytes];
+            let t = qtensor_from_ggml(dtype, bytes, vec![h], &Device::Cpu)?;
+            row.copy_from_slice(&t.dequantize(&Device::Cpu)?.to_vec1::<f32>()?);
+            if let Some(scale) = scale {
+                row.iter_mut().for_each(|v| *v *= scale);
+            }
+        }
+        Ok(())
+    }
+
+    fn matmul(
+        &mut self,
+        input: LinearIn<Self>,
+        w: &Vec<Linear>,
+        out: Epilogue<Self>,
+    ) -> Result<()> {
+        let mut proj = std::mem::take(&mut self.proj);
+        let result = match out {
+            Epilogue::Store(out) => {
+                self.project_into(input, w, &mut out.data)?;
+                out.cols = width(w);
+                Ok(())
+            }
+            Epilogue::AddInto(residual) => {
+                self.project_into(input, w, &mut proj)?;
+                add_in_place(&mut residual.data, &proj);
+                Ok(())
+            }
+            Epilogue::AddNormedInto {
+                residual,
+                norm,
+                eps,
+            } => {
+                self.project_into(input, w, &mut proj)?;
+                self.normed.resize(proj.len(), 0.0);
+                rms_norm(&proj, norm, eps, &mut self.normed);
+                add_in_place(&mut residual.data, &self.normed);
+                Ok(())
+            }
+            Epilogue::Gated(out, act) => {
+                self.project_into(input, w, &mut proj)?;
+                let inter = width(w) / 2;
+                let rows = proj.len() / (2 * inter).max(1);
+                gated_mul(&proj, inter, act, out.shape(rows, inter));
+                Ok(())
+            }
+        };
+        self.proj = proj;
+        result
+    }
+
+    fn prepare_qkv(
+        &mut self,
+        s: &Step<Self>,
+        qkv: &Mat,
+        p: &QkvPrep<Self>,
+        a: &AttentionSpec,
+        cache: &mut LayerCache,
+        q: &mut Mat,
+    ) -> Result<()> {
+        let d = a.head_dim;
+        let (q_w, kv_w) = (a.num_heads * d, a.num_kv_heads * d);
+        if qkv.cols != q_w + 2 * kv_w {
+            bail!(
+                "QKV projection is {} wide, expected {}",
+                qkv.cols,
+                q_w + 2 * kv_w
+            );
+        }
+        let t = qkv.rows();
+        let qd = q.shape(t, q_w);
+        let (k, v) = (&mut self.k, &mut self.v);
+        k.resize(t * kv_w, 0.0);
+        v.resize(t * kv_w, 0.0);
+        for (((r, q), k), v) in qkv
+            .data
+            .chunks(q_w + 2 * kv_w)
+            .zip(qd.chunks_mut(q_w))
+            .zip(k.chunks_mut(kv_w))
+            .zip(v.chunks_mut(kv_w))
+        {
+            q.copy_from_slice(&r[..q_w]);
+            k.copy_from_slice(&r[q_w..q_w + kv_w]);
+            v.copy_from_slice(&r[q_w + kv_w..]);
+            if let Some(b) = p.bias {
+                let (bq, bkv) = b.split_at(q_w);
+                let (bk, bv) = bkv.split_at(kv_w);
+                for (x, b) in [(q, bq), (k, bk), (v, bv)] {
+                    x.iter_mut().zip(b).for_each(|(x, b)| *x += b);
+                }
+            }
+        }
+        if let Some(n) = p.q_norm {
+            head_rms_norm(qd, n, p.eps);
+        }
+        if let Some(n) = p.k_norm {
+            head_rms_norm(k, n, p.eps);
+        }
+        let positions = &s.host.positions;
+        p.rope.apply(qd, positions, a.num_heads, d);
+        p.rope.apply(k, positions, a.num_kv_heads, d);
+        let shape = cache.shape;
+        write_kv(cache, k, v, &s.host.slot_mapping, &shape);
+        Ok(())
+    }
+
+    fn attention(
+        &mut self,
+        s: &Step<Self>,
+        q: &Mat,
+        cache: &LayerCache,
+        a: &AttentionSpec,
+        out: &mut Mat,
+    ) -> Result<()> {
+        let step = s.host;
+        let meta = AttentionMeta {
+            cu_seqlens_q: &step.cu_seqlens_q,
+            seq_lens_k: &step.seq_lens_k,
+            block_tables: &step.block_tables,
+            max_blocks: step.max_blocks,
+            block_size: cache.shape.block_size,
+        };
+        let params = AttentionParams {
+            num_heads: a.num_heads,
+            num_kv_heads: a.num_kv_heads,
+            head_dim: a.head_dim,
+            scale: a.scale,
+            sliding_window: a.sliding_window,
+            softcap: a.softcap,
+        };
+        let o = out.shape(q.rows(), a.num_heads * a.head_dim);
+        paged_attention(&q.data, &cache.k, &cache.v, &meta, &params, o);
+        Ok(())
+    }
+
+    fn logits(
+        &mut self,
+        s: &Step<Self>,
+        x: &Mat,
+        norm: &Vec<f32>,
+        eps: f32,
+        head: &Vec<Linear>,
+        cap: Option<f32>,
+    ) -> Result<()> {
+        // Only the rows that need logits go through the final norm and the LM head.
+        let h = x.cols;
+        let rows = &s.host.logits_indices;
+        let mut sel = std::mem::take(&mut self.sel);
+        let dst = sel.shape(rows.len(), h);
+        for (dst, &i) in dst.chunks_mut(h).zip(rows) {
+            dst.copy_from_slice(&x.data[i as usize * h..][..h]);
+        }
+        let mut logits = std::mem::take(&mut self.logits);
+        let r = self.project_into(LinearIn::RmsNorm { x: &sel, norm, eps }, head, &mut logits);
+        self.sel = sel;
+        r?;
+        if let Some(cap) = cap {
+            softcap(&mut logits, cap);
+        }
+        self.logits = logits;
+        Ok(())
+    }
+
+    fn host_logits(&mut self) -> Result<&mut [f32]> {
+        Ok(&mut self.logits)
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "backend cpu ({} threads, weights {:?}), kernels: {}",
+            self.pool.current_num_threads(),
+            self.format,
+            Isa::detect().name()
+        )
+    }
+}

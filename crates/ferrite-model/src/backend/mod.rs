@@ -1,0 +1,169 @@
+//! The backend trait: the coarse ops a model family is written against, so that each
+//! family is written once and each device keeps its fusions (a linear layer takes its
+//! input as the RMSNorm of the residual and ends in an epilogue; Q/K/V preparation is one
+//! op). Families are generic over `B: Backend`: every op is statically dispatched.
+
+pub mod cpu;
+
+use crate::ops::RopeSpec;
+use crate::step::PackedStep;
+use anyhow::Result;
+use candle_core::quantized::QTensor;
+
+/// The gated activation of an MLP: `act(gate) * up`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    /// GELU, tanh approximation (Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+/// How projections of one input are laid out in one weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stack {
+    /// Outputs side by side in the order given (Q|K|V).
+    Concat,
+    /// `[gate, up]`, read by [`Epilogue::Gated`]; the backend picks the row order.
+    GateUp,
+}
+
+/// What a linear layer reads.
+pub enum LinearIn<'a, B: Backend> {
+    Plain(&'a B::Act),
+    /// The RMSNorm of `x` (the residual stream) with weight `norm`.
+    RmsNorm {
+        x: &'a B::Act,
+        norm: &'a B::Vector,
+        eps: f32,
+    },
+}
+
+/// Where a linear layer's output goes.
+pub enum Epilogue<'a, B: Backend> {
+    Store(&'a mut B::Act),
+    /// `residual += y`.
+    AddInto(&'a mut B::Act),
+    /// `residual += rms_norm(y)` (Gemma's norms after attention and MLP).
+    AddNormedInto {
+        residual: &'a mut B::Act,
+        norm: &'a B::Vector,
+        eps: f32,
+    },
+    /// `out = act(gate) * up` over a [`Stack::GateUp`] weight.
+    Gated(&'a mut B::Act, Activation),
+}
+
+/// One attention layer's shape and options.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttentionSpec {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+    pub sliding_window: Option<usize>,
+    /// `cap * tanh(score / cap)` before the softmax (Gemma 2).
+    pub softcap: Option<f32>,
+}
+
+/// Everything between the QKV projection and attention: bias, per-head Q/K RMSNorm,
+/// rotary embedding, and the K/V write into the paged cache by slot mapping.
+pub struct QkvPrep<'a, B: Backend> {
+    pub bias: Option<&'a B::Vector>,
+    pub q_norm: Option<&'a B::Vector>,
+    pub k_norm: Option<&'a B::Vector>,
+    pub eps: f32,
+    pub rope: &'a B::Rope,
+}
+
+/// A step as the ops see it: the host's index arrays and the backend's copy of them.
+pub struct Step<'a, B: Backend> {
+    pub host: &'a PackedStep,
+    pub inputs: B::StepInputs,
+}
+
+pub trait Backend: Send + Sized {
+    /// Activations `[rows, width]`.
+    type Act: Default + Send;
+    /// A small vector: norm weights, biases.
+    type Vector: Send + Sync;
+    /// A weight matrix (or projections of one input stacked) as the backend multiplies it.
+    type Linear: Send + Sync;
+    type Embedding: Send + Sync;
+    type Rope: Send + Sync;
+    /// One layer's K and V pages.
+    type LayerCache: Send;
+    /// A step's index arrays where the ops read them.
+    type StepInputs: Sync;
+
+    fn vector(&self, v: Vec<f32>) -> Result<Self::Vector>;
+    fn linear(&self, parts: Vec<QTensor>, stack: Stack) -> Result<Self::Linear>;
+    fn embedding(&self, table: QTensor) -> Result<Self::Embedding>;
+    fn rope(&self, spec: &RopeSpec, max_positions: usize) -> Result<Self::Rope>;
+    /// Bytes a weight occupies on the device.
+    fn linear_bytes(&self, w: &Self::Linear) -> usize;
+    fn embedding_bytes(&self, e: &Self::Embedding) -> usize;
+    /// `num_blocks` pages of `block_size` tokens for a layer of `kv_heads` x `head_dim`.
+    fn layer_cache(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Self::LayerCache>;
+
+    /// Runs `f` where the backend's ops belong (the CPU's compute threads).
+    fn run<R: Send>(&mut self, f: impl FnOnce(&mut Self) -> R + Send) -> R {
+        f(self)
+    }
+
+    fn upload(&mut self, step: &PackedStep) -> Result<Self::StepInputs>;
+    /// The embedding rows of the step's tokens, times `scale` if given.
+    fn embed(
+        &mut self,
+        s: &Step<Self>,
+        table: &Self::Embedding,
+        scale: Option<f32>,
+        out: &mut Self::Act,
+    ) -> Result<()>;
+    fn matmul(
+        &mut self,
+        input: LinearIn<Self>,
+        w: &Self::Linear,
+        out: Epilogue<Self>,
+    ) -> Result<()>;
+    /// Splits `qkv` (`[T, (H + 2 Hkv) D]`) into Q (returned in `q`) and K/V written to
+    /// `cache`, after `prep`.
+    fn prepare_qkv(
+        &mut self,
+        s: &Step<Self>,
+        qkv: &Self::Act,
+        prep: &QkvPrep<Self>,
+        attn: &AttentionSpec,
+        cache: &mut Self::LayerCache,
+        q: &mut Self::Act,
+    ) -> Result<()>;
+    /// Paged varlen attention of every request of the step, causal, one call per layer.
+    fn attention(
+        &mut self,
+        s: &Step<Self>,
+        q: &Self::Act,
+        cache: &Self::LayerCache,
+        attn: &AttentionSpec,
+        out: &mut Self::Act,
+    ) -> Result<()>;
+    /// Logits of the step's `logits_indices` rows: the final norm of those rows only, the
+    /// LM head, then `cap * tanh(x / cap)` if `softcap`; kept for [`Backend::host_logits`].
+    fn logits(
+        &mut self,
+        s: &Step<Self>,
+        x: &Self::Act,
+        norm: &Self::Vector,
+        eps: f32,
+        head: &Self::Linear,
+        softcap: Option<f32>,
+    ) -> Result<()>;
+    /// The last [`Backend::logits`], `[rows, vocab]` on the host.
+    fn host_logits(&mut self) -> Result<&mut [f32]>;
+    /// Backend, threads and weight format, for the start-up log line.
+    fn describe(&self) -> String;
+}

@@ -1,0 +1,124 @@
+//! The Llama family: Llama 2/3 (with `rope_scaling`), SmolLM, Mistral (sliding window),
+//! Qwen2 (QKV bias) and Qwen3 (Q/K norm). Pre-norm blocks, SiLU-gated MLP; what a member
+//! adds is found in its weights (biases, Q/K norms) and its config.
+
+use super::layers::{lm_head, norm, Attention, Mlp, NormWeights};
+use super::{Buffers, Family};
+use crate::backend::{Activation, AttentionSpec, Backend, Epilogue, LinearIn, Step};
+use crate::config::{ModelConfig, RopeScaling};
+use crate::config_source::ConfigSource;
+use crate::ops::RopeSpec;
+use crate::weights::WeightSource;
+use anyhow::Result;
+
+pub fn config(src: &ConfigSource) -> Result<ModelConfig> {
+    // llama.cpp permutes Llama's and Mistral's Q/K rows for adjacent-pair rotation; Qwen's
+    // are kept as they are.
+    let permuted = matches!(src.architecture(), "llama" | "mistral");
+    ModelConfig::common(src, permuted)
+}
+
+struct Layer<B: Backend> {
+    attn_norm: B::Vector,
+    attn: Attention<B>,
+    ffn_norm: B::Vector,
+    mlp: Mlp<B>,
+}
+
+pub struct Llama<B: Backend> {
+    config: ModelConfig,
+    embedding: B::Embedding,
+    layers: Vec<Layer<B>>,
+    final_norm: B::Vector,
+    lm_head: B::Linear,
+    rope: B::Rope,
+}
+
+impl<B: Backend> Llama<B> {
+    pub fn load(
+        b: &B,
+        config: ModelConfig,
+        w: &mut WeightSource,
+        max_positions: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
+        let c = &config;
+        let spec = AttentionSpec {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+            sliding_window: c.sliding_window,
+            softcap: None,
+        };
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let p = format!("model.layers.{i}");
+            let plain = NormWeights::Plain;
+            layers.push(Layer {
+                attn_norm: norm(b, w, &format!("{p}.input_layernorm.weight"), plain)?,
+                attn: Attention::load(b, w, &p, spec.clone(), plain)?,
+                ffn_norm: norm(b, w, &format!("{p}.post_attention_layernorm.weight"), plain)?,
+                mlp: Mlp::load(b, w, &p)?,
+            });
+            progress(i + 1, c.num_layers);
+        }
+        let mut rope = RopeSpec::of(c);
+        // llama.cpp's converter writes Llama 3's scaling as per-pair divisors.
+        if let Some(f) = w.opt_vector("rope_freqs")? {
+            rope.scaling = RopeScaling::Factors(f);
+        }
+        Ok(Self {
+            embedding: b.embedding(w.tensor("model.embed_tokens.weight")?)?,
+            layers,
+            final_norm: norm(b, w, "model.norm.weight", NormWeights::Plain)?,
+            lm_head: lm_head(b, w)?,
+            rope: b.rope(&rope, max_positions)?,
+            config,
+        })
+    }
+}
+
+impl<B: Backend> Family<B> for Llama<B> {
+    fn forward(
+        &self,
+        b: &mut B,
+        s: &Step<B>,
+        cache: &mut [B::LayerCache],
+        ws: &mut Buffers<B>,
+    ) -> Result<()> {
+        let eps = self.config.rms_norm_eps;
+        b.embed(s, &self.embedding, None, &mut ws.x)?;
+        for (l, lc) in self.layers.iter().zip(cache) {
+            let input = LinearIn::RmsNorm {
+                x: &ws.x,
+                norm: &l.attn_norm,
+                eps,
+            };
+            l.attn
+                .attend(b, s, input, &self.rope, eps, lc, &mut ws.tmp)?;
+            let o_in = LinearIn::Plain(&ws.tmp.attn);
+            b.matmul(o_in, &l.attn.o, Epilogue::AddInto(&mut ws.x))?;
+            let input = LinearIn::RmsNorm {
+                x: &ws.x,
+                norm: &l.ffn_norm,
+                eps,
+            };
+            let act = Epilogue::Gated(&mut ws.tmp.act, Activation::Silu);
+            b.matmul(input, &l.mlp.gate_up, act)?;
+            let down_in = LinearIn::Plain(&ws.tmp.act);
+            b.matmul(down_in, &l.mlp.down, Epilogue::AddInto(&mut ws.x))?;
+        }
+        b.logits(s, &ws.x, &self.final_norm, eps, &self.lm_head, None)
+    }
+
+    fn weight_bytes(&self, b: &B) -> usize {
+        b.embedding_bytes(&self.embedding)
+            + b.linear_bytes(&self.lm_head)
+            + self
+                .layers
+                .iter()
+                .map(|l| l.attn.bytes(b) + l.mlp.bytes(b))
+                .sum::<usize>()
+    }
+}

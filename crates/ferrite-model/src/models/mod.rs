@@ -1,0 +1,232 @@
+//! Model families, each written once against [`Backend`], and the registry from a
+//! checkpoint's architecture to its family. [`Decoder`] is a loaded family with its KV
+//! cache on one backend: what the runner drives each step.
+
+pub mod gemma;
+pub mod layers;
+pub mod llama;
+
+use crate::backend::{Backend, Step};
+use crate::config::ModelConfig;
+use crate::config_source::ConfigSource;
+use crate::runner::StepModel;
+use crate::step::PackedStep;
+use crate::weights::WeightSource;
+use anyhow::{bail, Result};
+
+/// A family's weights and its forward over the packed step.
+pub trait Family<B: Backend>: Send + Sync {
+    /// Runs every layer and leaves the `logits_indices` rows' logits in the backend.
+    fn forward(
+        &self,
+        b: &mut B,
+        s: &Step<B>,
+        cache: &mut [B::LayerCache],
+        ws: &mut Buffers<B>,
+    ) -> Result<()>;
+
+    /// Bytes the weights occupy on the device.
+    fn weight_bytes(&self, b: &B) -> usize;
+}
+
+/// Activations of one step, reused across steps.
+pub struct Buffers<B: Backend> {
+    /// The residual stream `[T, hidden]`.
+    pub x: B::Act,
+    pub tmp: Scratch<B>,
+}
+
+/// What a layer computes on the way (kept apart from `x` so both can be borrowed at once).
+pub struct Scratch<B: Backend> {
+    pub qkv: B::Act,
+    pub q: B::Act,
+    /// Attention output: the input of the output projection.
+    pub attn: B::Act,
+    /// The gated MLP activation: the input of the down projection.
+    pub act: B::Act,
+}
+
+impl<B: Backend> Default for Buffers<B> {
+    fn default() -> Self {
+        Self {
+            x: B::Act::default(),
+            tmp: Scratch {
+                qkv: B::Act::default(),
+                q: B::Act::default(),
+                attn: B::Act::default(),
+                act: B::Act::default(),
+            },
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3.
+    Llama,
+    /// Gemma 2 and Gemma 3 (text).
+    Gemma,
+}
+
+const ARCHITECTURES: &[(&str, Kind)] = &[
+    ("llama", Kind::Llama),
+    ("mistral", Kind::Llama),
+    ("qwen2", Kind::Llama),
+    ("qwen3", Kind::Llama),
+    ("gemma2", Kind::Gemma),
+    ("gemma3", Kind::Gemma),
+    ("gemma3_text", Kind::Gemma),
+];
+
+fn kind(src: &ConfigSource) -> Result<Kind> {
+    let arch = src.architecture();
+    match ARCHITECTURES.iter().find(|(a, _)| *a == arch) {
+        Some((_, k)) => Ok(*k),
+        None => bail!(
+            "unsupported model architecture `{arch}` in {} (supported: {})",
+            src.path().display(),
+            ARCHITECTURES
+                .iter()
+                .map(|(a, _)| *a)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
+/// The engine-facing configuration of a checkpoint.
+pub fn config(src: &ConfigSource) -> Result<ModelConfig> {
+    match kind(src)? {
+        Kind::Llama => llama::config(src),
+        Kind::Gemma => Ok(gemma::GemmaConfig::read(src)?.common),
+    }
+}
+
+/// Loads the checkpoint's family onto `backend`; `progress(done, total)` follows the layers.
+pub fn load<B: Backend + 'static>(
+    backend: B,
+    src: &ConfigSource,
+    weights: &mut WeightSource,
+    max_positions: usize,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Decoder<B>> {
+    let family: Box<dyn Family<B>> = match kind(src)? {
+        Kind::Llama => Box::new(llama::Llama::load(
+            &backend,
+            llama::config(src)?,
+            weights,
+            max_positions,
+            progress,
+        )?),
+        Kind::Gemma => Box::new(gemma::Gemma::load(
+            &backend,
+            gemma::GemmaConfig::read(src)?,
+            weights,
+            max_positions,
+            progress,
+        )?),
+    };
+    let mut config = config(src)?;
+    if let Some(v) = embedding_rows(weights)? {
+        config.vocab_size = v;
+    }
+    Ok(Decoder {
+        config,
+        backend,
+        family,
+        cache: Vec::new(),
+        buffers: Buffers::default(),
+        max_positions,
+    })
+}
+
+/// The vocabulary as the embedding table counts it.
+fn embedding_rows(w: &WeightSource) -> Result<Option<usize>> {
+    Ok(match w {
+        WeightSource::Gguf { file, .. } => file
+            .content
+            .tensor_infos
+            .get("token_embd.weight")
+            .map(|t| t.shape.dims()[0]),
+        WeightSource::Safetensors { files, .. } => files
+            .get("model.embed_tokens.weight")
+            .ok()
+            .map(|t| t.shape()[0]),
+    })
+}
+
+/// A family with its weights and KV cache on one backend.
+pub struct Decoder<B: Backend> {
+    pub config: ModelConfig,
+    pub backend: B,
+    family: Box<dyn Family<B>>,
+    cache: Vec<B::LayerCache>,
+    buffers: Buffers<B>,
+    max_positions: usize,
+}
+
+impl<B: Backend> Decoder<B> {
+    /// Allocates the KV pool once: `num_blocks` blocks of `block_size` tokens per layer.
+    pub fn allocate_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
+        let c = &self.config;
+        self.cache.clear();
+        for _ in 0..c.num_layers {
+            let l = self
+                .backend
+                .layer_cache(num_blocks, block_size, c.num_kv_heads, c.head_dim)?;
+            self.cache.push(l);
+        }
+        Ok(())
+    }
+
+    pub fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        self.family.weight_bytes(&self.backend)
+    }
+
+    /// Positions and token ids within what the model serves.
+    fn check(&self, step: &PackedStep) -> Result<()> {
+        if let Some(&p) = step.positions.iter().max() {
+            if p as usize >= self.max_positions {
+                bail!(
+                    "position {p} is beyond the model's {} positions",
+                    self.max_positions
+                );
+            }
+        }
+        let vocab = self.config.vocab_size;
+        if let Some(&id) = step.input_ids.iter().find(|&&id| id as usize >= vocab) {
+            bail!("token id {id} is outside the vocabulary of {vocab}");
+        }
+        if self.cache.len() != self.config.num_layers {
+            bail!("KV cache not allocated");
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> StepModel for Decoder<B> {
+    fn forward(&mut self, step: &PackedStep) -> Result<&mut [f32]> {
+        self.check(step)?;
+        let (family, cache, ws) = (&self.family, &mut self.cache, &mut self.buffers);
+        self.backend.run(|b| {
+            let s = Step {
+                host: step,
+                inputs: b.upload(step)?,
+            };
+            family.forward(b, &s, cache, ws)
+        })?;
+        self.backend.host_logits()
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn describe(&self) -> String {
+        format!("{} ({})", self.backend.describe(), self.config.architecture)
+    }
+}

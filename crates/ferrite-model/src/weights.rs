@@ -1,0 +1,148 @@
+//! Host tensors under Hugging Face names, from a GGUF file or a folder of safetensors. The
+//! GGUF name map is written once, here; families ask for `model.layers.3.mlp.up_proj.weight`
+//! whatever the file.
+
+use crate::gguf::GgufFile;
+use anyhow::{anyhow, bail, Result};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device};
+use std::path::{Path, PathBuf};
+
+pub enum WeightSource {
+    /// GGUF tensors, quantized blocks as stored; `arch` picks the name map.
+    Gguf { file: Box<GgufFile>, arch: String },
+    Safetensors {
+        files: MmapedSafetensors,
+        dir: PathBuf,
+    },
+}
+
+/// GGUF name of a Hugging Face tensor name (llama.cpp's converter's map).
+fn gguf_name(arch: &str, name: &str) -> Option<String> {
+    let top = match name {
+        "model.embed_tokens.weight" => Some("token_embd.weight"),
+        "model.norm.weight" => Some("output_norm.weight"),
+        "lm_head.weight" => Some("output.weight"),
+        "rope_freqs" => Some("rope_freqs.weight"),
+        _ => None,
+    };
+    if let Some(t) = top {
+        return Some(t.to_string());
+    }
+    let rest = name.strip_prefix("model.layers.")?;
+    let (layer, part) = rest.split_once('.')?;
+    // Gemma's `post_attention_layernorm` follows attention; Llama's precedes the MLP.
+    let gemma = arch.starts_with("gemma");
+    let (stem, kind) = part.rsplit_once('.')?;
+    let g = match stem {
+        "input_layernorm" => "attn_norm",
+        "post_attention_layernorm" if gemma => "post_attention_norm",
+        "post_attention_layernorm" => "ffn_norm",
+        "pre_feedforward_layernorm" => "ffn_norm",
+        "post_feedforward_layernorm" => "post_ffw_norm",
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_output",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{g}.{kind}"))
+}
+
+impl WeightSource {
+    pub fn gguf(file: GgufFile) -> Result<Self> {
+        let arch = file.string("general.architecture")?;
+        Ok(Self::Gguf {
+            file: Box::new(file),
+            arch,
+        })
+    }
+
+    /// Every `*.safetensors` file in `dir`.
+    pub fn safetensors(dir: &Path) -> Result<Self> {
+        let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|e| anyhow!("reading {}: {e}", dir.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        paths.sort();
+        if paths.is_empty() {
+            bail!("no *.safetensors files in {}", dir.display());
+        }
+        // SAFETY: the files are mapped read-only and not modified while the engine runs.
+        let files = unsafe { MmapedSafetensors::multi(&paths)? };
+        Ok(Self::Safetensors {
+            files,
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    pub fn is_gguf(&self) -> bool {
+        matches!(self, Self::Gguf { .. })
+    }
+
+    fn location(&self) -> String {
+        match self {
+            Self::Gguf { file, .. } => file.path.display().to_string(),
+            Self::Safetensors { dir, .. } => dir.display().to_string(),
+        }
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        match self {
+            Self::Gguf { file, arch } => gguf_name(arch, name).is_some_and(|g| file.has_tensor(&g)),
+            Self::Safetensors { files, .. } => files.get(name).is_ok(),
+        }
+    }
+
+    /// The tensor `name`: GGUF blocks as stored; safetensors as f32.
+    pub fn tensor(&mut self, name: &str) -> Result<QTensor> {
+        let location = self.location();
+        match self {
+            Self::Gguf { file, arch } => {
+                let g = gguf_name(arch, name)
+                    .ok_or_else(|| anyhow!("{location}: no GGUF name for tensor `{name}`"))?;
+                file.tensor(&g, &Device::Cpu)
+            }
+            Self::Safetensors { files, .. } => {
+                let t = files
+                    .load(name, &Device::Cpu)
+                    .map_err(|e| anyhow!("{location}: tensor `{name}`: {e}"))?
+                    .to_dtype(DType::F32)?;
+                Ok(QTensor::quantize(&t, GgmlDType::F32)?)
+            }
+        }
+    }
+
+    /// `name` if present.
+    pub fn opt_tensor(&mut self, name: &str) -> Result<Option<QTensor>> {
+        if self.has(name) {
+            self.tensor(name).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// A small tensor (norm weights, biases) as f32 values.
+    pub fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
+        Ok(self
+            .tensor(name)?
+            .dequantize(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1()?)
+    }
+
+    pub fn opt_vector(&mut self, name: &str) -> Result<Option<Vec<f32>>> {
+        if self.has(name) {
+            self.vector(name).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+}
