@@ -5,6 +5,15 @@ use anyhow::{anyhow, Result};
 use minijinja::{Environment, ErrorKind, Value};
 use serde::Serialize;
 
+/// The template of a family whose GGUF files often carry none (llama.cpp's converter wrote
+/// Gemma 3 270M without one), by `general.architecture`.
+pub fn builtin(architecture: &str) -> Option<&'static str> {
+    match architecture {
+        "gemma" | "gemma2" | "gemma3" => Some(include_str!("../templates/gemma.jinja")),
+        _ => None,
+    }
+}
+
 pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,

@@ -102,7 +102,7 @@ impl ModelConfig {
                 .unwrap_or(10_000.0),
             rope_dim,
             rope_style,
-            rope_scaling: rope_scaling(src)?,
+            rope_scaling: rope_scaling(src, &["rope_scaling", "rope_parameters"])?,
             context_length: src.opt_usize("max_position_embeddings").unwrap_or(4096),
             // Qwen2 configs name a window but turn it off.
             sliding_window: src
@@ -117,11 +117,11 @@ impl ModelConfig {
     }
 }
 
-/// `rope_scaling` (`rope_parameters` in transformers 5), or GGUF's `rope.scaling.*`.
-fn rope_scaling(src: &ConfigSource) -> Result<RopeScaling> {
+/// The first of the objects `at` (`rope_scaling`, transformers 5's `rope_parameters`, ...)
+/// that names a scaling, or GGUF's `rope.scaling.*`.
+pub fn rope_scaling(src: &ConfigSource, at: &[&str]) -> Result<RopeScaling> {
     let key = |k: &str| {
-        ["rope_scaling", "rope_parameters"]
-            .iter()
+        at.iter()
             .map(|p| format!("{p}.{k}"))
             .find(|k| src.get(k).is_some())
     };

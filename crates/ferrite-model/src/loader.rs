@@ -213,21 +213,28 @@ pub fn load(args: &EngineArgs, mut progress: impl FnMut(usize, usize)) -> Result
     }
 }
 
-/// The weights, their configuration and the tokenizer of `MODEL`: a GGUF file, or a Hugging
-/// Face folder (`config.json`, `tokenizer.json`, `*.safetensors`).
-pub fn open_model(model: &Path) -> Result<(ConfigSource, WeightSource, ModelTokenizer)> {
+/// The configuration and weights of `MODEL`: a GGUF file, or a Hugging Face folder
+/// (`config.json`, `*.safetensors`).
+pub fn open_weights(model: &Path) -> Result<(ConfigSource, WeightSource)> {
     if is_gguf(model) {
         let gguf = GgufFile::open(model)?;
-        let src = ConfigSource::from_gguf(&gguf)?;
-        let tokenizer = ModelTokenizer::load(&gguf)?;
-        return Ok((src, WeightSource::gguf(gguf)?, tokenizer));
+        return Ok((ConfigSource::from_gguf(&gguf)?, WeightSource::gguf(gguf)?));
     }
     let path = hf_config_path(model);
-    let src = ConfigSource::from_hf(&path)?;
-    let config = models::config(&src)?;
-    let tokenizer = ModelTokenizer::for_config(&path, config.vocab_size)?;
     let dir = path.parent().unwrap_or(Path::new("."));
-    Ok((src, WeightSource::safetensors(dir)?, tokenizer))
+    Ok((
+        ConfigSource::from_hf(&path)?,
+        WeightSource::safetensors(dir)?,
+    ))
+}
+
+/// The tokenizer of `MODEL`: GGUF metadata, or `tokenizer.json` and its companions.
+pub fn open_tokenizer(model: &Path) -> Result<ModelTokenizer> {
+    if is_gguf(model) {
+        return ModelTokenizer::load(&GgufFile::open(model)?);
+    }
+    let config = read_config(model)?;
+    ModelTokenizer::for_config(&hf_config_path(model), config.vocab_size)
 }
 
 /// A family on the CPU backend, KV cache not yet allocated.
@@ -237,13 +244,12 @@ pub fn load_cpu_decoder(
     threads: Option<usize>,
     max_positions: Option<usize>,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<(Decoder<CpuBackend>, ModelTokenizer)> {
-    let (src, mut weights, tokenizer) = open_model(model)?;
+) -> Result<Decoder<CpuBackend>> {
+    let (src, mut weights) = open_weights(model)?;
     let config = models::config(&src)?;
     let max_positions = max_positions.unwrap_or(config.context_length);
     let backend = CpuBackend::new(format, threads);
-    let decoder = models::load(backend, &src, &mut weights, max_positions, progress)?;
-    Ok((decoder, tokenizer))
+    models::load(backend, &src, &mut weights, max_positions, progress)
 }
 
 fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result<LoadedEngine> {
@@ -252,7 +258,8 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
     }
     let config = read_config(&args.model)?;
     let max_model_len = args.max_model_len(&config)?;
-    let (mut model, tokenizer) = load_cpu_decoder(
+    let tokenizer = open_tokenizer(&args.model)?;
+    let mut model = load_cpu_decoder(
         &args.model,
         args.weight_format,
         args.threads,

@@ -34,10 +34,13 @@ impl ModelTokenizer {
             .map(|v| v as u32)
             .into_iter()
             .collect();
-        // Chat models often end turns with a token other than the declared EOS.
+        // Chat models often end turns with a token other than the declared EOS; GGUF files
+        // name it in `eot_token_id`, or (as llama.cpp also reads them) by its text.
         if let Some(eot) = gguf.opt_u64("tokenizer.ggml.eot_token_id") {
             eos.push(eot as u32);
         }
+        eos.extend(end_of_turn_tokens(gguf));
+        eos.sort_unstable();
         eos.dedup();
         let model = gguf.opt_string("tokenizer.ggml.model").unwrap_or_default();
         let add_bos = !from_json
@@ -49,7 +52,10 @@ impl ModelTokenizer {
             bos_token_id: bos,
             eos_token_ids: eos,
             add_bos,
-            chat_template: gguf.opt_string("tokenizer.chat_template"),
+            chat_template: gguf.opt_string("tokenizer.chat_template").or_else(|| {
+                let arch = gguf.opt_string("general.architecture")?;
+                crate::chat_template::builtin(&arch).map(str::to_string)
+            }),
         })
     }
 
@@ -146,6 +152,25 @@ impl ModelTokenizer {
     pub fn token_text(&self, id: u32) -> String {
         self.decode(&[id], false).unwrap_or_default()
     }
+}
+
+/// Control tokens that end a chat turn, by their text.
+const END_OF_TURN: &[&str] = &["<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>"];
+
+fn end_of_turn_tokens(gguf: &GgufFile) -> Vec<u32> {
+    let (Ok(tokens), Some(types)) = (
+        gguf.string_array("tokenizer.ggml.tokens"),
+        gguf.u64_array("tokenizer.ggml.token_type"),
+    ) else {
+        return Vec::new();
+    };
+    tokens
+        .iter()
+        .zip(types)
+        .enumerate()
+        .filter(|(_, (t, ty))| *ty == 3 && END_OF_TURN.contains(&t.as_str()))
+        .map(|(i, _)| i as u32)
+        .collect()
 }
 
 fn load_json(path: &Path) -> Result<Tokenizer> {
@@ -267,11 +292,18 @@ fn from_gguf(gguf: &GgufFile) -> Result<Tokenizer> {
                 .opt_u64("tokenizer.ggml.unknown_token_id")
                 .map(|i| tokens[i as usize].clone());
             let mut normalizers = Vec::new();
+            let mut decoders = vec![
+                json!({"type": "Replace", "pattern": {"String": "▁"}, "content": " "}),
+                json!({"type": "ByteFallback"}),
+                json!({"type": "Fuse"}),
+            ];
+            // A prepended "▁" is taken off again when decoding.
             if gguf
                 .opt_bool("tokenizer.ggml.add_space_prefix")
                 .unwrap_or(true)
             {
                 normalizers.push(json!({"type": "Prepend", "prepend": "▁"}));
+                decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
             }
             normalizers
                 .push(json!({"type": "Replace", "pattern": {"String": " "}, "content": "▁"}));
@@ -280,10 +312,7 @@ fn from_gguf(gguf: &GgufFile) -> Result<Tokenizer> {
                 "added_tokens": added,
                 "normalizer": {"type": "Sequence", "normalizers": normalizers},
                 "pre_tokenizer": null, "post_processor": null,
-                "decoder": {"type": "Sequence", "decoders": [
-                    {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
-                    {"type": "ByteFallback"}, {"type": "Fuse"},
-                    {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+                "decoder": {"type": "Sequence", "decoders": decoders},
                 "model": {"type": "BPE", "dropout": null, "unk_token": unk,
                           "continuing_subword_prefix": null, "end_of_word_suffix": null,
                           "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,

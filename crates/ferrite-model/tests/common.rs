@@ -40,9 +40,7 @@ pub fn model_path() -> PathBuf {
 
 /// A model on the CPU backend (4096 positions), its KV cache not yet allocated.
 pub fn load_path(path: &Path, format: WeightFormat) -> CpuDecoder {
-    load_cpu_decoder(path, format, None, Some(4096), &mut |_, _| {})
-        .unwrap()
-        .0
+    load_cpu_decoder(path, format, None, Some(4096), &mut |_, _| {}).unwrap()
 }
 
 pub fn load_model(format: WeightFormat) -> CpuDecoder {
@@ -69,7 +67,12 @@ pub fn all_logits(model: &mut CpuDecoder, tokens: &[u32]) -> Vec<Vec<f32>> {
 }
 
 pub fn fixture() -> serde_json::Value {
-    let p = repo_root().join("tests/oracle/smollm2_fixture.json");
+    fixture_of("smollm2")
+}
+
+/// `tests/oracle/{model}_fixture.json`, written by `tests/oracle/make_fixture.py`.
+pub fn fixture_of(model: &str) -> serde_json::Value {
+    let p = repo_root().join(format!("tests/oracle/{model}_fixture.json"));
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 

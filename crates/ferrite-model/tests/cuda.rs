@@ -654,9 +654,8 @@ fn agreement_with_cpu(quantized: bool) -> Agreement {
     let blocks = 64;
     let mut cpu = {
         let path = std::path::Path::new(&path);
-        let mut m = load_cpu_decoder(path, WeightFormat::F32, None, Some(max_pos), &mut |_, _| {})
-            .unwrap()
-            .0;
+        let mut m =
+            load_cpu_decoder(path, WeightFormat::F32, None, Some(max_pos), &mut |_, _| {}).unwrap();
         m.allocate_cache(blocks, bs).unwrap();
         m
     };

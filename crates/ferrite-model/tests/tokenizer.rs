@@ -36,6 +36,28 @@ fn token_ids_match_transformers() {
 }
 
 #[test]
+fn gemma3_token_ids_match_transformers() {
+    let g = GgufFile::open(&fetch_model("gemma3")).unwrap();
+    let tok = ModelTokenizer::load(&g).unwrap();
+    let fx = fixture_of("gemma3");
+    let cases = fx["tokenizer"].as_array().unwrap();
+    assert!(cases.len() >= 8);
+    for c in cases {
+        let text = c["text"].as_str().unwrap();
+        let want = ids(&c["token_ids"]);
+        assert_eq!(tok.encode(text, false).unwrap(), want, "text: {text:?}");
+        assert_eq!(tok.decode(&want, false).unwrap(), text);
+    }
+    // Raw prompts get BOS; turns end with <end_of_turn> as well as <eos>.
+    assert_eq!(tok.encode("Hi", true).unwrap()[0], 2);
+    let eot = tok.tokenizer.token_to_id("<end_of_turn>").unwrap();
+    assert_eq!(tok.eos_token_ids, vec![1, eot]);
+    // The GGUF carries no template: Gemma's own turn format is used.
+    let t = tok.chat_template.as_deref().unwrap();
+    assert!(t.contains("<start_of_turn>"), "{t}");
+}
+
+#[test]
 fn incremental_detokenization_never_emits_broken_utf8() {
     let tok = tokenizer();
     let text = "Prix: 4,80 € — 日本語のテキスト 🚀🔥 naïve café Zürich ∑∫ done";

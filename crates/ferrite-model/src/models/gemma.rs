@@ -6,7 +6,7 @@
 use super::layers::{lm_head, norm, Attention, Mlp, NormWeights};
 use super::{Buffers, Family};
 use crate::backend::{Activation, AttentionSpec, Backend, Epilogue, LinearIn, Step};
-use crate::config::{ModelConfig, RopeScaling};
+use crate::config::{rope_scaling, ModelConfig, RopeScaling};
 use crate::config_source::ConfigSource;
 use crate::ops::RopeSpec;
 use crate::weights::WeightSource;
@@ -52,6 +52,7 @@ impl GemmaConfig {
         let theta = |layer: &str| src.opt_f32(&format!("rope_parameters.{layer}.rope_theta"));
         if let Some(t) = theta("full_attention") {
             common.rope_theta = t;
+            common.rope_scaling = rope_scaling(src, &["rope_parameters.full_attention"])?;
         }
         let local_rope_theta = theta("sliding_attention")
             .or_else(|| src.opt_f32("rope_local_base_freq"))
