@@ -10,7 +10,7 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 toolkit=${CUDA_TOOLKIT_DIR:-$HOME/.cache/ferrite-cuda}
 if [ ! -f "$toolkit/env.sh" ]; then
-  cargo fetch --features cuda >/dev/null
+  cargo fetch >/dev/null
   CUDA_TOOLKIT_DIR=$toolkit bash scripts/cuda/setup-toolchain.sh
 fi
 # shellcheck disable=SC1091

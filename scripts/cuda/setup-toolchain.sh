@@ -3,7 +3,7 @@
 # `cargo build --features cuda` of candle 0.11.x and for nvcc-compiled kernels of our own.
 # Usage: CUDA_TOOLKIT_DIR=$HOME/.cache/ferrite-cuda bash setup-toolchain.sh
 #        then: source "$CUDA_TOOLKIT_DIR/env.sh"
-# Run `cargo fetch --features cuda` in the project first: the libcuda stub is generated from cudarc's symbol list.
+# Run `cargo fetch` in the project first (it fetches the optional CUDA crates too): the libcuda stub is generated from cudarc's symbol list.
 set -euo pipefail
 DIR=${CUDA_TOOLKIT_DIR:-$HOME/.cache/ferrite-cuda}
 mkdir -p "$DIR"

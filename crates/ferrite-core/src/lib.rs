@@ -5,6 +5,7 @@ pub mod block_pool;
 pub mod detokenizer;
 pub mod engine;
 pub mod kv_cache_manager;
+pub mod kv_layout;
 pub mod output;
 pub mod prefix_hash;
 pub mod request;

@@ -1,8 +1,8 @@
 //! V1-style scheduler: one token budget per step shared by decodes and prefill chunks,
 //! FCFS admission against free KV blocks, preemption by recompute when blocks run out.
 
-use crate::block_pool::BlockId;
-use crate::kv_cache_manager::KvCacheManager;
+use crate::kv_cache_manager::{BlockTables, KvCacheManager};
+use crate::kv_layout::{max_blocks, GroupWindow};
 use crate::prefix_hash::HashAlgo;
 use crate::request::{FinishReason, Request, RequestId, RequestStatus};
 use crate::sampling::SamplingParams;
@@ -18,6 +18,9 @@ pub struct SchedulerConfig {
     pub num_blocks: usize,
     /// Reuse cached full blocks across requests (`None`: off).
     pub prefix_caching: Option<HashAlgo>,
+    /// The KV groups' windows (see [`crate::kv_layout::KvLayout`]); `[None]` for a model
+    /// whose every layer reads the whole context.
+    pub kv_groups: Vec<GroupWindow>,
 }
 
 /// What the sampler needs for a row that produces a token this step.
@@ -50,7 +53,8 @@ pub struct ScheduledRequest {
     pub token_ids: Vec<u32>,
     /// Position of `token_ids[0]`: the number of tokens already in the KV cache.
     pub start_pos: usize,
-    pub block_table: Vec<BlockId>,
+    /// One per KV group.
+    pub block_tables: BlockTables,
     /// Present when the step reaches the last known token, so a new token is sampled.
     pub sample: Option<SampleSpec>,
     pub prompt_logprobs: Option<PromptLogprobSpec>,
@@ -120,7 +124,12 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Self {
         assert!(config.max_num_batched_tokens > 0 && config.max_num_seqs > 0);
-        let kv = KvCacheManager::new(config.num_blocks, config.block_size, config.prefix_caching);
+        let kv = KvCacheManager::new(
+            config.num_blocks,
+            config.block_size,
+            config.kv_groups.clone(),
+            config.prefix_caching,
+        );
         Self {
             config,
             kv,
@@ -159,7 +168,8 @@ impl Scheduler {
                 total,
             });
         }
-        let needed = self.kv.blocks_for_tokens(total);
+        let c = &self.config;
+        let needed = max_blocks(&c.kv_groups, total, c.block_size, c.max_num_batched_tokens);
         if needed > self.kv.num_blocks() {
             return Err(AdmissionError::TooManyBlocks {
                 needed,
@@ -239,9 +249,9 @@ impl Scheduler {
             let id = self.running[i];
             let req = &self.requests[&id];
             let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
-            let target = req.num_computed_tokens + num_new;
+            let (next, target) = (req.num_computed_tokens, req.num_computed_tokens + num_new);
             let mut scheduled = true;
-            while !self.kv.allocate_slots(id, target, &[]) {
+            while !self.kv.allocate_slots(id, next, target, &Vec::new()) {
                 // Preempt the newest running request; if that is this one, it waits.
                 let victim = self.running.pop().expect("running is not empty");
                 self.preempt(victim);
@@ -268,9 +278,12 @@ impl Scheduler {
                 let req = &self.requests[&id];
                 // A new (or preempted) request starts from its longest cached prefix.
                 let hit = self.kv.find_cached_prefix(req);
-                let computed = hit.len() * self.config.block_size;
+                let computed = hit[0].len() * self.config.block_size;
                 let num_new = (req.num_tokens() - computed).min(budget);
-                if !self.kv.allocate_slots(id, computed + num_new, &hit) {
+                if !self
+                    .kv
+                    .allocate_slots(id, computed, computed + num_new, &hit)
+                {
                     break; // FCFS: the head of the queue waits for blocks, nobody overtakes it
                 }
                 self.waiting.pop_front();
@@ -338,7 +351,7 @@ impl Scheduler {
             req_id: id,
             token_ids,
             start_pos: start,
-            block_table: self.kv.block_table(id).to_vec(),
+            block_tables: self.kv.block_tables(id).to_vec(),
             sample,
             prompt_logprobs,
         }
@@ -403,7 +416,8 @@ impl Scheduler {
         self.kv.num_blocks() - self.kv.num_free_blocks()
     }
 
-    pub fn block_table(&self, id: RequestId) -> &[BlockId] {
-        self.kv.block_table(id)
+    /// `id`'s block tables, one per KV group.
+    pub fn block_tables(&self, id: RequestId) -> &[Vec<crate::block_pool::BlockId>] {
+        self.kv.block_tables(id)
     }
 }

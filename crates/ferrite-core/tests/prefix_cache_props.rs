@@ -5,6 +5,8 @@
 //! tokens (so no block referenced by a running request was evicted or rewritten); outputs
 //! must equal a run without caching; hit accounting must equal a brute-force count.
 
+use ferrite_core::kv_cache_manager::NULL_BLOCK;
+use ferrite_core::kv_layout::GroupWindow;
 use ferrite_core::prefix_hash::HashAlgo;
 use ferrite_core::request::Request;
 use ferrite_core::sampling::SamplingParams;
@@ -78,7 +80,7 @@ struct RunResult {
 /// `one_at_a_time`: each job is added only when the previous one finished.
 fn run(cfg: SchedulerConfig, jobs: &[Job], one_at_a_time: bool) -> RunResult {
     let mut sched = Scheduler::new(cfg.clone());
-    let mut mock = MockModel::new(cfg.num_blocks, cfg.block_size, VOCAB);
+    let mut mock = MockModel::new(cfg.num_blocks, cfg.block_size, VOCAB, &cfg.kv_groups);
     let mut outputs: HashMap<u64, Vec<u32>> = HashMap::new();
     let (mut added, mut finished, mut step) = (0usize, 0usize, 0usize);
     while finished < jobs.len() {
@@ -105,16 +107,18 @@ fn run(cfg: SchedulerConfig, jobs: &[Job], one_at_a_time: bool) -> RunResult {
         // and nothing it references was evicted.
         for &id in sched.running_ids() {
             let req = sched.request(id).unwrap();
-            let table = sched.block_table(id);
-            for pos in 0..req.num_computed_tokens {
-                assert_eq!(
-                    mock.slots[mock.slot(table, pos)],
-                    Some(req.token_at(pos)),
-                    "request {id} pos {pos}"
-                );
-            }
-            for &b in table {
-                assert!(sched.kv().pool().ref_cnt(b) >= 1);
+            for (g, table) in sched.block_tables(id).iter().enumerate() {
+                let next = req.num_computed_tokens;
+                for pos in mock.reads(g, next).filter(|&p| p < next) {
+                    assert_eq!(
+                        mock.slots[mock.slot(table, pos)],
+                        Some(req.token_at(pos)),
+                        "request {id} group {g} pos {pos}"
+                    );
+                }
+                for &b in table.iter().filter(|&&b| b != NULL_BLOCK) {
+                    assert!(sched.kv().pool().ref_cnt(b) >= 1);
+                }
             }
         }
         step += 1;
@@ -140,7 +144,22 @@ fn cfg(num_blocks: usize, bs: usize, budget: usize, prefix: Option<HashAlgo>) ->
         block_size: bs,
         num_blocks,
         prefix_caching: prefix,
+        kv_groups: vec![None],
     }
+}
+
+/// A full group beside one or two window groups, or windows only; `None`: one full group.
+fn groups() -> impl Strategy<Value = Vec<GroupWindow>> {
+    (0usize..12, 0usize..3, prop::bool::ANY).prop_map(|(w, extra, full)| {
+        if w == 0 {
+            return vec![None];
+        }
+        let mut g: Vec<GroupWindow> = vec![Some(w); 1 + extra];
+        if full {
+            g.insert(0, None);
+        }
+        g
+    })
 }
 
 /// Brute force: with no eviction, a request run after others hits the longest block-aligned
@@ -174,11 +193,15 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]
 
     #[test]
-    fn hits_match_brute_force_lcp_without_eviction(jobs in jobs(), bs in 1usize..5, algo in prop::bool::ANY) {
+    fn hits_match_brute_force_lcp_without_eviction(
+        jobs in jobs(), bs in 1usize..5, algo in prop::bool::ANY, kv_groups in groups(),
+    ) {
+        // Without eviction a window group's dropped blocks stay cached, so a hit is the
+        // same longest common prefix as with full attention everywhere.
         let algo = if algo { HashAlgo::Sha256 } else { HashAlgo::Builtin };
-        let roomy = cfg(4096, bs, 16, Some(algo));
+        let roomy = SchedulerConfig { kv_groups: kv_groups.clone(), ..cfg(8192, bs, 16, Some(algo)) };
         let r = run(roomy, &jobs, true);
-        let off = run(cfg(4096, bs, 16, None), &jobs, true);
+        let off = run(SchedulerConfig { kv_groups, ..cfg(8192, bs, 16, None) }, &jobs, true);
         prop_assert_eq!(&r.outputs, &off.outputs);
         prop_assert_eq!(off.hit_tokens, 0);
         prop_assert_eq!(r.hit_tokens, expected_hits(&jobs, &r.outputs, bs));
@@ -187,9 +210,14 @@ proptest! {
     #[test]
     fn tiny_pool_under_pressure_keeps_kv_intact_and_outputs_equal(
         jobs in jobs(), bs in 1usize..5, extra in 0usize..6, budget in 1usize..40,
+        kv_groups in groups(),
     ) {
         let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
-        let tight = cfg(longest.div_ceil(bs) + extra, bs, budget, Some(HashAlgo::Builtin));
+        let need = ferrite_core::kv_layout::max_blocks(&kv_groups, longest, bs, budget);
+        let tight = SchedulerConfig {
+            kv_groups,
+            ..cfg(need + extra, bs, budget, Some(HashAlgo::Builtin))
+        };
         let with = run(tight.clone(), &jobs, false);
         let without = run(SchedulerConfig { prefix_caching: None, ..tight }, &jobs, false);
         prop_assert_eq!(with.outputs, without.outputs);

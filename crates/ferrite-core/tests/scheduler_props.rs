@@ -6,6 +6,8 @@
 //! comparing with an unconstrained reference run checks the whole KV bookkeeping, preemption
 //! included.
 
+use ferrite_core::kv_cache_manager::NULL_BLOCK;
+use ferrite_core::kv_layout::{first_needed_block, GroupWindow};
 use ferrite_core::request::{FinishReason, Request};
 use ferrite_core::sampling::SamplingParams;
 use ferrite_core::scheduler::{Scheduler, SchedulerConfig};
@@ -64,7 +66,7 @@ fn request(id: u64, a: &Arrival) -> Request {
 /// Runs the workload; checks per-step invariants; returns each request's output tokens.
 fn run(cfg: SchedulerConfig, work: &[Arrival]) -> (HashMap<u64, Vec<u32>>, u64) {
     let mut sched = Scheduler::new(cfg.clone());
-    let mut model = MockModel::new(cfg.num_blocks, cfg.block_size, VOCAB);
+    let mut model = MockModel::new(cfg.num_blocks, cfg.block_size, VOCAB, &cfg.kv_groups);
     let mut outputs: HashMap<u64, Vec<u32>> = HashMap::new();
     let mut finished = HashSet::new();
     let mut step = 0;
@@ -90,16 +92,27 @@ fn run(cfg: SchedulerConfig, work: &[Arrival]) -> (HashMap<u64, Vec<u32>>, u64) 
         );
         assert!(out.requests.len() <= cfg.max_num_seqs);
         assert!(sched.num_running() <= cfg.max_num_seqs);
-        // No block owned twice; tables cover what the step writes.
+        // No block owned twice; tables cover what the step writes; a window group holds
+        // no block its window can no longer read.
         let mut owned = HashSet::new();
         for &id in sched.running_ids() {
-            for &b in sched.block_table(id) {
-                assert!(owned.insert(b), "block {b} owned twice");
-                assert!((b as usize) < cfg.num_blocks);
+            for &b in sched.block_tables(id).iter().flatten() {
+                if b != NULL_BLOCK {
+                    assert!(owned.insert(b), "block {b} owned twice");
+                    assert!((b as usize) < cfg.num_blocks);
+                }
             }
         }
         for r in &out.requests {
-            assert!(r.block_table.len() * cfg.block_size >= r.seq_len());
+            for (t, w) in r.block_tables.iter().zip(&cfg.kv_groups) {
+                assert!(t.len() * cfg.block_size >= r.seq_len());
+                let first = w.map_or(0, |w| first_needed_block(w, r.start_pos, cfg.block_size));
+                assert!(
+                    t[..first].iter().all(|&b| b == NULL_BLOCK),
+                    "{t:?} window {w:?}"
+                );
+                assert!(t[first..].iter().all(|&b| b != NULL_BLOCK));
+            }
             assert!(!r.token_ids.is_empty());
         }
         let sampled = model.execute(&out);
@@ -146,10 +159,55 @@ proptest! {
             block_size,
             num_blocks,
             prefix_caching: None,
+            kv_groups: vec![None],
         };
         let (got, _) = run(cfg.clone(), &work);
         // Reference: a pool so large nothing is ever preempted.
         let roomy = SchedulerConfig { num_blocks: 4096, max_num_batched_tokens: 4096, max_num_seqs: 64, ..cfg };
+        let (want, preemptions) = run(roomy, &work);
+        prop_assert_eq!(preemptions, 0);
+        prop_assert_eq!(got, want);
+    }
+}
+
+fn windows() -> impl Strategy<Value = Vec<GroupWindow>> {
+    // One full group and one or two window groups, or windows only (Mistral).
+    (1usize..12, 0usize..3, prop::bool::ANY).prop_map(|(w, extra, full)| {
+        let mut g: Vec<GroupWindow> = vec![Some(w); 1 + extra];
+        if full {
+            g.insert(0, None);
+        }
+        g
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Window groups on a tiny pool: blocks out of every window go back to the pool (and
+    /// get reused), yet outputs equal a run on a pool so large nothing is ever reused.
+    #[test]
+    fn window_groups_free_old_blocks_and_change_no_output(
+        work in arrivals(),
+        groups in windows(),
+        block_size in 1usize..6,
+        extra_blocks in 0usize..6,
+        budget in 1usize..48,
+    ) {
+        let longest = work.iter().map(|a| a.prompt.len() + a.max_tokens).max().unwrap();
+        let max_model_len = 64;
+        let need = ferrite_core::kv_layout::max_blocks(&groups, longest, block_size, budget);
+        let cfg = SchedulerConfig {
+            max_num_batched_tokens: budget,
+            max_num_seqs: 4,
+            max_model_len,
+            block_size,
+            num_blocks: need + extra_blocks,
+            prefix_caching: None,
+            kv_groups: groups,
+        };
+        let (got, _) = run(cfg.clone(), &work);
+        let roomy = SchedulerConfig { num_blocks: 8192, max_num_batched_tokens: 4096, max_num_seqs: 64, ..cfg };
         let (want, preemptions) = run(roomy, &work);
         prop_assert_eq!(preemptions, 0);
         prop_assert_eq!(got, want);
@@ -173,6 +231,7 @@ fn preemption_happens_under_pressure_and_changes_nothing() {
         block_size: 4,
         num_blocks: 16,
         prefix_caching: None,
+        kv_groups: vec![None],
     };
     let (got, preemptions) = run(cfg.clone(), &work);
     assert!(preemptions > 0, "the workload should force preemption");
@@ -195,6 +254,7 @@ fn requests_that_can_never_fit_are_refused() {
         block_size: 4,
         num_blocks: 6,
         prefix_caching: None,
+        kv_groups: vec![None],
     });
     let p = |m: i64| SamplingParams {
         max_tokens: Some(m),

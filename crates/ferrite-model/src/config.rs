@@ -55,6 +55,8 @@ pub struct ModelConfig {
     pub rope_scaling: RopeScaling,
     pub context_length: usize,
     pub sliding_window: Option<usize>,
+    /// Per layer: the window it attends within, or `None` for the whole context.
+    pub layer_windows: Vec<Option<usize>>,
 }
 
 impl ModelConfig {
@@ -82,9 +84,14 @@ impl ModelConfig {
             RopeStyle::Neox
         };
         let rope_dim = src.opt_usize("rope_dim").unwrap_or(head_dim);
+        let num_layers = src.usize("num_hidden_layers")?;
+        // Qwen2 configs name a window but turn it off.
+        let sliding_window = src
+            .opt_usize("sliding_window")
+            .filter(|_| src.opt_bool("use_sliding_window") != Some(false));
         Ok(Self {
             architecture: src.architecture().to_string(),
-            num_layers: src.usize("num_hidden_layers")?,
+            num_layers,
             hidden_size,
             intermediate_size: src.usize("intermediate_size")?,
             num_heads,
@@ -104,10 +111,8 @@ impl ModelConfig {
             rope_style,
             rope_scaling: rope_scaling(src, &["rope_scaling", "rope_parameters"])?,
             context_length: src.opt_usize("max_position_embeddings").unwrap_or(4096),
-            // Qwen2 configs name a window but turn it off.
-            sliding_window: src
-                .opt_usize("sliding_window")
-                .filter(|_| src.opt_bool("use_sliding_window") != Some(false)),
+            sliding_window,
+            layer_windows: vec![sliding_window; num_layers],
         })
     }
 
@@ -200,7 +205,10 @@ mod tests {
         assert_eq!(parse(mistral).unwrap().sliding_window, Some(4096));
         let gpt = r#"{"model_type": "gpt2", "hidden_size": 768, "n_layer": 12}"#;
         let err = parse(gpt).unwrap_err().to_string();
-        assert!(err.contains("unsupported model_type `gpt2`"), "{err}");
+        assert!(
+            err.contains("unsupported model architecture `gpt2`"),
+            "{err}"
+        );
         let missing = r#"{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}"#;
         let err = parse(missing).unwrap_err().to_string();
         assert!(err.contains("no integer `num_hidden_layers`"), "{err}");

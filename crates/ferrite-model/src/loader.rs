@@ -14,6 +14,7 @@ use crate::step::PackedStep;
 use crate::tokenizer::ModelTokenizer;
 use crate::weights::WeightSource;
 use anyhow::{bail, Result};
+use ferrite_core::kv_layout::KvLayout;
 use ferrite_core::prefix_hash::HashAlgo;
 use ferrite_core::scheduler::SchedulerConfig;
 use std::path::{Path, PathBuf};
@@ -139,7 +140,8 @@ impl EngineArgs {
         activation_bytes: u64,
     ) -> Result<(MemoryPlan, SchedulerConfig)> {
         let row = config.num_kv_heads * config.head_dim;
-        let bytes_per_block = bytes_per_block(self.block_size, row, config.num_layers) as u64;
+        let layout = KvLayout::new(&config.layer_windows);
+        let bytes_per_block = bytes_per_block(self.block_size, row, layout.slots) as u64;
         let plan = memory::plan(&PlanInputs {
             device_bytes,
             utilization: self.gpu_memory_utilization,
@@ -150,6 +152,9 @@ impl EngineArgs {
             block_size: self.block_size,
             max_model_len,
             max_num_seqs: self.max_num_seqs,
+            kv_groups: layout.groups.clone(),
+            layers_per_block: layout.slots,
+            chunk: self.max_num_batched_tokens,
         })?;
         let scheduler = SchedulerConfig {
             max_num_batched_tokens: self.max_num_batched_tokens,
@@ -158,6 +163,7 @@ impl EngineArgs {
             block_size: self.block_size,
             num_blocks: plan.num_blocks,
             prefix_caching: self.prefix_caching,
+            kv_groups: layout.groups,
         };
         Ok((plan, scheduler))
     }
@@ -295,7 +301,9 @@ fn profile_activations(
     let c = model.config.clone();
     let tokens = tokens.min(model.max_positions());
     model.allocate_cache(tokens.div_ceil(block_size), block_size)?;
-    let step = PackedStep::profile(tokens, block_size, c.vocab_size);
+    // Every group writes the same blocks: the values are garbage, the memory is real.
+    let groups = model.layout.groups.len();
+    let step = PackedStep::profile(tokens, block_size, c.vocab_size, groups);
     let before = memory::rss_bytes();
     let measured = memory::reset_peak_rss();
     model.forward(&step)?;

@@ -2,6 +2,7 @@
 //! peak, gives the KV pool, sized once at start-up.
 
 use anyhow::{bail, Context, Result};
+use ferrite_core::kv_layout::{max_blocks, GroupWindow};
 use std::fmt;
 
 /// Physical RAM, or the cgroup limit when that is lower (containers).
@@ -59,6 +60,11 @@ pub struct MemoryPlan {
     pub block_size: usize,
     pub num_blocks: usize,
     pub max_model_len: usize,
+    /// Blocks one `max_model_len` request holds at most, over every KV group.
+    pub blocks_per_request: usize,
+    pub kv_groups: Vec<GroupWindow>,
+    /// Layers a block holds (one of every group).
+    pub layers_per_block: usize,
     /// True when `--kv-cache-memory` set the pool directly.
     pub explicit_kv: bool,
     /// True when the pool was capped at what `max_num_seqs` full-length requests can use.
@@ -75,6 +81,11 @@ pub struct PlanInputs {
     pub block_size: usize,
     pub max_model_len: usize,
     pub max_num_seqs: usize,
+    /// The KV groups' windows, the layers a block holds, and the most tokens a step
+    /// computes (what a window group holds beyond its window).
+    pub kv_groups: Vec<GroupWindow>,
+    pub layers_per_block: usize,
+    pub chunk: usize,
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -107,8 +118,19 @@ pub fn plan(i: &PlanInputs) -> Result<MemoryPlan> {
         }
     };
     let mut num_blocks = (kv_bytes / i.bytes_per_block) as usize;
-    let blocks_per_request = i.max_model_len.div_ceil(i.block_size);
+    let need = |len: usize| max_blocks(&i.kv_groups, len, i.block_size, i.chunk);
+    let blocks_per_request = need(i.max_model_len);
     if num_blocks < blocks_per_request {
+        // The longest request that fits (for a fix to suggest).
+        let (mut lo, mut hi) = (0, i.max_model_len);
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if need(mid) <= num_blocks {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
         let need = blocks_per_request as u64 * i.bytes_per_block;
         bail!(
             "the KV cache holds {} tokens ({num_blocks} blocks of {}, {:.1} MiB) but one request \
@@ -121,7 +143,7 @@ pub fn plan(i: &PlanInputs) -> Result<MemoryPlan> {
             i.max_model_len,
             blocks_per_request,
             need as f64 / (1 << 20) as f64,
-            num_blocks * i.block_size,
+            lo,
         );
     }
     // More blocks than max_num_seqs full-length requests can ever hold would sit unused.
@@ -141,6 +163,9 @@ pub fn plan(i: &PlanInputs) -> Result<MemoryPlan> {
         block_size: i.block_size,
         num_blocks,
         max_model_len: i.max_model_len,
+        blocks_per_request,
+        kv_groups: i.kv_groups.clone(),
+        layers_per_block: i.layers_per_block,
         explicit_kv: i.kv_cache_memory.is_some(),
         capped,
     })
@@ -152,7 +177,26 @@ impl MemoryPlan {
     }
 
     pub fn max_concurrency(&self) -> f64 {
-        self.kv_tokens() as f64 / self.max_model_len as f64
+        self.num_blocks as f64 / self.blocks_per_request as f64
+    }
+
+    /// The KV groups, when some attend within a window: "1 global + 5 sliding-window (512)
+    /// groups of 3 layers".
+    fn groups_text(&self) -> Option<String> {
+        let windows: Vec<usize> = self.kv_groups.iter().flatten().copied().collect();
+        if windows.is_empty() {
+            return None;
+        }
+        let global = self.kv_groups.len() - windows.len();
+        let mut w = windows.clone();
+        w.dedup();
+        let w: Vec<String> = w.iter().map(usize::to_string).collect();
+        Some(format!(
+            "{global} global + {} sliding-window ({}) groups of {} layers",
+            windows.len(),
+            w.join(", "),
+            self.layers_per_block
+        ))
     }
 }
 
@@ -160,12 +204,16 @@ impl fmt::Display for MemoryPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "KV cache: {} blocks x {} tokens = {} tokens ({:.2} GiB); max concurrency at \
+            "KV cache: {} blocks x {} tokens{} ({:.2} GiB); max concurrency at \
              max_model_len {}: {:.2}x; budget {:.2} GiB = {:.2} x {:.2} GiB, weights {:.2} GiB, \
-             activations {:.3} GiB",
+             activations {:.3} GiB{}",
             self.num_blocks,
             self.block_size,
-            self.kv_tokens(),
+            // With window groups a block's tokens are not the same tokens in every group.
+            match self.groups_text() {
+                None => format!(" = {} tokens", self.kv_tokens()),
+                Some(_) => format!(" x {} layers", self.layers_per_block),
+            },
             self.kv_bytes as f64 / GIB,
             self.max_model_len,
             self.max_concurrency(),
@@ -174,6 +222,8 @@ impl fmt::Display for MemoryPlan {
             self.device_bytes as f64 / GIB,
             self.weight_bytes as f64 / GIB,
             self.activation_bytes as f64 / GIB,
+            self.groups_text()
+                .map_or(String::new(), |g| format!("; KV groups: {g}")),
         )?;
         if self.explicit_kv {
             write!(f, " (pool set by --kv-cache-memory)")?;
@@ -200,6 +250,9 @@ mod tests {
             block_size: 16,
             max_model_len: 4096,
             max_num_seqs: 1000,
+            kv_groups: vec![None],
+            layers_per_block: 30,
+            chunk: 512,
         }
     }
 
@@ -227,6 +280,34 @@ mod tests {
         i.utilization = 0.1;
         let e = plan(&i).unwrap_err().to_string();
         assert!(e.contains("raise --gpu-memory-utilization"), "{e}");
+    }
+
+    #[test]
+    fn gemma3_window_groups_hold_five_times_the_requests_of_all_global_layers() {
+        // Gemma 3 270M: 18 layers, 1 KV head of 256, 5 local (window 512) to 1 global.
+        let windows: Vec<GroupWindow> =
+            (0..18).map(|i| ((i + 1) % 6 != 0).then_some(512)).collect();
+        let row_bytes = 2 * 256 * 2; // K and V of one layer's token, f16
+        let plan_for = |windows: &[GroupWindow]| {
+            let layout = ferrite_core::kv_layout::KvLayout::new(windows);
+            plan(&PlanInputs {
+                kv_cache_memory: Some(1 << 30),
+                bytes_per_block: (16 * row_bytes * layout.slots) as u64,
+                max_model_len: 32768,
+                kv_groups: layout.groups.clone(),
+                layers_per_block: layout.slots,
+                ..inputs()
+            })
+            .unwrap()
+        };
+        let (hybrid, global) = (plan_for(&windows), plan_for(&[None; 18]));
+        println!("{hybrid}\n{global}");
+        assert!(hybrid
+            .to_string()
+            .contains("1 global + 5 sliding-window (512) groups of 3 layers"));
+        // 2048 + 5 x 65 blocks of 3 layers vs 2048 blocks of 18: 5.2x the concurrency.
+        let ratio = hybrid.max_concurrency() / global.max_concurrency();
+        assert!((5.1..5.3).contains(&ratio), "{ratio}");
     }
 
     #[test]

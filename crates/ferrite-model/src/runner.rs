@@ -101,7 +101,7 @@ impl ModelRunner {
         let mut uses = Vec::new();
         for (i, r) in out.requests.iter().enumerate() {
             let first_row = step.num_tokens();
-            step.push(&r.token_ids, r.start_pos, &r.block_table, bs);
+            step.push(&r.token_ids, r.start_pos, &r.block_tables, bs);
             if let Some(pl) = &r.prompt_logprobs {
                 for (j, &target) in pl.targets.iter().enumerate() {
                     step.logits_indices

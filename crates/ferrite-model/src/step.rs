@@ -1,5 +1,18 @@
 //! One engine step flattened onto a single token axis, as the model consumes it.
 
+/// A KV group's view of the step (see `ferrite_core::kv_layout`).
+#[derive(Clone, Debug, Default)]
+pub struct KvTables {
+    /// `[B, max_blocks]`, row-major, unused entries 0; blocks a window dropped are
+    /// `u32::MAX` (never read: they are outside every query's window).
+    pub block_tables: Vec<u32>,
+    pub max_blocks: usize,
+    /// `[T]`: cache slot (`block * block_size + offset`) of each new token.
+    pub slot_mapping: Vec<u32>,
+    /// Per request, its table's length, until `finish` lays them out.
+    row_lens: Vec<usize>,
+}
+
 /// No padding anywhere: `T` is the sum of every request's new tokens this step.
 #[derive(Clone, Debug, Default)]
 pub struct PackedStep {
@@ -11,11 +24,8 @@ pub struct PackedStep {
     pub cu_seqlens_q: Vec<u32>,
     /// `[B]`: K/V length after this step.
     pub seq_lens_k: Vec<u32>,
-    /// `[B, max_blocks]`, row-major, unused entries 0.
-    pub block_tables: Vec<u32>,
-    pub max_blocks: usize,
-    /// `[T]`: cache slot (`block * block_size + offset`) of each new token.
-    pub slot_mapping: Vec<u32>,
+    /// One per KV group.
+    pub kv: Vec<KvTables>,
     /// Rows whose logits are needed (sampled tokens, prompt logprobs).
     pub logits_indices: Vec<u32>,
 }
@@ -29,33 +39,41 @@ impl PackedStep {
         self.seq_lens_k.len()
     }
 
-    /// Appends one request's chunk: `tokens` at positions `start..`, K/V in `blocks`.
-    pub fn push(&mut self, tokens: &[u32], start: usize, blocks: &[u32], block_size: usize) {
+    /// Appends one request's chunk: `tokens` at positions `start..`, K/V in `tables` (one
+    /// per KV group).
+    pub fn push(&mut self, tokens: &[u32], start: usize, tables: &[Vec<u32>], block_size: usize) {
         if self.cu_seqlens_q.is_empty() {
             self.cu_seqlens_q.push(0);
         }
+        if self.kv.is_empty() {
+            self.kv = vec![KvTables::default(); tables.len()];
+        }
+        assert_eq!(self.kv.len(), tables.len(), "one block table per KV group");
         for (i, &tok) in tokens.iter().enumerate() {
-            let pos = start + i;
             self.input_ids.push(tok);
-            self.positions.push(pos as u32);
-            let block = blocks[pos / block_size];
-            self.slot_mapping
-                .push(block * block_size as u32 + (pos % block_size) as u32);
+            self.positions.push((start + i) as u32);
+        }
+        for (kv, blocks) in self.kv.iter_mut().zip(tables) {
+            for pos in start..start + tokens.len() {
+                let block = blocks[pos / block_size];
+                kv.slot_mapping
+                    .push(block * block_size as u32 + (pos % block_size) as u32);
+            }
+            // Stored ragged until `finish` pads them to one width.
+            kv.block_tables.extend_from_slice(blocks);
+            kv.row_lens.push(blocks.len());
         }
         self.cu_seqlens_q.push(self.input_ids.len() as u32);
         self.seq_lens_k.push((start + tokens.len()) as u32);
-        // Block tables are stored ragged until `finish` pads them to one width.
-        self.block_tables.extend_from_slice(blocks);
-        self.block_tables.push(u32::MAX);
     }
 
     /// The start-up profiling step: one request of `tokens` prompt tokens in blocks
-    /// `0..`, its last row sampled.
-    pub fn profile(tokens: usize, block_size: usize, vocab_size: usize) -> Self {
+    /// `0..` of every one of `groups` KV groups, its last row sampled.
+    pub fn profile(tokens: usize, block_size: usize, vocab_size: usize, groups: usize) -> Self {
         let mut step = Self::default();
         let ids: Vec<u32> = (0..tokens as u32).map(|i| i % vocab_size as u32).collect();
         let table: Vec<u32> = (0..tokens.div_ceil(block_size) as u32).collect();
-        step.push(&ids, 0, &table, block_size);
+        step.push(&ids, 0, &vec![table; groups.max(1)], block_size);
         step.logits_indices.push(tokens as u32 - 1);
         step.finish();
         step
@@ -63,14 +81,17 @@ impl PackedStep {
 
     /// Lays the block tables out as `[B, max_blocks]`.
     pub fn finish(&mut self) {
-        let rows: Vec<&[u32]> = self.block_tables.split(|&b| b == u32::MAX).collect();
-        let rows = &rows[..self.num_seqs()];
-        let width = rows.iter().map(|r| r.len()).max().unwrap_or(0);
-        let mut table = vec![0u32; rows.len() * width];
-        for (i, r) in rows.iter().enumerate() {
-            table[i * width..i * width + r.len()].copy_from_slice(r);
+        for kv in &mut self.kv {
+            let width = kv.row_lens.iter().copied().max().unwrap_or(0);
+            let mut table = vec![0u32; kv.row_lens.len() * width];
+            let mut at = 0;
+            for (i, &n) in kv.row_lens.iter().enumerate() {
+                table[i * width..i * width + n].copy_from_slice(&kv.block_tables[at..at + n]);
+                at += n;
+            }
+            kv.block_tables = table;
+            kv.max_blocks = width;
+            kv.row_lens.clear();
         }
-        self.block_tables = table;
-        self.max_blocks = width;
     }
 }

@@ -47,14 +47,22 @@ pub fn load_model(format: WeightFormat) -> CpuDecoder {
     load_path(&model_path(), format)
 }
 
-/// Logits of every position of `tokens`, run as one prefill in a fresh cache.
+/// Logits of every position of `tokens`, run as one prefill in a fresh cache (each KV group
+/// in blocks of its own).
 pub fn all_logits(model: &mut CpuDecoder, tokens: &[u32]) -> Vec<Vec<f32>> {
     let bs = 16;
     let blocks = tokens.len().div_ceil(bs);
-    model.allocate_cache(blocks, bs).unwrap();
+    let groups = model.layout.groups.len();
+    model.allocate_cache(blocks * groups, bs).unwrap();
     let mut step = PackedStep::default();
-    let table: Vec<u32> = (0..blocks as u32).collect();
-    step.push(tokens, 0, &table, bs);
+    let tables: Vec<Vec<u32>> = (0..groups)
+        .map(|g| {
+            (0..blocks as u32)
+                .map(|b| (g * blocks) as u32 + b)
+                .collect()
+        })
+        .collect();
+    step.push(tokens, 0, &tables, bs);
     step.logits_indices = (0..tokens.len() as u32).collect();
     step.finish();
     let v = model.config.vocab_size;
@@ -119,6 +127,11 @@ pub fn engine_opts(
     args.max_model_len = Some(max_model_len);
     args.max_num_batched_tokens = max_num_batched_tokens;
     args.kv_cache_memory = Some((kv_blocks * 16 * 2 * 30 * 192 * 4) as u64);
+    engine_with(args)
+}
+
+/// A running engine (seed 0) with `args`.
+pub fn engine_with(mut args: EngineArgs) -> (EngineHandle, Arc<ModelTokenizer>) {
     args.seed = Some(0);
     let loaded = load(&args, |_, _| {}).unwrap();
     let tok = Arc::new(loaded.tokenizer);

@@ -124,7 +124,7 @@ fn run_attention_case(c: &Case, seed: u64) {
         let table = pages[next..next + n].to_vec();
         next += n;
         let ids = vec![0u32; qlen];
-        step.push(&ids, ctx - qlen, &table, bs);
+        step.push(&ids, ctx - qlen, std::slice::from_ref(&table), bs);
         tables.push(table);
     }
     step.finish();
@@ -144,12 +144,12 @@ fn run_attention_case(c: &Case, seed: u64) {
         .unwrap();
     let cu = u32s(&step.cu_seqlens_q, &dev);
     let sk = u32s(&step.seq_lens_k, &dev);
-    let bt = u32s(&step.block_tables, &dev);
+    let bt = u32s(&step.kv[0].block_tables, &dev);
     let meta = AttentionMeta {
         cu_seqlens_q: &cu,
         seq_lens_k: &sk,
         block_tables: &bt,
-        max_blocks: step.max_blocks,
+        max_blocks: step.kv[0].max_blocks,
         num_seqs: step.num_seqs(),
         num_tokens: t,
         max_seq_len: *step.seq_lens_k.iter().max().unwrap() as usize,
@@ -692,7 +692,12 @@ fn agreement_with_cpu(quantized: bool) -> Agreement {
                 1
             };
             let first = step.num_tokens();
-            step.push(&seqs[i][done[i]..done[i] + n], done[i], &tables[i], bs);
+            step.push(
+                &seqs[i][done[i]..done[i] + n],
+                done[i],
+                std::slice::from_ref(&tables[i]),
+                bs,
+            );
             step.logits_indices
                 .extend((first..first + n).map(|r| r as u32));
             done[i] += n;
@@ -760,7 +765,7 @@ fn decode_graphs_match_eager_steps() {
     let mut prefill = PackedStep::default();
     for (t, &n) in tables.iter().zip(&lens) {
         let ids: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab as u32)).collect();
-        prefill.push(&ids, 0, t, bs);
+        prefill.push(&ids, 0, std::slice::from_ref(t), bs);
         prefill.logits_indices.push(prefill.num_tokens() as u32 - 1);
     }
     prefill.finish();
@@ -774,7 +779,7 @@ fn decode_graphs_match_eager_steps() {
         let mut step = PackedStep::default();
         for i in 0..active {
             let id = rng.random_range(0..vocab as u32);
-            step.push(&[id], lens[i], &tables[i], bs);
+            step.push(&[id], lens[i], std::slice::from_ref(&tables[i]), bs);
             step.logits_indices.push(i as u32);
             lens[i] += 1;
         }
@@ -921,7 +926,7 @@ fn safetensors_checkpoint_matches_gguf() {
     while at < ids.len() {
         let n = if at < 180 { 60 } else { 1 };
         let mut step = PackedStep::default();
-        step.push(&ids[at..at + n], at, &table, bs);
+        step.push(&ids[at..at + n], at, std::slice::from_ref(&table), bs);
         step.logits_indices.extend(0..n as u32);
         step.finish();
         let a = from_gguf.forward(&step).unwrap().to_vec();

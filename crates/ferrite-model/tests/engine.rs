@@ -52,7 +52,7 @@ fn logits_do_not_depend_on_the_rest_of_the_batch() {
         .collect();
     let mut warm = PackedStep::default();
     for (o, t) in others.iter().zip(&tables).take(4) {
-        warm.push(&o[..o.len() - 1], 0, t, bs);
+        warm.push(&o[..o.len() - 1], 0, std::slice::from_ref(t), bs);
     }
     warm.logits_indices = vec![0];
     warm.finish();
@@ -63,33 +63,38 @@ fn logits_do_not_depend_on_the_rest_of_the_batch() {
     step.push(
         &others[0][others[0].len() - 1..],
         others[0].len() - 1,
-        &tables[0],
+        std::slice::from_ref(&tables[0]),
         bs,
     );
-    step.push(&others[4][..17], 0, &tables[4], bs);
+    step.push(&others[4][..17], 0, std::slice::from_ref(&tables[4]), bs);
     step.push(
         &others[1][others[1].len() - 1..],
         others[1].len() - 1,
-        &tables[1],
+        std::slice::from_ref(&tables[1]),
         bs,
     );
-    step.push(&a, 0, &a_table, bs);
+    step.push(&a, 0, std::slice::from_ref(&a_table), bs);
     let a_last = step.num_tokens() - 1;
     step.push(
         &others[2][others[2].len() - 1..],
         others[2].len() - 1,
-        &tables[2],
+        std::slice::from_ref(&tables[2]),
         bs,
     );
-    step.push(&others[5][..others[5].len() - 1], 0, &tables[5], bs);
+    step.push(
+        &others[5][..others[5].len() - 1],
+        0,
+        std::slice::from_ref(&tables[5]),
+        bs,
+    );
     step.push(
         &others[3][others[3].len() - 1..],
         others[3].len() - 1,
-        &tables[3],
+        std::slice::from_ref(&tables[3]),
         bs,
     );
     let extra_table = blocks(3);
-    step.push(&others[4][..33], 0, &extra_table, bs);
+    step.push(&others[4][..33], 0, std::slice::from_ref(&extra_table), bs);
     step.logits_indices = vec![0, a_last as u32, step.num_tokens() as u32 - 1];
     step.finish();
     assert_eq!(step.num_seqs(), 8);

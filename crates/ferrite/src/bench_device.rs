@@ -97,7 +97,7 @@ fn step(batch: usize, qlen: usize, ctx: usize) -> PackedStep {
     for b in 0..batch {
         let table: Vec<u32> = (0..per).map(|i| (b * per + i) as u32).collect();
         let ids: Vec<u32> = (0..qlen).map(|i| (1000 + 7 * i + b) as u32).collect();
-        s.push(&ids, ctx - qlen, &table, BLOCK);
+        s.push(&ids, ctx - qlen, std::slice::from_ref(&table), BLOCK);
         s.logits_indices.push(s.num_tokens() as u32 - 1);
     }
     s.finish();
@@ -376,12 +376,16 @@ fn attention_alone(
         let q =
             Tensor::randn(0f32, 1.0, (t, c.num_heads * c.head_dim), &dev)?.to_dtype(DType::BF16)?;
         let u = |v: &[u32]| Tensor::from_slice(v, v.len(), &dev);
-        let (cu, sk, bt) = (u(&s.cu_seqlens_q)?, u(&s.seq_lens_k)?, u(&s.block_tables)?);
+        let (cu, sk, bt) = (
+            u(&s.cu_seqlens_q)?,
+            u(&s.seq_lens_k)?,
+            u(&s.kv[0].block_tables)?,
+        );
         let meta = AttentionMeta {
             cu_seqlens_q: &cu,
             seq_lens_k: &sk,
             block_tables: &bt,
-            max_blocks: s.max_blocks,
+            max_blocks: s.kv[0].max_blocks,
             num_seqs: batch,
             num_tokens: t,
             max_seq_len: ctx,

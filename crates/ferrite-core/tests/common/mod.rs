@@ -1,8 +1,10 @@
 //! A mock model for scheduler tests: it keeps a simulated KV cache of token ids, written and
 //! read through the block tables and slots the scheduler hands out, and its next token is a
-//! hash of the history it reads back. A block shared by mistake, a wrong table or a lost
-//! token changes the output.
+//! hash of the history it reads back (per KV group: all of it, or the group's window). A block
+//! shared by mistake, a wrong table, a lost token or a block read after a window dropped it
+//! changes the output (or panics on the dropped entry).
 
+use ferrite_core::kv_layout::GroupWindow;
 use ferrite_core::scheduler::SchedulerOutput;
 use std::collections::HashMap;
 
@@ -10,14 +12,16 @@ pub struct MockModel {
     pub slots: Vec<Option<u32>>,
     block_size: usize,
     vocab: u32,
+    groups: Vec<GroupWindow>,
 }
 
 impl MockModel {
-    pub fn new(num_blocks: usize, block_size: usize, vocab: u32) -> Self {
+    pub fn new(num_blocks: usize, block_size: usize, vocab: u32, groups: &[GroupWindow]) -> Self {
         Self {
             slots: vec![None; num_blocks * block_size],
             block_size,
             vocab,
+            groups: groups.to_vec(),
         }
     }
 
@@ -25,18 +29,28 @@ impl MockModel {
         table[pos / self.block_size] as usize * self.block_size + pos % self.block_size
     }
 
+    /// The positions group `g` reads for a query at `pos`.
+    pub fn reads(&self, g: usize, pos: usize) -> std::ops::Range<usize> {
+        self.groups[g].map_or(0, |w| (pos + 1).saturating_sub(w))..pos + 1
+    }
+
     pub fn execute(&mut self, out: &SchedulerOutput) -> HashMap<u64, u32> {
         let mut sampled = HashMap::new();
         for r in &out.requests {
-            for (i, &t) in r.token_ids.iter().enumerate() {
-                let s = self.slot(&r.block_table, r.start_pos + i);
-                self.slots[s] = Some(t);
+            assert_eq!(r.block_tables.len(), self.groups.len());
+            for table in &r.block_tables {
+                for (i, &t) in r.token_ids.iter().enumerate() {
+                    let s = self.slot(table, r.start_pos + i);
+                    self.slots[s] = Some(t);
+                }
             }
             if r.sample.is_some() {
                 let mut h: u64 = 1469598103934665603;
-                for pos in 0..r.seq_len() {
-                    let t = self.slots[self.slot(&r.block_table, pos)].expect("slot written");
-                    h = (h ^ t as u64).wrapping_mul(1099511628211);
+                for (g, table) in r.block_tables.iter().enumerate() {
+                    for pos in self.reads(g, r.seq_len() - 1) {
+                        let t = self.slots[self.slot(table, pos)].expect("slot written");
+                        h = (h ^ t as u64).wrapping_mul(1099511628211);
+                    }
                 }
                 sampled.insert(r.req_id, (h % self.vocab as u64) as u32);
             }

@@ -299,7 +299,7 @@ impl Backend for CpuBackend {
         p.rope.apply(qd, positions, a.num_heads, d);
         p.rope.apply(k, positions, a.num_kv_heads, d);
         let shape = cache.shape;
-        write_kv(cache, k, v, &s.host.slot_mapping, &shape);
+        write_kv(cache, k, v, &s.host.kv[a.kv_group].slot_mapping, &shape);
         Ok(())
     }
 
@@ -312,11 +312,12 @@ impl Backend for CpuBackend {
         out: &mut Mat,
     ) -> Result<()> {
         let step = s.host;
+        let kv = &step.kv[a.kv_group];
         let meta = AttentionMeta {
             cu_seqlens_q: &step.cu_seqlens_q,
             seq_lens_k: &step.seq_lens_k,
-            block_tables: &step.block_tables,
-            max_blocks: step.max_blocks,
+            block_tables: &kv.block_tables,
+            max_blocks: kv.max_blocks,
             block_size: cache.shape.block_size,
         };
         let params = AttentionParams {

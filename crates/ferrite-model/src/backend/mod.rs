@@ -63,6 +63,21 @@ pub struct AttentionSpec {
     pub sliding_window: Option<usize>,
     /// `cap * tanh(score / cap)` before the softmax (Gemma 2).
     pub softcap: Option<f32>,
+    /// The layer's KV group (whose block tables it reads) and its slot in a page (which of
+    /// the backend's layer caches holds it); see `ferrite_core::kv_layout`.
+    pub kv_group: usize,
+    pub kv_slot: usize,
+}
+
+impl AttentionSpec {
+    /// This spec for layer `layer` of `layout`.
+    pub fn at(self, layout: &ferrite_core::kv_layout::KvLayout, layer: usize) -> Self {
+        Self {
+            kv_group: layout.layer_group[layer],
+            kv_slot: layout.layer_slot[layer],
+            ..self
+        }
+    }
 }
 
 /// Everything between the QKV projection and attention: bias, per-head Q/K RMSNorm,

@@ -131,7 +131,7 @@ impl DecodeGraphs {
         let Some(b) = decode_batch(step) else {
             return Ok(None);
         };
-        if self.disabled || b > self.max_batch || step.max_blocks > self.width {
+        if self.disabled || b > self.max_batch || step.kv[0].max_blocks > self.width {
             return Ok(None);
         }
         model.check(step)?;
@@ -166,7 +166,7 @@ impl DecodeGraphs {
         copy_in(
             &stream,
             &g.inputs.slots,
-            &pad(&step.slot_mapping, scratch_slot),
+            &pad(&step.kv[0].slot_mapping, scratch_slot),
         )?;
         copy_in(&stream, &g.inputs.seq_lens_k, &pad(&step.seq_lens_k, 1))?;
         copy_table(&stream, &g.inputs.block_tables, step, self.width)?;
@@ -251,12 +251,12 @@ fn copy_table(
     step: &PackedStep,
     width: usize,
 ) -> Result<()> {
-    let row = step.max_blocks * 4;
+    let row = step.kv[0].max_blocks * 4;
     let p = sys::CUDA_MEMCPY2D {
         srcXInBytes: 0,
         srcY: 0,
         srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
-        srcHost: step.block_tables.as_ptr().cast(),
+        srcHost: step.kv[0].block_tables.as_ptr().cast(),
         srcDevice: 0,
         srcArray: std::ptr::null_mut(),
         srcPitch: row,

@@ -81,6 +81,14 @@ pub fn load(
         }
     };
     let mut config = config;
+    // The CUDA backend still runs its own Llama forward, not the families of `models/`.
+    if config.architecture.starts_with("gemma") {
+        anyhow::bail!(
+            "{}: {} runs on --device cpu only so far; the CUDA backend serves the Llama family",
+            args.model.display(),
+            config.architecture
+        );
+    }
     config.vocab_size = weights.embedding.dim(0)?;
     let max_model_len = args.max_model_len(&config)?;
     let mut model = CudaModel::new(
@@ -155,7 +163,7 @@ fn profile_step(model: &mut CudaModel, tokens: usize, block_size: usize) -> Resu
     };
     let ctx = dev.cuda_stream().context().clone();
     let (free_before, _) = ctx.mem_get_info()?;
-    let step = PackedStep::profile(tokens, block_size, c.vocab_size);
+    let step = PackedStep::profile(tokens, block_size, c.vocab_size, 1);
     model.forward_logits(&step)?;
     dev.cuda_stream().synchronize()?;
     let (free_after, _) = ctx.mem_get_info()?;

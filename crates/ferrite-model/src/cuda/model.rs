@@ -160,16 +160,16 @@ impl CudaModel {
         Ok(StepInputs {
             ids: self.u32s(&step.input_ids)?,
             positions: self.u32s(&step.positions)?,
-            slots: self.u32s(&step.slot_mapping)?,
+            slots: self.u32s(&step.kv[0].slot_mapping)?,
             cu_seqlens_q: self.u32s(&step.cu_seqlens_q)?,
             seq_lens_k: self.u32s(&step.seq_lens_k)?,
-            block_tables: if step.block_tables.is_empty() {
+            block_tables: if step.kv[0].block_tables.is_empty() {
                 self.u32s(&[0])?
             } else {
-                self.u32s(&step.block_tables)?
+                self.u32s(&step.kv[0].block_tables)?
             },
             rows: self.u32s(&step.logits_indices)?,
-            max_blocks: step.max_blocks,
+            max_blocks: step.kv[0].max_blocks,
             max_seq_len: step.seq_lens_k.iter().copied().max().unwrap_or(0) as usize,
             splits: None,
         })

@@ -11,6 +11,7 @@ use crate::config_source::ConfigSource;
 use crate::ops::RopeSpec;
 use crate::weights::WeightSource;
 use anyhow::{bail, Result};
+use ferrite_core::kv_layout::KvLayout;
 
 pub struct GemmaConfig {
     pub common: ModelConfig,
@@ -58,8 +59,8 @@ impl GemmaConfig {
             .or_else(|| src.opt_f32("rope_local_base_freq"))
             .unwrap_or(if gemma2 { common.rope_theta } else { 10_000.0 });
         let cap = |k: &str| src.opt_f32(k).filter(|&c| c > 0.0);
-        // The memory plan and the engine see the global layers' (unbounded) reach.
         common.sliding_window = None;
+        common.layer_windows = local.iter().map(|&l| l.then_some(window)).collect();
         Ok(Self {
             query_pre_attn_scalar: src
                 .opt_f32("query_pre_attn_scalar")
@@ -100,6 +101,7 @@ impl<B: Backend> Gemma<B> {
     pub fn load(
         b: &B,
         gc: GemmaConfig,
+        layout: &KvLayout,
         w: &mut WeightSource,
         max_positions: usize,
         progress: &mut dyn FnMut(usize, usize),
@@ -112,6 +114,8 @@ impl<B: Backend> Gemma<B> {
             scale: 1.0 / gc.query_pre_attn_scalar.sqrt(),
             sliding_window: local.then_some(gc.window),
             softcap: gc.attn_softcap,
+            kv_group: 0,
+            kv_slot: 0,
         };
         let by_one = NormWeights::OffsetByOne;
         let mut layers = Vec::with_capacity(c.num_layers);
@@ -122,7 +126,7 @@ impl<B: Backend> Gemma<B> {
             };
             layers.push(Layer {
                 attn_norm: n(w, "input_layernorm")?,
-                attn: Attention::load(b, w, &p, spec(local), by_one)?,
+                attn: Attention::load(b, w, &p, spec(local).at(layout, i), by_one)?,
                 post_attn_norm: n(w, "post_attention_layernorm")?,
                 ffn_norm: n(w, "pre_feedforward_layernorm")?,
                 mlp: Mlp::load(b, w, &p)?,
@@ -163,7 +167,8 @@ impl<B: Backend> Family<B> for Gemma<B> {
     ) -> Result<()> {
         let eps = self.eps;
         b.embed(s, &self.embedding, Some(self.embed_scale), &mut ws.x)?;
-        for (l, lc) in self.layers.iter().zip(cache) {
+        for l in &self.layers {
+            let lc = &mut cache[l.attn.spec.kv_slot];
             let rope = if l.local {
                 &self.local_rope
             } else {

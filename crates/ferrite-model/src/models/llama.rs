@@ -10,6 +10,7 @@ use crate::config_source::ConfigSource;
 use crate::ops::RopeSpec;
 use crate::weights::WeightSource;
 use anyhow::Result;
+use ferrite_core::kv_layout::KvLayout;
 
 pub fn config(src: &ConfigSource) -> Result<ModelConfig> {
     // llama.cpp permutes Llama's and Mistral's Q/K rows for adjacent-pair rotation; Qwen's
@@ -38,6 +39,7 @@ impl<B: Backend> Llama<B> {
     pub fn load(
         b: &B,
         config: ModelConfig,
+        layout: &KvLayout,
         w: &mut WeightSource,
         max_positions: usize,
         progress: &mut dyn FnMut(usize, usize),
@@ -50,6 +52,8 @@ impl<B: Backend> Llama<B> {
             scale: 1.0 / (c.head_dim as f32).sqrt(),
             sliding_window: c.sliding_window,
             softcap: None,
+            kv_group: 0,
+            kv_slot: 0,
         };
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
@@ -57,7 +61,7 @@ impl<B: Backend> Llama<B> {
             let plain = NormWeights::Plain;
             layers.push(Layer {
                 attn_norm: norm(b, w, &format!("{p}.input_layernorm.weight"), plain)?,
-                attn: Attention::load(b, w, &p, spec.clone(), plain)?,
+                attn: Attention::load(b, w, &p, spec.clone().at(layout, i), plain)?,
                 ffn_norm: norm(b, w, &format!("{p}.post_attention_layernorm.weight"), plain)?,
                 mlp: Mlp::load(b, w, &p)?,
             });
@@ -89,7 +93,8 @@ impl<B: Backend> Family<B> for Llama<B> {
     ) -> Result<()> {
         let eps = self.config.rms_norm_eps;
         b.embed(s, &self.embedding, None, &mut ws.x)?;
-        for (l, lc) in self.layers.iter().zip(cache) {
+        for l in &self.layers {
+            let lc = &mut cache[l.attn.spec.kv_slot];
             let input = LinearIn::RmsNorm {
                 x: &ws.x,
                 norm: &l.attn_norm,

@@ -13,6 +13,7 @@ use crate::runner::StepModel;
 use crate::step::PackedStep;
 use crate::weights::WeightSource;
 use anyhow::{bail, Result};
+use ferrite_core::kv_layout::KvLayout;
 
 /// A family's weights and its forward over the packed step.
 pub trait Family<B: Backend>: Send + Sync {
@@ -110,10 +111,13 @@ pub fn load<B: Backend + 'static>(
     max_positions: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Decoder<B>> {
+    let mut config = config(src)?;
+    let layout = KvLayout::new(&config.layer_windows);
     let family: Box<dyn Family<B>> = match kind(src)? {
         Kind::Llama => Box::new(llama::Llama::load(
             &backend,
             llama::config(src)?,
+            &layout,
             weights,
             max_positions,
             progress,
@@ -121,12 +125,12 @@ pub fn load<B: Backend + 'static>(
         Kind::Gemma => Box::new(gemma::Gemma::load(
             &backend,
             gemma::GemmaConfig::read(src)?,
+            &layout,
             weights,
             max_positions,
             progress,
         )?),
     };
-    let mut config = config(src)?;
     if let Some(v) = embedding_rows(weights)? {
         config.vocab_size = v;
     }
@@ -134,6 +138,7 @@ pub fn load<B: Backend + 'static>(
         config,
         backend,
         family,
+        layout,
         cache: Vec::new(),
         buffers: Buffers::default(),
         max_positions,
@@ -160,17 +165,20 @@ pub struct Decoder<B: Backend> {
     pub config: ModelConfig,
     pub backend: B,
     family: Box<dyn Family<B>>,
+    pub layout: KvLayout,
+    /// One per slot of the layout: layer `l` lives in `cache[layout.layer_slot[l]]`.
     cache: Vec<B::LayerCache>,
     buffers: Buffers<B>,
     max_positions: usize,
 }
 
 impl<B: Backend> Decoder<B> {
-    /// Allocates the KV pool once: `num_blocks` blocks of `block_size` tokens per layer.
+    /// Allocates the KV pool once: `num_blocks` pages of `block_size` tokens, each holding
+    /// one layer of every KV group.
     pub fn allocate_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
         let c = &self.config;
         self.cache.clear();
-        for _ in 0..c.num_layers {
+        for _ in 0..self.layout.slots {
             let l = self
                 .backend
                 .layer_cache(num_blocks, block_size, c.num_kv_heads, c.head_dim)?;
@@ -201,8 +209,15 @@ impl<B: Backend> Decoder<B> {
         if let Some(&id) = step.input_ids.iter().find(|&&id| id as usize >= vocab) {
             bail!("token id {id} is outside the vocabulary of {vocab}");
         }
-        if self.cache.len() != self.config.num_layers {
+        if self.cache.len() != self.layout.slots {
             bail!("KV cache not allocated");
+        }
+        if step.kv.len() != self.layout.groups.len() {
+            bail!(
+                "{} block tables for {} KV groups",
+                step.kv.len(),
+                self.layout.groups.len()
+            );
         }
         Ok(())
     }
