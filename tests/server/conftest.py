@@ -19,12 +19,12 @@ def free_port():
 
 
 class Server:
-    def __init__(self, *extra):
+    def __init__(self, *extra, model=MODEL, name="smol"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(os.path.join(ROOT, "target", f"serve-{self.port}.log"), "w")
         self.proc = subprocess.Popen(
-            [BINARY, "serve", MODEL, "--port", str(self.port), "--served-model-name", "smol",
+            [BINARY, "serve", model, "--port", str(self.port), "--served-model-name", name,
              "--max-model-len", "2048", "--kv-cache-memory", str(200 << 20), "--seed", "0", *extra],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
