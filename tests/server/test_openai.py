@@ -246,6 +246,22 @@ def test_oversized_body_and_unknown_route(server):
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
     r = requests.get(server.url + "/v1/nope")
     assert r.status_code == 404 and "error" in r.json()
+    r = requests.get(server.url + "/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "MethodNotAllowedError"
+
+
+def test_a_vanishing_temperature_is_greedy_and_crashes_no_step(client):
+    # 1 / 1e-40 overflows f32: such requests sample greedily (as vLLM below 1e-5), and
+    # requests sharing their step are unharmed.
+    import concurrent.futures
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=4)
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        tiny = pool.submit(client.completions.create, temperature=1e-40, extra_body={"min_p": 0.1}, **kw)
+        others = [pool.submit(client.completions.create, temperature=0.8, seed=i, **kw) for i in range(4)]
+        r = tiny.result()
+        assert all(o.result().choices[0].finish_reason == "length" for o in others)
+    greedy = client.completions.create(temperature=0, **kw)
+    assert r.choices[0].text == greedy.choices[0].text
 
 
 def test_api_key_tools_template_and_sigterm_drain():

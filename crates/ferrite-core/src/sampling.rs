@@ -4,6 +4,9 @@ use serde::{Deserialize, Serialize};
 
 /// What a client asked for. Signed integers mirror the wire format so that a negative value
 /// can be rejected with a clear message instead of failing to parse.
+/// Below this temperature sampling is greedy (vLLM's `_SAMPLING_EPS`).
+pub const GREEDY_TEMPERATURE: f32 = 1e-5;
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default)]
 pub struct SamplingParams {
@@ -70,8 +73,10 @@ impl SamplingParams {
         }
     }
 
+    /// Temperatures below [`GREEDY_TEMPERATURE`] are greedy, as in vLLM: dividing logits by
+    /// them overflows f32.
     pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0 || self.top_k == 1
+        self.temperature < GREEDY_TEMPERATURE || self.top_k == 1
     }
 
     /// Checks every field; the message names the field and the accepted range.

@@ -593,6 +593,7 @@ fn row_sums(
             (64, 2) => sum_rows::<4, 2>(o, wg, cols, keys.clone(), vk, odd),
             (64, _) => sum_rows::<4, 1>(o, wg, cols, keys.clone(), vk, odd),
             (128, _) => sum_rows::<8, 1>(o, wg, cols, keys.clone(), vk, odd),
+            (256, _) => sum_rows::<16, 1>(o, wg, cols, keys.clone(), vk, odd),
             _ => (0..g).for_each(|u| {
                 let wk = &w[(h0 + u) * cols..][keys.clone()];
                 sum_rows_any(&mut o[u * d..][..d], wk, vk, odd)
@@ -616,18 +617,31 @@ unsafe fn row_sums_avx512(
     d: usize,
 ) {
     let nh = o_row.len() / d;
-    if d != 64 {
+    if !d.is_multiple_of(64) {
         return row_sums(o_row, w, cols, keys, vk, odd, d);
     }
     assert!(vk.len() == keys.len() * d && w.len() >= (nh - 1) * cols + keys.end);
+    if d > 64 {
+        // Wider heads in strips of 64 dimensions (each element's sum is its own chain).
+        for h in 0..nh {
+            let wh = w[h * cols..].as_ptr();
+            for strip in (0..d).step_by(64) {
+                let o = o_row[h * d + strip..].as_mut_ptr();
+                let v = vk[strip..].as_ptr();
+                sums_avx512::<4, 1>(o, wh, cols, keys.clone(), v, d, odd);
+            }
+        }
+        return;
+    }
     let mut h0 = 0;
     while h0 < nh {
         let g = (nh - h0).min(3);
         let (o, wg) = (o_row[h0 * d..].as_mut_ptr(), w[h0 * cols..].as_ptr());
+        let v = vk.as_ptr();
         match g {
-            3 => sums_avx512::<4, 3>(o, wg, cols, keys.clone(), vk.as_ptr(), odd),
-            2 => sums_avx512::<4, 2>(o, wg, cols, keys.clone(), vk.as_ptr(), odd),
-            _ => sums_avx512::<4, 1>(o, wg, cols, keys.clone(), vk.as_ptr(), odd),
+            3 => sums_avx512::<4, 3>(o, wg, cols, keys.clone(), v, d, odd),
+            2 => sums_avx512::<4, 2>(o, wg, cols, keys.clone(), v, d, odd),
+            _ => sums_avx512::<4, 1>(o, wg, cols, keys.clone(), v, d, odd),
         }
         h0 += g;
     }
@@ -655,19 +669,21 @@ unsafe fn sum_key_avx512<const C: usize, const R: usize>(
     }
 }
 
-/// R heads' `o_h = sum_j w_h[j] v_j` (even and odd keys in separate chains, as [`sum_rows`]).
+/// R heads' `o_h = sum_j w_h[j] v_j` over `C * LANES` dimensions (even and odd keys in
+/// separate chains, as [`sum_rows`]); V rows and the heads' outputs are `d` apart.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn sums_avx512<const C: usize, const R: usize>(
     o: *mut f32,
     w: *const f32,
     cols: usize,
     keys: std::ops::Range<usize>,
     v: *const f32,
+    d: usize,
     first_odd: bool,
 ) {
     use std::arch::x86_64::*;
-    let d = C * LANES;
     let [mut even, mut odd] = [[[_mm512_setzero_ps(); C]; R]; 2];
     let (k0, n) = (keys.start, keys.len());
     let mut j = 0;
@@ -769,7 +785,9 @@ fn fma_row<const C: usize>(a: &mut [[f32; LANES]; C], wj: f32, vr: &[f32]) {
     }
 }
 
-/// [`sum_rows`] for any head size (up to 512), the same arithmetic.
+/// [`sum_rows`] for any head size (up to 512), the same arithmetic. Inlined so that it takes
+/// its caller's target features: `mul_add` without FMA is a call into software `fmaf`.
+#[inline(always)]
 fn sum_rows_any(o: &mut [f32], w: &[f32], v: &[f32], first_odd: bool) {
     let d = o.len();
     assert!(d <= 512, "head_dim {d} above 512 is not supported");

@@ -218,6 +218,10 @@ fn draw(
         });
         probs.retain(|&p| p >= floor);
     }
+    // Non-finite probabilities (an overflowing scale) leave nothing to draw from.
+    if probs.is_empty() || !probs.iter().all(|p| p.is_finite()) {
+        return argmax(logits);
+    }
     let mut keep = probs.len();
     if top_p < 1.0 {
         let mut acc = 0.0;
@@ -276,5 +280,22 @@ mod tests {
         // Floor 0.3 * 0.636 = 0.19.
         assert_eq!(drawn(None, 1.0, 0.3), BTreeSet::from([3, 4]));
         assert_eq!(drawn(Some(3), 0.95, 0.1), BTreeSet::from([2, 3, 4]));
+    }
+
+    proptest::proptest! {
+        /// The draw is total: whatever the temperature (down to 1e-40, where 1/T overflows)
+        /// and the cuts, it returns a token of the vocabulary and never panics.
+        #[test]
+        fn every_draw_returns_a_token(
+            logits in proptest::collection::vec(-1e30f32..1e30, 1..64),
+            exponent in -40f32..2.0,
+            top_k in proptest::option::of(1usize..80),
+            top_p in 1e-6f32..=1.0,
+            min_p in 0f32..=1.0,
+            u in 0f32..1.0,
+        ) {
+            let t = draw(&logits, 10f32.powf(exponent), top_k, top_p, min_p, u);
+            proptest::prop_assert!((t as usize) < logits.len());
+        }
     }
 }

@@ -192,7 +192,7 @@ fn paged_attention_matches_naive_reference() {
     for isa in Isa::available() {
         for block_size in [1, 4, 16, 32] {
             for (heads, kv_heads) in [(4, 4), (8, 2), (9, 3), (6, 1)] {
-                for d in [32, 64, 128] {
+                for d in [32, 64, 128, 256] {
                     for (window, softcap) in [(None, None), (Some(37), None), (None, Some(30.0))] {
                         let c = Case {
                             block_size,

@@ -38,6 +38,15 @@ impl ApiError {
         }
     }
 
+    pub fn method_not_allowed(method: &axum::http::Method) -> Self {
+        Self {
+            status: StatusCode::METHOD_NOT_ALLOWED,
+            message: format!("method {method} is not allowed on this route"),
+            kind: "MethodNotAllowedError",
+            param: None,
+        }
+    }
+
     pub fn unauthorized() -> Self {
         Self {
             status: StatusCode::UNAUTHORIZED,

@@ -72,6 +72,9 @@ pub fn router(state: SharedState) -> Router {
         )
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::not_found("no such route") })
+        .method_not_allowed_fallback(|method: axum::http::Method| async move {
+            ApiError::method_not_allowed(&method)
+        })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
