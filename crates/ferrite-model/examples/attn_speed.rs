@@ -4,7 +4,7 @@
 //! Prints the time of one step's attention with the caches cold and right after (hot).
 //! Usage: cargo run --release -p ferrite-model --example attn_speed -- [CTX] [ROWS] [THREADS]
 
-use ferrite_model::attention::{paged_attention, AttentionMeta, AttentionParams};
+use ferrite_model::backend::cpu::attention::{paged_attention, AttentionMeta, AttentionParams};
 use half::f16;
 use std::time::Instant;
 

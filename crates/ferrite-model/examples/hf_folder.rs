@@ -6,8 +6,8 @@
 //! Usage: cargo run --release -p ferrite-model --example hf_folder -- MODEL.gguf CONFIG.json OUT_DIR
 
 use anyhow::{bail, Context, Result};
-use ferrite_model::gguf::GgufFile;
 use ferrite_model::tokenizer::ModelTokenizer;
+use ferrite_model::weights::gguf::GgufFile;
 use serde_json::{json, Value};
 use std::path::Path;
 

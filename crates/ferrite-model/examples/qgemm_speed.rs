@@ -1,8 +1,8 @@
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use ferrite_model::quant::activations::QuantizedActs;
-use ferrite_model::quant::packed::PackedWeight;
-use ferrite_model::quant::{matmul, Isa};
+use ferrite_model::backend::cpu::quant::activations::QuantizedActs;
+use ferrite_model::backend::cpu::quant::packed::PackedWeight;
+use ferrite_model::backend::cpu::quant::{matmul, Isa};
 use std::time::Instant;
 
 fn main() {

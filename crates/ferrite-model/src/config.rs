@@ -1,7 +1,7 @@
 //! The hyper-parameters the engine and the families share, read through [`ConfigSource`].
 
-use crate::config_source::ConfigSource;
-use crate::gguf::GgufFile;
+use crate::weights::config_source::ConfigSource;
+use crate::weights::gguf::GgufFile;
 use anyhow::{bail, Result};
 
 /// How rotary embedding pairs dimensions.

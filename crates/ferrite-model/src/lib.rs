@@ -2,22 +2,15 @@
 //! tokenizer from GGUF or safetensors, the model families written once against the backend,
 //! the paged KV cache and attention, the memory budget, the sampler and the model runner.
 
-pub mod attention;
 pub mod backend;
 pub mod chat_template;
 pub mod config;
-pub mod config_source;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod disjoint;
-pub mod gguf;
-pub mod kv_cache;
-pub mod linear;
 pub mod loader;
 pub mod memory;
 pub mod models;
-pub mod ops;
-pub mod quant;
+pub mod rope;
 pub mod runner;
 pub mod sampler;
 pub mod step;

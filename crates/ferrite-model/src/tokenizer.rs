@@ -1,7 +1,7 @@
 //! The tokenizer, built from GGUF metadata (`tokenizer.ggml.*`) or a `tokenizer.json` beside
 //! the weights, with the special-token ids and chat template the engine needs.
 
-use crate::gguf::GgufFile;
+use crate::weights::gguf::GgufFile;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 use std::collections::HashMap;

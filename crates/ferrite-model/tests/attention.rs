@@ -1,9 +1,9 @@
 //! The paged varlen attention op against a naive reference (contiguous K/V, f64 math) on
 //! random ragged steps mixing long prefill chunks and single-token decodes.
 
-use ferrite_model::attention::{paged_attention_isa, AttentionMeta, AttentionParams};
-use ferrite_model::kv_cache::{write_kv, CacheShape, LayerCache};
-use ferrite_model::quant::Isa;
+use ferrite_model::backend::cpu::attention::{paged_attention_isa, AttentionMeta, AttentionParams};
+use ferrite_model::backend::cpu::kv_cache::{write_kv, CacheShape, LayerCache};
+use ferrite_model::backend::cpu::quant::Isa;
 use half::f16;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;

@@ -3,8 +3,8 @@
 #![allow(dead_code)]
 
 use ferrite_model::backend::cpu::CpuBackend;
-use ferrite_model::linear::WeightFormat;
 use ferrite_model::loader::load_cpu_decoder;
+use ferrite_model::loader::WeightFormat;
 use ferrite_model::models::Decoder;
 use ferrite_model::runner::StepModel;
 use ferrite_model::step::PackedStep;

@@ -12,14 +12,14 @@ use ferrite_model::cuda::kernels::{
 };
 use ferrite_model::cuda::model::CudaModel;
 use ferrite_model::cuda::weights::{Linear, Weights};
-use ferrite_model::gguf::GgufFile;
-use ferrite_model::linear::WeightFormat;
 use ferrite_model::loader::load_cpu_decoder;
+use ferrite_model::loader::WeightFormat;
 use ferrite_model::ops::RopeTable;
 use ferrite_model::runner::{RowDraw, StepModel};
 use ferrite_model::sampler::argmax;
 use ferrite_model::step::PackedStep;
 use ferrite_model::tokenizer::ModelTokenizer;
+use ferrite_model::weights::gguf::GgufFile;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};

@@ -7,7 +7,7 @@ use common::*;
 use ferrite_core::engine::{EngineError, EngineHandle};
 use ferrite_core::request::FinishReason;
 use ferrite_core::sampling::SamplingParams;
-use ferrite_model::linear::WeightFormat;
+use ferrite_model::loader::WeightFormat;
 use ferrite_model::runner::StepModel;
 use ferrite_model::sampler::{log_sum_exp, top_k_logprobs};
 use ferrite_model::step::PackedStep;

@@ -8,7 +8,7 @@
 mod common;
 
 use common::*;
-use ferrite_model::linear::WeightFormat;
+use ferrite_model::loader::WeightFormat;
 
 /// The token ids, and the oracle's logits: `logits` (f32) or `logits_f16_kv`.
 fn oracle(family: &str, key: &str) -> (Vec<u32>, Vec<Vec<f32>>) {

@@ -5,8 +5,8 @@ mod common;
 
 use common::*;
 use ferrite_core::sampling::SamplingParams;
-use ferrite_model::linear::WeightFormat;
 use ferrite_model::loader::EngineArgs;
+use ferrite_model::loader::WeightFormat;
 use ferrite_model::sampler::argmax;
 
 fn greedy(n: usize) -> SamplingParams {

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use ferrite_model::linear::WeightFormat;
+use ferrite_model::loader::WeightFormat;
 use ferrite_model::sampler::{argmax, log_sum_exp};
 
 /// (top-1 agreement, mean |logprob difference| of the oracle's top token), over all positions.

@@ -3,9 +3,9 @@
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use ferrite_model::quant::activations::QuantizedActs;
-use ferrite_model::quant::packed::{Codes, PackedWeight, BLOCK};
-use ferrite_model::quant::{matmul, Isa};
+use ferrite_model::backend::cpu::quant::activations::QuantizedActs;
+use ferrite_model::backend::cpu::quant::packed::{Codes, PackedWeight, BLOCK};
+use ferrite_model::backend::cpu::quant::{matmul, Isa};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

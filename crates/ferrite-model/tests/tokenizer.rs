@@ -6,9 +6,9 @@ mod common;
 use candle_core::quantized::gguf_file;
 use common::*;
 use ferrite_core::detokenizer::IncrementalDetokenizer;
-use ferrite_model::gguf::GgufFile;
 use ferrite_model::loader::{load, EngineArgs};
 use ferrite_model::tokenizer::ModelTokenizer;
+use ferrite_model::weights::gguf::GgufFile;
 
 fn tokenizer() -> ModelTokenizer {
     ModelTokenizer::load(&GgufFile::open(&model_path()).unwrap()).unwrap()

@@ -3,7 +3,7 @@
 use clap::Args;
 use ferrite_core::prefix_hash::HashAlgo;
 use ferrite_core::sampling::SamplingParams;
-use ferrite_model::linear::WeightFormat;
+use ferrite_model::loader::WeightFormat;
 use ferrite_model::loader::{
     DeviceKind, EngineArgs, LoadFormat, DEFAULT_CPU_MEMORY_UTILIZATION,
     DEFAULT_GPU_MEMORY_UTILIZATION,

@@ -7,8 +7,8 @@ use ferrite_bench::client::{Endpoint, Target};
 use ferrite_bench::dataset::{self, AgentShape, BenchPrompt, Sizer};
 use ferrite_bench::report::{charts, table, LevelJson, RunReport};
 use ferrite_bench::run::run_level;
-use ferrite_model::gguf::GgufFile;
 use ferrite_model::tokenizer::ModelTokenizer;
+use ferrite_model::weights::gguf::GgufFile;
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]

@@ -77,7 +77,7 @@ fn post(s: &Server, route: &str, body: Value) -> (u16, Value) {
 #[test]
 fn chat_streamed_and_whole_agree_and_errors_are_openai_shaped() {
     let s = start();
-    let ask = json!([{"role": "user", "content": "What is the capital of France?"}]);
+    let ask = json!([{"role": "user", "content": "What is the capital of Germany?"}]);
     let (status, whole) = post(
         &s,
         "/v1/chat/completions",
@@ -85,7 +85,7 @@ fn chat_streamed_and_whole_agree_and_errors_are_openai_shaped() {
     );
     assert_eq!(status, 200);
     let content = whole["choices"][0]["message"]["content"].as_str().unwrap();
-    assert!(content.contains("Paris"), "{content}");
+    assert!(content.contains("Berlin"), "{content}");
     let body = json!({"messages": ask, "max_tokens": 20, "temperature": 0, "stream": true});
     let r = ureq::post(&format!("{}/v1/chat/completions", s.url))
         .send_json(&body)

@@ -5,7 +5,7 @@
 
 pub mod cpu;
 
-use crate::ops::RopeSpec;
+use crate::rope::RopeSpec;
 use crate::step::PackedStep;
 use anyhow::Result;
 use candle_core::quantized::QTensor;

@@ -7,7 +7,7 @@ use super::graph::DecodeGraphs;
 use super::kernels::{draw_params, AttentionMeta, AttentionShape, Kernels, MatIn, QkvParams};
 use super::weights::Weights;
 use crate::config::{ModelConfig, RopeStyle};
-use crate::ops::{RopeSpec, RopeTable};
+use crate::rope::{RopeSpec, RopeTable};
 use crate::runner::{RowDraw, StepModel};
 use crate::step::PackedStep;
 use anyhow::{bail, Result};

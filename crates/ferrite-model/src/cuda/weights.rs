@@ -3,7 +3,7 @@
 //! config alone (`--load-format dummy`). Q|K|V and gate|up are stacked so each is one matmul.
 
 use crate::config::ModelConfig;
-use crate::gguf::GgufFile;
+use crate::weights::gguf::GgufFile;
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::{GgmlDType, QTensor};

@@ -8,9 +8,9 @@ pub mod llama;
 
 use crate::backend::{Backend, Step};
 use crate::config::ModelConfig;
-use crate::config_source::ConfigSource;
 use crate::runner::StepModel;
 use crate::step::PackedStep;
+use crate::weights::config_source::ConfigSource;
 use crate::weights::WeightSource;
 use anyhow::{bail, Result};
 use ferrite_core::kv_layout::KvLayout;

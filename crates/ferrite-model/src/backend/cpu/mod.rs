@@ -3,18 +3,27 @@
 //! pool. Every op works row by row or tile by tile on fixed grids, so a row's bits never
 //! depend on the other rows of its step.
 
+pub mod attention;
+pub mod disjoint;
+pub mod kv_cache;
+pub mod linear;
+pub mod ops;
+pub mod quant;
+
 use super::{AttentionSpec, Backend, Epilogue, LinearIn, QkvPrep, Stack, Step};
-use crate::attention::{paged_attention, AttentionMeta, AttentionParams};
-use crate::kv_cache::{write_kv, CacheShape, LayerCache};
-use crate::linear::{project, Linear, LinearInput, WeightFormat};
-use crate::ops::{add_in_place, gated_mul, head_rms_norm, rms_norm, softcap, RopeSpec, RopeTable};
-use crate::quant::activations::QuantizedActs;
-use crate::quant::Isa;
+use crate::loader::WeightFormat;
+use crate::rope::{RopeSpec, RopeTable};
 use anyhow::{bail, Result};
+use attention::{paged_attention, AttentionMeta, AttentionParams};
 use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::QTensor;
 use candle_core::Device;
 use half::f16;
+use kv_cache::{write_kv, CacheShape, LayerCache};
+use linear::{project, Linear, LinearInput};
+use ops::{add_in_place, gated_mul, head_rms_norm, rms_norm, softcap};
+use quant::activations::QuantizedActs;
+use quant::Isa;
 use rayon::prelude::*;
 use std::sync::Arc;
 

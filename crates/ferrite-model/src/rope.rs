@@ -1,67 +1,8 @@
-//! Token-wise CPU ops over the packed `[T, hidden]` matrix: they never see sequence boundaries.
+//! Rotary position embeddings: the frequencies (with `rope_scaling`) and the cos/sin tables
+//! every backend reads, and their application on the CPU.
 
-use crate::backend::Activation;
 use crate::config::{ModelConfig, RopeScaling, RopeStyle};
 use rayon::prelude::*;
-
-pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    let h = weight.len();
-    out.par_chunks_mut(h)
-        .zip(x.par_chunks(h))
-        .for_each(|(o, row)| {
-            let ms = row.iter().map(|v| v * v).sum::<f32>() / h as f32;
-            let inv = 1.0 / (ms + eps).sqrt();
-            for ((o, v), w) in o.iter_mut().zip(row).zip(weight) {
-                *o = v * inv * w;
-            }
-        });
-}
-
-/// `gate_up` rows are `[gate | up]` of width `2 * inter`; writes `act(gate) * up`.
-pub fn gated_mul(gate_up: &[f32], inter: usize, act: Activation, out: &mut [f32]) {
-    let rows = out.par_chunks_mut(inter).zip(gate_up.par_chunks(2 * inter));
-    match act {
-        Activation::Silu => rows.for_each(|(o, gu)| {
-            let (g, u) = gu.split_at(inter);
-            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                *o = g / (1.0 + (-g).exp()) * u;
-            }
-        }),
-        Activation::GeluTanh => rows.for_each(|(o, gu)| {
-            const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-            let (g, u) = gu.split_at(inter);
-            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                let inner = SQRT_2_OVER_PI * (g + 0.044715 * g * g * g);
-                *o = 0.5 * g * (1.0 + inner.tanh()) * u;
-            }
-        }),
-    }
-}
-
-/// RMSNorm of every head (`weight.len()` wide) of every row, in place (Q/K norm).
-pub fn head_rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
-    let d = weight.len();
-    x.par_chunks_mut(d).for_each(|head| {
-        let ms = head.iter().map(|v| v * v).sum::<f32>() / d as f32;
-        let inv = 1.0 / (ms + eps).sqrt();
-        head.iter_mut()
-            .zip(weight)
-            .for_each(|(v, w)| *v = *v * inv * w);
-    });
-}
-
-/// `cap * tanh(x / cap)`, in place (Gemma 2's final-logit soft-cap).
-pub fn softcap(x: &mut [f32], cap: f32) {
-    x.par_chunks_mut(4096)
-        .for_each(|c| c.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh()));
-}
-
-/// `x += y`, element-wise.
-pub fn add_in_place(x: &mut [f32], y: &[f32]) {
-    x.par_chunks_mut(4096)
-        .zip(y.par_chunks(4096))
-        .for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(a, b)| *a += b));
-}
 
 /// One rotary embedding: which dimensions rotate, their base, pairing and scaling.
 #[derive(Clone, Debug, PartialEq)]

@@ -2,7 +2,7 @@
 //! a `config.json` or from GGUF metadata: the GGUF key map is written once, here, so the
 //! families read one vocabulary.
 
-use crate::gguf::GgufFile;
+use crate::weights::gguf::GgufFile;
 use anyhow::{anyhow, bail, Result};
 use serde_json::Value;
 use std::path::{Path, PathBuf};

@@ -2,11 +2,14 @@
 //! GGUF name map is written once, here; families ask for `model.layers.3.mlp.up_proj.weight`
 //! whatever the file.
 
-use crate::gguf::GgufFile;
+pub mod config_source;
+pub mod gguf;
+
 use anyhow::{anyhow, bail, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device};
+use gguf::GgufFile;
 use std::path::{Path, PathBuf};
 
 pub enum WeightSource {

@@ -15,7 +15,7 @@ pub mod packed;
 mod portable;
 mod tile;
 
-use crate::disjoint::DisjointSlice;
+use crate::backend::cpu::disjoint::DisjointSlice;
 use activations::QuantizedActs;
 pub use isa::Isa;
 use packed::{Codes, PackedWeight};

@@ -1,39 +1,15 @@
-//! Linear layers: block-quantized weights through ferrite's int8 kernels ([`crate::quant`]),
+//! Linear layers: block-quantized weights through ferrite's int8 kernels ([`crate::backend::cpu::quant`]),
 //! float weights through candle's f32 GEMM. Projections that read the same input (Q|K|V,
 //! gate|up) are stacked into one weight when their forms match, and in any case share one
 //! quantization of the input ([`LinearInput`]).
 
-use crate::quant::activations::QuantizedActs;
-use crate::quant::packed::PackedWeight;
-use crate::quant::{matmul, Isa};
+use super::quant::activations::QuantizedActs;
+use super::quant::packed::PackedWeight;
+use super::quant::{matmul, Isa};
+use crate::loader::WeightFormat;
 use anyhow::{anyhow, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-
-/// How weights are kept in memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum WeightFormat {
-    /// On the CPU, `Native` whatever the model's size: the path the benchmarks and the oracle
-    /// tests run (teacher-forced against transformers it is within 1% of llama.cpp's top-1
-    /// agreement on the same GGUF, and 7x faster to decode than `F32`).
-    #[default]
-    Auto,
-    /// Quantized weights repacked for the int8 kernels (activations quantized per block of
-    /// 32); float weights as f32.
-    Native,
-    /// Everything dequantized to f32 at load: exact weights and activations, 4-8x the memory.
-    F32,
-}
-
-impl WeightFormat {
-    /// `Auto` as the CPU backend resolves it.
-    pub fn resolve_cpu(self) -> Self {
-        match self {
-            WeightFormat::Auto => WeightFormat::Native,
-            f => f,
-        }
-    }
-}
 
 enum Weights {
     Quantized(PackedWeight),

@@ -1,6 +1,6 @@
 //! The output handle every kernel set writes through.
 
-use crate::disjoint::DisjointSlice;
+use crate::backend::cpu::disjoint::DisjointSlice;
 
 /// The `[tokens, rows]` output matrix, written by disjoint tiles from several threads.
 #[derive(Clone, Copy)]

@@ -1,0 +1,200 @@
+//! The engine thread and its clients: [`EngineHandle`] sends commands, [`RequestStream`]
+//! receives a request's outputs and aborts it when dropped.
+
+use super::core::EngineCore;
+use super::{Command, EngineError, EngineStats, Executor};
+use crate::output::RequestOutput;
+use crate::request::{Request, RequestId};
+use crate::sampling::SamplingParams;
+use crate::scheduler::{Scheduler, SchedulerConfig};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use tokenizers::Tokenizer;
+use tokio::sync::mpsc as tokio_mpsc;
+
+/// Static facts a client needs to validate requests before they reach the engine thread.
+#[derive(Clone, Debug)]
+pub struct EngineInfo {
+    pub max_model_len: usize,
+    pub prefix_caching: bool,
+    pub eos_token_ids: Arc<[u32]>,
+}
+
+/// Cheap to clone; every clone talks to the same engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    commands: mpsc::Sender<Command>,
+    next_id: Arc<AtomicU64>,
+    info: EngineInfo,
+    /// A scheduler twin with the same config, used only for admission checks.
+    admission: Arc<Scheduler>,
+    stats: Arc<Mutex<EngineStats>>,
+    tokenizer: Arc<Tokenizer>,
+}
+
+/// The stream of outputs of one request. Dropping it before the end aborts the request.
+pub struct RequestStream {
+    pub id: RequestId,
+    rx: tokio_mpsc::UnboundedReceiver<Result<RequestOutput, EngineError>>,
+    commands: mpsc::Sender<Command>,
+    finished: bool,
+}
+
+impl RequestStream {
+    pub async fn next(&mut self) -> Option<Result<RequestOutput, EngineError>> {
+        let item = self.rx.recv().await;
+        self.note(&item);
+        item
+    }
+
+    /// For callers outside an async runtime.
+    pub fn blocking_next(&mut self) -> Option<Result<RequestOutput, EngineError>> {
+        let item = self.rx.blocking_recv();
+        self.note(&item);
+        item
+    }
+
+    fn note(&mut self, item: &Option<Result<RequestOutput, EngineError>>) {
+        match item {
+            Some(Ok(o)) if o.finish_reason.is_none() => {}
+            _ => self.finished = true,
+        }
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = self.commands.send(Command::Abort(self.id));
+        }
+    }
+}
+
+impl EngineHandle {
+    /// Starts the engine loop on its own thread.
+    pub fn spawn<E: Executor + 'static>(
+        config: SchedulerConfig,
+        executor: E,
+        tokenizer: Arc<Tokenizer>,
+        eos_token_ids: Vec<u32>,
+    ) -> Self {
+        let (tx, rx) = mpsc::channel::<Command>();
+        let info = EngineInfo {
+            max_model_len: config.max_model_len,
+            prefix_caching: config.prefix_caching.is_some(),
+            eos_token_ids: eos_token_ids.into(),
+        };
+        let admission = Arc::new(Scheduler::new(config.clone()));
+        let mut core = EngineCore::new(config, executor, tokenizer.clone());
+        let stats = core.stats.clone();
+        std::thread::Builder::new()
+            .name("ferrite-engine".into())
+            .spawn(move || run_loop(&mut core, rx))
+            .expect("spawn engine thread");
+        Self {
+            commands: tx,
+            next_id: Arc::new(AtomicU64::new(0)),
+            info,
+            admission,
+            stats,
+            tokenizer,
+        }
+    }
+
+    pub fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        self.stats.lock().unwrap().clone()
+    }
+
+    /// Validates and queues a request; outputs arrive on the returned stream.
+    pub fn add_request(
+        &self,
+        prompt_token_ids: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<RequestStream, EngineError> {
+        params.validate().map_err(EngineError::InvalidParams)?;
+        if let Some(&bad) = prompt_token_ids
+            .iter()
+            .find(|&&t| t as usize >= self.tokenizer.get_vocab_size(true))
+        {
+            return Err(EngineError::InvalidParams(format!(
+                "token id {bad} is outside the vocabulary"
+            )));
+        }
+        let max_out = self
+            .admission
+            .check_admissible(prompt_token_ids.len(), &params)?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let req = Request::new(
+            id,
+            prompt_token_ids,
+            Arc::new(params),
+            max_out,
+            self.info.eos_token_ids.clone(),
+        );
+        let (tx, rx) = tokio_mpsc::unbounded_channel();
+        self.commands
+            .send(Command::Add(req, tx))
+            .map_err(|_| EngineError::Dead)?;
+        Ok(RequestStream {
+            id,
+            rx,
+            commands: self.commands.clone(),
+            finished: false,
+        })
+    }
+
+    pub fn abort(&self, id: RequestId) {
+        let _ = self.commands.send(Command::Abort(id));
+    }
+
+    /// Forgets every cached prefix (the admin route `/reset_prefix_cache`).
+    pub fn reset_prefix_cache(&self) -> Result<(), EngineError> {
+        self.commands
+            .send(Command::ResetPrefixCache)
+            .map_err(|_| EngineError::Dead)
+    }
+
+    pub fn shutdown(&self) {
+        let _ = self.commands.send(Command::Shutdown);
+    }
+}
+
+fn run_loop<E: Executor>(core: &mut EngineCore<E>, rx: mpsc::Receiver<Command>) {
+    let handle = |core: &mut EngineCore<E>, cmd: Command| -> bool {
+        match cmd {
+            Command::Add(req, sink) => core.add(req, sink),
+            Command::Abort(id) => core.abort(id),
+            Command::ResetPrefixCache => core.scheduler.reset_prefix_cache(),
+            Command::Shutdown => return false,
+        }
+        true
+    };
+    'outer: loop {
+        if !core.has_work() {
+            match rx.recv() {
+                Ok(cmd) => {
+                    if !handle(core, cmd) {
+                        break;
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        while let Ok(cmd) = rx.try_recv() {
+            if !handle(core, cmd) {
+                break 'outer;
+            }
+        }
+        core.step();
+    }
+    core.fail_all(|| EngineError::Dead);
+    core.stats.lock().unwrap().alive = false;
+}

@@ -1,0 +1,68 @@
+//! The engine loop: schedule, execute, update, stream — on a thread of its own, driven by
+//! commands from any number of async clients through [`EngineHandle`]. `core` runs the steps
+//! and turns their results into request outputs; `handle` is the thread and its clients.
+
+mod core;
+mod handle;
+
+pub use self::core::EngineCore;
+pub use handle::{EngineHandle, EngineInfo, RequestStream};
+
+use crate::output::{RequestOutput, StepOutput};
+use crate::request::{Request, RequestId};
+use crate::scheduler::{AdmissionError, SchedulerOutput};
+use tokio::sync::mpsc as tokio_mpsc;
+
+pub type ExecError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Runs a scheduled step on the model. Implemented by the model runner.
+pub trait Executor: Send {
+    fn execute(&mut self, step: &SchedulerOutput) -> Result<StepOutput, ExecError>;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("{0}")]
+    InvalidParams(String),
+    #[error(transparent)]
+    Admission(#[from] AdmissionError),
+    #[error("the engine is not running")]
+    Dead,
+    #[error("the model step failed: {0}")]
+    Step(String),
+}
+
+impl EngineError {
+    /// True for errors caused by the request itself (HTTP 400), false for server faults.
+    pub fn is_client_error(&self) -> bool {
+        matches!(
+            self,
+            EngineError::InvalidParams(_) | EngineError::Admission(_)
+        )
+    }
+}
+
+pub(crate) type OutputSink = tokio_mpsc::UnboundedSender<Result<RequestOutput, EngineError>>;
+
+pub(crate) enum Command {
+    Add(Request, OutputSink),
+    Abort(RequestId),
+    ResetPrefixCache,
+    Shutdown,
+}
+
+/// Counters the engine publishes after every step.
+#[derive(Clone, Debug, Default)]
+pub struct EngineStats {
+    pub num_running: usize,
+    pub num_waiting: usize,
+    pub kv_usage: f64,
+    pub num_preemptions: u64,
+    pub num_steps: u64,
+    pub prompt_tokens_total: u64,
+    pub generation_tokens_total: u64,
+    /// Prompt tokens looked up in the prefix cache, and found there.
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub alive: bool,
+}
