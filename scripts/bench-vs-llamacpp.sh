@@ -11,8 +11,10 @@ name=${MODEL:-smollm2}
 model=$(scripts/fetch-model.sh "$name")
 case "$name" in
   smollm2) suffix=; about="SmolLM2-135M-Instruct, Q4_1"; llama_template=() ;;
-  # The GGUF has no template: ferrite uses its Gemma template, llama.cpp its built-in one.
-  gemma3) suffix=-gemma3; about="Gemma 3 270M, Q4_K_M"; llama_template=(--chat-template gemma) ;;
+  # The GGUF has no template: both servers render ferrite's Gemma template (llama.cpp's own
+  # `--chat-template gemma` drops the agent's system and tool turns: 3-token prompts).
+  gemma3) suffix=-gemma3; about="Gemma 3 270M, Q4_K_M"
+    llama_template=(--jinja --chat-template-file crates/ferrite-model/templates/gemma.jinja) ;;
 esac
 source scripts/llamacpp-env.sh
 cargo build --release -q

@@ -31,7 +31,7 @@ pub fn gated_mul(gate_up: &[f32], inter: usize, act: Activation, out: &mut [f32]
             let (g, u) = gu.split_at(inter);
             for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
                 let inner = SQRT_2_OVER_PI * (g + 0.044715 * g * g * g);
-                *o = 0.5 * g * (1.0 + inner.tanh()) * u;
+                *o = 0.5 * g * (1.0 + tanh(inner)) * u;
             }
         }),
     }
@@ -60,4 +60,26 @@ pub fn add_in_place(x: &mut [f32], y: &[f32]) {
     x.par_chunks_mut(4096)
         .zip(y.par_chunks(4096))
         .for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(a, b)| *a += b));
+}
+
+/// `tanh(y)` through [`exp_nonpositive`] (libm's `tanhf` does not vectorize and took a tenth
+/// of Gemma's prefill): `sign(y) (1 - e) / (1 + e)` with `e = exp(-2|y|)`.
+#[inline(always)]
+fn tanh(y: f32) -> f32 {
+    let e = exp_nonpositive(-2.0 * y.abs());
+    ((1.0 - e) / (1.0 + e)).copysign(y)
+}
+
+/// `exp(x)` for `x <= 0` as `2^k * 2^f` with `|f| <= 1/2` and a degree-6 polynomial
+/// (relative error about 1e-7): unlike libm's `expf`, this loop vectorizes.
+#[inline(always)]
+pub fn exp_nonpositive(x: f32) -> f32 {
+    let t = x.max(-87.0) * std::f32::consts::LOG2_E;
+    let k = (t + 0.5).floor();
+    let f = (t - k) * std::f32::consts::LN_2;
+    let p = 1.0
+        + f * (1.0
+            + f * (0.5
+                + f * (1.0 / 6.0 + f * (1.0 / 24.0 + f * (1.0 / 120.0 + f * (1.0 / 720.0))))));
+    p * f32::from_bits(((k as i32 + 127) as u32) << 23)
 }

@@ -2,6 +2,7 @@
 //! prefill chunks and decodes together. Causal within each request, GQA by head grouping,
 //! online softmax in f32, K/V read through the block tables.
 
+use super::ops::exp_nonpositive;
 use crate::backend::cpu::disjoint::DisjointSlice;
 use crate::backend::cpu::quant::isa::Isa;
 use half::f16;
@@ -666,18 +667,4 @@ fn chunk_scores(q: &[f32], k_rows: &[f32], stride: usize) -> [f32; LANES] {
         s[j] = (a0[j] + a1[j]) + (a2[j] + a3[j]);
     }
     s
-}
-
-/// `exp(x)` for `x <= 0` as `2^k * 2^f` with `|f| <= 1/2` and a degree-6 polynomial
-/// (relative error about 1e-7): unlike libm's `expf`, this loop vectorizes.
-#[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
-    let t = x.max(-87.0) * std::f32::consts::LOG2_E;
-    let k = (t + 0.5).floor();
-    let f = (t - k) * std::f32::consts::LN_2;
-    let p = 1.0
-        + f * (1.0
-            + f * (0.5
-                + f * (1.0 / 6.0 + f * (1.0 / 24.0 + f * (1.0 / 120.0 + f * (1.0 / 720.0))))));
-    p * f32::from_bits(((k as i32 + 127) as u32) << 23)
 }
