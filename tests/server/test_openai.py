@@ -120,10 +120,13 @@ def test_tokenize_detokenize_roundtrip(server):
     (dict(response_format={"type": "json_object"}), "response_format"),
     (dict(n=0), "n"),
     (dict(top_p=0.0), "top_p"),
+    (dict(response_format={"type": 5}), "response_format"),
+    (dict(extra_body={"stop_token_ids": [10 ** 9]}), "stop_token_ids"),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages"),
 ])
 def test_bad_chat_requests_get_400(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=ASK, **kw)
+        client.chat.completions.create(**{"model": MODEL, "messages": ASK, **kw})
     assert param in str(e.value)
 
 

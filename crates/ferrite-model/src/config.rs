@@ -85,6 +85,31 @@ impl ModelConfig {
         };
         let rope_dim = src.opt_usize("rope_dim").unwrap_or(head_dim);
         let num_layers = src.usize("num_hidden_layers")?;
+        let intermediate_size = src.usize("intermediate_size")?;
+        let positive = [
+            ("hidden_size", hidden_size),
+            ("num_hidden_layers", num_layers),
+            ("intermediate_size", intermediate_size),
+            ("head_dim", head_dim),
+            ("rope dimensions", rope_dim),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            bail!("{}: `{name}` is 0", src.path().display());
+        }
+        if rope_dim > head_dim || rope_dim % 2 == 1 {
+            bail!(
+                "{}: {rope_dim} rotary dimensions for heads of {head_dim}",
+                src.path().display()
+            );
+        }
+        let rms_norm_eps = match src.opt_f32("rms_norm_eps") {
+            Some(e) if !(e.is_finite() && e >= 0.0) => {
+                bail!("{}: `rms_norm_eps` is {e}", src.path().display())
+            }
+            Some(e) => e,
+            None if src.is_gguf() => 1e-5,
+            None => 1e-6,
+        };
         // Qwen2 configs name a window but turn it off.
         let sliding_window = src
             .opt_usize("sliding_window")
@@ -93,16 +118,12 @@ impl ModelConfig {
             architecture: src.architecture().to_string(),
             num_layers,
             hidden_size,
-            intermediate_size: src.usize("intermediate_size")?,
+            intermediate_size,
             num_heads,
             num_kv_heads,
             head_dim,
             vocab_size: src.opt_usize("vocab_size").unwrap_or(0),
-            rms_norm_eps: src.opt_f32("rms_norm_eps").unwrap_or(if src.is_gguf() {
-                1e-5
-            } else {
-                1e-6
-            }),
+            rms_norm_eps,
             rope_theta: src
                 .opt_f32("rope_theta")
                 .or_else(|| src.opt_f32("rope_parameters.rope_theta"))

@@ -13,6 +13,16 @@ use minijinja::Value as JinjaValue;
 use serde_json::Value;
 use std::sync::Arc;
 
+/// The roles of OpenAI's chat API (`function`: its legacy tool role).
+const ROLES: &[&str] = &[
+    "system",
+    "developer",
+    "user",
+    "assistant",
+    "tool",
+    "function",
+];
+
 /// Messages as the template sees them: text parts joined, other parts refused.
 fn normalize_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
     if messages.is_empty() {
@@ -25,9 +35,19 @@ fn normalize_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
             let obj = m
                 .as_object_mut()
                 .ok_or_else(|| ApiError::bad_request("each message must be an object"))?;
-            if !obj.get("role").is_some_and(Value::is_string) {
-                return Err(ApiError::bad_request("each message needs a string `role`")
-                    .with_param("messages"));
+            match obj.get("role").and_then(Value::as_str) {
+                Some(r) if ROLES.contains(&r) => {}
+                Some(r) => {
+                    return Err(ApiError::bad_request(format!(
+                        "unknown message role `{r}` (one of {})",
+                        ROLES.join(", ")
+                    ))
+                    .with_param("messages"))
+                }
+                None => {
+                    return Err(ApiError::bad_request("each message needs a string `role`")
+                        .with_param("messages"))
+                }
             }
             if let Some(Value::Array(parts)) = obj.get("content") {
                 let mut text = String::new();
@@ -171,7 +191,8 @@ pub async fn chat_completions(
         (false, None) => None,
     };
     let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
-    let params = sampling_params(&req.common, max_tokens, top, None)?;
+    let vocab = state.tokenizer.tokenizer.get_vocab_size(true);
+    let params = sampling_params(&req.common, vocab, max_tokens, top, None)?;
     let prompt = render_prompt(&state, &req, with_tools)?;
     let choices = start_choices(&state, vec![prompt], &params, n)?;
     let id = random_id("chatcmpl");

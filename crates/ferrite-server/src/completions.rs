@@ -76,7 +76,8 @@ pub async fn completions(state: SharedState, req: CompletionRequest) -> Result<R
     let prompt_lp = req
         .prompt_logprobs
         .or(if req.echo { req.logprobs } else { None });
-    let params = sampling_params(&req.common, max_tokens, req.logprobs, prompt_lp)?;
+    let vocab = state.tokenizer.tokenizer.get_vocab_size(true);
+    let params = sampling_params(&req.common, vocab, max_tokens, req.logprobs, prompt_lp)?;
     let prompts = prompts(&state, req.prompt.clone())?;
     let choices = start_choices(&state, prompts, &params, n)?;
     let id = random_id("cmpl");

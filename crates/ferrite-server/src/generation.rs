@@ -18,8 +18,10 @@ pub fn finish_reason(r: FinishReason) -> &'static str {
 }
 
 /// Maps the OpenAI fields (and vLLM's extras) onto engine sampling params.
+/// `vocab_size`: the tokenizer's, which `stop_token_ids` must fall within.
 pub fn sampling_params(
     c: &CommonParams,
+    vocab_size: usize,
     max_tokens: Option<i64>,
     logprobs: Option<i64>,
     prompt_logprobs: Option<i64>,
@@ -28,8 +30,17 @@ pub fn sampling_params(
         return Err(ApiError::bad_request("`logit_bias` is not supported").with_param("logit_bias"));
     }
     if let Some(rf) = &c.response_format {
-        match rf.get("type").and_then(|t| t.as_str()) {
-            Some("text") | None => {}
+        let kind = rf.get("type").ok_or_else(|| {
+            ApiError::bad_request("`response_format` needs a `type`").with_param("response_format")
+        })?;
+        match kind.as_str() {
+            Some("text") => {}
+            None => {
+                return Err(ApiError::bad_request(format!(
+                    "`response_format.type` must be a string, got {kind}"
+                ))
+                .with_param("response_format"))
+            }
             Some(other) => {
                 return Err(ApiError::bad_request(format!(
                     "`response_format` of type `{other}` is not supported: ferrite does not \
@@ -38,6 +49,12 @@ pub fn sampling_params(
                 .with_param("response_format"))
             }
         }
+    }
+    if let Some(bad) = c.stop_token_ids.iter().find(|&&t| t as usize >= vocab_size) {
+        return Err(ApiError::bad_request(format!(
+            "`stop_token_ids` holds {bad}, outside the vocabulary of {vocab_size}"
+        ))
+        .with_param("stop_token_ids"));
     }
     let d = SamplingParams::default();
     let p = SamplingParams {

@@ -3,7 +3,7 @@
 //! interleaved with global ones, each with its own rotary base; Gemma 2 soft-caps attention
 //! scores and final logits, Gemma 3 normalizes Q and K per head instead.
 
-use super::layers::{lm_head, norm, Attention, Mlp, NormWeights};
+use super::layers::{embedding, lm_head, norm, Attention, Mlp, NormWeights};
 use super::{Buffers, Family};
 use crate::backend::{Activation, AttentionSpec, Backend, Epilogue, LinearIn, Step};
 use crate::config::{rope_scaling, ModelConfig, RopeScaling};
@@ -118,18 +118,20 @@ impl<B: Backend> Gemma<B> {
             kv_slot: 0,
         };
         let by_one = NormWeights::OffsetByOne;
+        let h = c.hidden_size;
+        let (embedding, vocab) = embedding(b, w, h)?;
         let mut layers = Vec::with_capacity(c.num_layers);
         for (i, &local) in gc.local.iter().enumerate() {
             let p = format!("model.layers.{i}");
             let n = |w: &mut WeightSource, name: &str| {
-                norm(b, w, &format!("{p}.{name}.weight"), by_one)
+                norm(b, w, &format!("{p}.{name}.weight"), h, by_one)
             };
             layers.push(Layer {
                 attn_norm: n(w, "input_layernorm")?,
-                attn: Attention::load(b, w, &p, spec(local).at(layout, i), by_one)?,
+                attn: Attention::load(b, w, &p, h, spec(local).at(layout, i), by_one)?,
                 post_attn_norm: n(w, "post_attention_layernorm")?,
                 ffn_norm: n(w, "pre_feedforward_layernorm")?,
-                mlp: Mlp::load(b, w, &p)?,
+                mlp: Mlp::load(b, w, &p, h, c.intermediate_size)?,
                 post_ffn_norm: n(w, "post_feedforward_layernorm")?,
                 local,
             });
@@ -147,10 +149,10 @@ impl<B: Backend> Gemma<B> {
             // transformers rounds the scale to the activations' dtype (f32 here).
             embed_scale: (c.hidden_size as f32).sqrt(),
             final_softcap: gc.final_softcap,
-            embedding: b.embedding(w.tensor("model.embed_tokens.weight")?)?,
+            embedding,
             layers,
-            final_norm: norm(b, w, "model.norm.weight", by_one)?,
-            lm_head: lm_head(b, w)?,
+            final_norm: norm(b, w, "model.norm.weight", h, by_one)?,
+            lm_head: lm_head(b, w, vocab, h)?,
             global_rope: b.rope(&global, max_positions)?,
             local_rope: b.rope(&local, max_positions)?,
         })

@@ -21,9 +21,16 @@ pub fn norm<B: Backend>(
     b: &B,
     w: &mut WeightSource,
     name: &str,
+    len: usize,
     kind: NormWeights,
 ) -> Result<B::Vector> {
     let mut v = w.vector(name)?;
+    if v.len() != len {
+        anyhow::bail!(
+            "norm `{name}` has {} weights, the config implies {len}",
+            v.len()
+        );
+    }
     if kind == NormWeights::OffsetByOne && !w.is_gguf() {
         v.iter_mut().for_each(|x| *x += 1.0);
     }
@@ -43,22 +50,29 @@ pub struct Attention<B: Backend> {
 
 impl<B: Backend> Attention<B> {
     /// Layer `prefix` (`model.layers.N`); biases and Q/K norms where the checkpoint has them.
+    /// `hidden`: the residual stream's width.
     pub fn load(
         b: &B,
         w: &mut WeightSource,
         prefix: &str,
+        hidden: usize,
         spec: AttentionSpec,
         norms: NormWeights,
     ) -> Result<Self> {
         let p = |n: &str| format!("{prefix}.self_attn.{n}");
-        let qkv = ["q_proj", "k_proj", "v_proj"]
+        let d = spec.head_dim;
+        let (q_w, kv_w) = (spec.num_heads * d, spec.num_kv_heads * d);
+        let qkv = [("q_proj", q_w), ("k_proj", kv_w), ("v_proj", kv_w)]
             .iter()
-            .map(|n| w.tensor(&p(&format!("{n}.weight"))))
+            .map(|(n, rows)| w.shaped(&p(&format!("{n}.weight")), &[*rows, hidden]))
             .collect::<Result<Vec<_>>>()?;
         let bias = match w.opt_vector(&p("q_proj.bias"))? {
             Some(mut q) => {
                 q.extend(w.vector(&p("k_proj.bias"))?);
                 q.extend(w.vector(&p("v_proj.bias"))?);
+                if q.len() != q_w + 2 * kv_w {
+                    anyhow::bail!("{prefix}: Q/K/V biases hold {} values", q.len());
+                }
                 Some(b.vector(q)?)
             }
             None => None,
@@ -66,7 +80,7 @@ impl<B: Backend> Attention<B> {
         let qk_norm = |w: &mut WeightSource, n: &str| -> Result<Option<B::Vector>> {
             let name = p(&format!("{n}.weight"));
             if w.has(&name) {
-                norm(b, w, &name, norms).map(Some)
+                norm(b, w, &name, d, norms).map(Some)
             } else {
                 Ok(None)
             }
@@ -76,7 +90,10 @@ impl<B: Backend> Attention<B> {
             k_norm: qk_norm(w, "k_norm")?,
             qkv: b.linear(qkv, Stack::Concat)?,
             bias,
-            o: b.linear(vec![w.tensor(&p("o_proj.weight"))?], Stack::Concat)?,
+            o: b.linear(
+                vec![w.shaped(&p("o_proj.weight"), &[hidden, q_w])?],
+                Stack::Concat,
+            )?,
             spec,
         })
     }
@@ -116,12 +133,22 @@ pub struct Mlp<B: Backend> {
 }
 
 impl<B: Backend> Mlp<B> {
-    pub fn load(b: &B, w: &mut WeightSource, prefix: &str) -> Result<Self> {
+    pub fn load(
+        b: &B,
+        w: &mut WeightSource,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+    ) -> Result<Self> {
         let p = |n: &str| format!("{prefix}.mlp.{n}.weight");
-        let gate_up = vec![w.tensor(&p("gate_proj"))?, w.tensor(&p("up_proj"))?];
+        let gate_up = vec![
+            w.shaped(&p("gate_proj"), &[inter, hidden])?,
+            w.shaped(&p("up_proj"), &[inter, hidden])?,
+        ];
+        let down = w.shaped(&p("down_proj"), &[hidden, inter])?;
         Ok(Self {
             gate_up: b.linear(gate_up, Stack::GateUp)?,
-            down: b.linear(vec![w.tensor(&p("down_proj"))?], Stack::Concat)?,
+            down: b.linear(vec![down], Stack::Concat)?,
         })
     }
 
@@ -130,11 +157,33 @@ impl<B: Backend> Mlp<B> {
     }
 }
 
-/// The LM head: its own matrix, or the embedding's when tied.
-pub fn lm_head<B: Backend>(b: &B, w: &mut WeightSource) -> Result<B::Linear> {
-    let t = match w.opt_tensor("lm_head.weight")? {
-        Some(t) => t,
-        None => w.tensor("model.embed_tokens.weight")?,
+/// The embedding table, `[vocab, hidden]` for some vocabulary, and that vocabulary's size.
+pub fn embedding<B: Backend>(
+    b: &B,
+    w: &mut WeightSource,
+    hidden: usize,
+) -> Result<(B::Embedding, usize)> {
+    let t = w.tensor("model.embed_tokens.weight")?;
+    if t.shape().dims().get(1) != Some(&hidden) || t.shape().dims().len() != 2 {
+        anyhow::bail!(
+            "the embedding table is {:?}, the config implies [vocab, {hidden}]",
+            t.shape().dims()
+        );
+    }
+    let vocab = t.shape().dims()[0];
+    Ok((b.embedding(t)?, vocab))
+}
+
+/// The LM head: its own matrix, or the embedding's when tied; `[vocab, hidden]`.
+pub fn lm_head<B: Backend>(
+    b: &B,
+    w: &mut WeightSource,
+    vocab: usize,
+    hidden: usize,
+) -> Result<B::Linear> {
+    let name = match w.has("lm_head.weight") {
+        true => "lm_head.weight",
+        false => "model.embed_tokens.weight",
     };
-    b.linear(vec![t], Stack::Concat)
+    b.linear(vec![w.shaped(name, &[vocab, hidden])?], Stack::Concat)
 }

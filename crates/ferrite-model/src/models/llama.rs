@@ -2,7 +2,7 @@
 //! Qwen2 (QKV bias) and Qwen3 (Q/K norm). Pre-norm blocks, SiLU-gated MLP; what a member
 //! adds is found in its weights (biases, Q/K norms) and its config.
 
-use super::layers::{lm_head, norm, Attention, Mlp, NormWeights};
+use super::layers::{embedding, lm_head, norm, Attention, Mlp, NormWeights};
 use super::{Buffers, Family};
 use crate::backend::{Activation, AttentionSpec, Backend, Epilogue, LinearIn, Step};
 use crate::config::{ModelConfig, RopeScaling};
@@ -55,15 +55,23 @@ impl<B: Backend> Llama<B> {
             kv_group: 0,
             kv_slot: 0,
         };
+        let h = c.hidden_size;
+        let (embedding, vocab) = embedding(b, w, h)?;
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let p = format!("model.layers.{i}");
             let plain = NormWeights::Plain;
             layers.push(Layer {
-                attn_norm: norm(b, w, &format!("{p}.input_layernorm.weight"), plain)?,
-                attn: Attention::load(b, w, &p, spec.clone().at(layout, i), plain)?,
-                ffn_norm: norm(b, w, &format!("{p}.post_attention_layernorm.weight"), plain)?,
-                mlp: Mlp::load(b, w, &p)?,
+                attn_norm: norm(b, w, &format!("{p}.input_layernorm.weight"), h, plain)?,
+                attn: Attention::load(b, w, &p, h, spec.clone().at(layout, i), plain)?,
+                ffn_norm: norm(
+                    b,
+                    w,
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    h,
+                    plain,
+                )?,
+                mlp: Mlp::load(b, w, &p, h, c.intermediate_size)?,
             });
             progress(i + 1, c.num_layers);
         }
@@ -73,10 +81,10 @@ impl<B: Backend> Llama<B> {
             rope.scaling = RopeScaling::Factors(f);
         }
         Ok(Self {
-            embedding: b.embedding(w.tensor("model.embed_tokens.weight")?)?,
+            embedding,
             layers,
-            final_norm: norm(b, w, "model.norm.weight", NormWeights::Plain)?,
-            lm_head: lm_head(b, w)?,
+            final_norm: norm(b, w, "model.norm.weight", h, NormWeights::Plain)?,
+            lm_head: lm_head(b, w, vocab, h)?,
             rope: b.rope(&rope, max_positions)?,
             config,
         })

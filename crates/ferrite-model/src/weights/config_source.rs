@@ -60,6 +60,9 @@ fn gguf_value(v: &candle_core::quantized::gguf_file::Value) -> Option<Value> {
         G::I32(x) => Value::from(*x),
         G::U64(x) => Value::from(*x),
         G::I64(x) => Value::from(*x),
+        // JSON has no NaN or infinity: kept as text, so a broken value is seen, not defaulted.
+        G::F32(x) if !x.is_finite() => Value::from(x.to_string()),
+        G::F64(x) if !x.is_finite() => Value::from(x.to_string()),
         G::F32(x) => Value::from(*x as f64),
         G::F64(x) => Value::from(*x),
         G::Bool(x) => Value::from(*x),
@@ -157,7 +160,10 @@ impl ConfigSource {
     }
 
     pub fn opt_f32(&self, key: &str) -> Option<f32> {
-        self.get(key).and_then(Value::as_f64).map(|v| v as f32)
+        let v = self.get(key)?;
+        v.as_f64()
+            .map(|v| v as f32)
+            .or_else(|| v.as_str()?.parse().ok())
     }
 
     pub fn opt_bool(&self, key: &str) -> Option<bool> {
@@ -175,7 +181,7 @@ impl ConfigSource {
 
     /// Checks a divisibility the attention layout needs.
     pub fn check_heads(&self, heads: usize, kv_heads: usize) -> Result<()> {
-        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             bail!("{heads} attention heads are not a multiple of {kv_heads} KV heads");
         }
         Ok(())

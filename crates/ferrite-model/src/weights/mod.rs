@@ -123,6 +123,20 @@ impl WeightSource {
         }
     }
 
+    /// The tensor `name`, which must be `dims` (`[out, in]` for a matrix): a file whose
+    /// tensors disagree with its config fails here, not with wrong answers.
+    pub fn shaped(&mut self, name: &str, dims: &[usize]) -> Result<QTensor> {
+        let t = self.tensor(name)?;
+        if t.shape().dims() != dims {
+            bail!(
+                "{}: tensor `{name}` is {:?}, the config implies {dims:?}",
+                self.location(),
+                t.shape().dims()
+            );
+        }
+        Ok(t)
+    }
+
     /// `name` if present.
     pub fn opt_tensor(&mut self, name: &str) -> Result<Option<QTensor>> {
         if self.has(name) {
