@@ -29,11 +29,11 @@ run_mode() {
   for _ in $(seq 600); do curl -sf "$url/health" >/dev/null && break; sleep 0.2; done
   for c in 1 4 16; do
     curl -sf -X POST "$url/reset_prefix_cache" >/dev/null
-    local q0 h0; q0=$(metric vllm:prefix_cache_queries); h0=$(metric vllm:prefix_cache_hits)
+    local q0 h0; q0=$(metric vllm:prefix_cache_queries_total); h0=$(metric vllm:prefix_cache_hits_total)
     $ferrite bench serve --base-url "$url/v1" --tokenizer "$model" --dataset agent --preset mini \
       --ignore-eos --concurrency "$c" --warmup 1 --label "$mode" --out "$out/$mode-c$c.json" \
       --charts-dir "$out/charts" > /dev/null 2>&1
-    echo "$(metric vllm:prefix_cache_queries) $q0 $(metric vllm:prefix_cache_hits) $h0" > "$out/$mode-c$c.hits"
+    echo "$(metric vllm:prefix_cache_queries_total) $q0 $(metric vllm:prefix_cache_hits_total) $h0" > "$out/$mode-c$c.hits"
   done
   curl -sf -X POST "$url/reset_prefix_cache" >/dev/null
   $ferrite bench serve --base-url "$url/v1" --tokenizer "$model" --dataset session --num-prompts 14 \
@@ -108,7 +108,7 @@ ferrite {commit}, `ferrite serve MODEL --max-model-len 4096 --kv-cache-memory 16
 
 The prefix cache is reset before each level; the level's warm-up request primes the shared
 system prompt with its tool schemas, as it is in any agent deployment after its first request.
-The hit rate is `vllm:prefix_cache_hits / vllm:prefix_cache_queries` (tokens) over the level.
+The hit rate is `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` (tokens) over the level.
 
 {chr(10).join(rows)}
 

@@ -178,7 +178,7 @@ def test_metrics_have_vllm_names(server, client):
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     text = requests.get(server.url + "/metrics").text
     for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:num_preemptions", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                  "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
                  "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
                  "vllm:request_queue_time_seconds_sum"]:
@@ -337,18 +337,18 @@ def test_bench_serve_numbers_match_the_server(server, tmp_path):
 def test_prefix_cache_metrics_n_sharing_and_reset(server, client):
     assert requests.post(server.url + "/reset_prefix_cache").status_code == 200
     msgs = [{"role": "user", "content": "Summarize the plot of a long novel about a lighthouse keeper. " * 6}]
-    h0, q0 = metric(server, "vllm:prefix_cache_hits"), metric(server, "vllm:prefix_cache_queries")
+    h0, q0 = metric(server, "vllm:prefix_cache_hits_total"), metric(server, "vllm:prefix_cache_queries_total")
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, n=2, temperature=1.0, seed=1)
     assert len(r.choices) == 2
     prompt = r.usage.prompt_tokens
     # The second choice starts once the first has computed the prompt: all its full blocks hit.
-    assert metric(server, "vllm:prefix_cache_queries") - q0 == 2 * prompt
-    assert metric(server, "vllm:prefix_cache_hits") - h0 == (prompt - 1) // 16 * 16
+    assert metric(server, "vllm:prefix_cache_queries_total") - q0 == 2 * prompt
+    assert metric(server, "vllm:prefix_cache_hits_total") - h0 == (prompt - 1) // 16 * 16
     # A repeat of the same prompt hits too; after a reset it does not.
-    h1 = metric(server, "vllm:prefix_cache_hits")
+    h1 = metric(server, "vllm:prefix_cache_hits_total")
     client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
-    assert metric(server, "vllm:prefix_cache_hits") > h1
+    assert metric(server, "vllm:prefix_cache_hits_total") > h1
     assert requests.post(server.url + "/reset_prefix_cache").status_code == 200
-    h2 = metric(server, "vllm:prefix_cache_hits")
+    h2 = metric(server, "vllm:prefix_cache_hits_total")
     client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
-    assert metric(server, "vllm:prefix_cache_hits") == h2
+    assert metric(server, "vllm:prefix_cache_hits_total") == h2

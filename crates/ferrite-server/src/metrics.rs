@@ -112,7 +112,7 @@ impl Metrics {
         );
         counter(
             &mut out,
-            "vllm:num_preemptions",
+            "vllm:num_preemptions_total",
             "Cumulative number of preemptions from the engine.",
             s.num_preemptions,
         );
@@ -130,13 +130,13 @@ impl Metrics {
         );
         counter(
             &mut out,
-            "vllm:prefix_cache_queries",
+            "vllm:prefix_cache_queries_total",
             "Prefix cache queries, in terms of number of queried tokens.",
             s.prefix_cache_queries,
         );
         counter(
             &mut out,
-            "vllm:prefix_cache_hits",
+            "vllm:prefix_cache_hits_total",
             "Prefix cache hits, in terms of number of cached tokens.",
             s.prefix_cache_hits,
         );

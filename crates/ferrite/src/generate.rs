@@ -27,7 +27,11 @@ pub struct GenerateArgs {
 pub fn run(args: GenerateArgs) -> Result<()> {
     let params = args.sampling.params();
     params.validate().map_err(|e| anyhow!(e))?;
-    let started = start(&args.engine)?;
+    // One request: a KV pool for one max_model_len request is all it can use (the plan caps
+    // the pool at max_num_seqs of them), and touching a quarter of the RAM takes seconds.
+    let mut flags = args.engine.clone();
+    flags.max_num_seqs = 1;
+    let started = start(&flags)?;
     let tok = &started.tokenizer;
     let prompt_ids = if args.chat {
         let src = tok
