@@ -255,6 +255,27 @@ def test_oversized_body_and_unknown_route(server):
     assert r.status_code == 405 and r.json()["error"]["type"] == "MethodNotAllowedError"
 
 
+def test_huge_prompts_and_prompt_lists_are_refused_before_any_work(client, server):
+    import threading, time
+    # 20 MB of text cannot fit 2,048 tokens: refused without tokenizing it, and /health
+    # answers meanwhile (tokenization runs off the async runtime).
+    slow = []
+    def poll():
+        for _ in range(20):
+            t = time.time()
+            requests.get(server.url + "/health", timeout=10)
+            slow.append(time.time() - t)
+            time.sleep(0.05)
+    t = threading.Thread(target=poll)
+    t.start()
+    with pytest.raises(openai.BadRequestError, match="more than a context of 2048 tokens"):
+        client.completions.create(model=MODEL, prompt="word " * (4 << 20), max_tokens=1)
+    t.join()
+    assert max(slow) < 1.0, slow
+    with pytest.raises(openai.BadRequestError, match="more than 1024 completions"):
+        client.completions.create(model=MODEL, prompt=["hi"] * 600, n=2, max_tokens=1)
+
+
 def test_a_vanishing_temperature_is_greedy_and_crashes_no_step(client):
     # 1 / 1e-40 overflows f32: such requests sample greedily (as vLLM below 1e-5), and
     # requests sharing their step are unharmed.

@@ -2,6 +2,7 @@
 
 use crate::error::ApiError;
 use crate::generation::{check_model, check_n, collect, sampling_params, start_choices, Choice};
+use crate::prompt_work::{check_text_len, off_runtime};
 use crate::protocol::*;
 use crate::sse::{sse_response, ChunkSink, WrapChunk};
 use crate::state::{AppState, SharedState};
@@ -140,6 +141,7 @@ pub fn render_prompt(
         .add_generation_prompt
         .unwrap_or(!req.continue_final_message);
     let text = template.render(&messages, add_gen, JinjaValue::from_serialize(&extra))?;
+    check_text_len(state, &text)?;
     let ids = state.tokenizer.encode(&text, false)?;
     Ok(ids)
 }
@@ -193,7 +195,11 @@ pub async fn chat_completions(
     let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
     let vocab = state.tokenizer.tokenizer.get_vocab_size(true);
     let params = sampling_params(&req.common, vocab, max_tokens, top, None)?;
-    let prompt = render_prompt(&state, &req, with_tools)?;
+    let req = Arc::new(req);
+    let prompt = {
+        let req = req.clone();
+        off_runtime(&state, move |s| render_prompt(s, &req, with_tools)).await?
+    };
     let choices = start_choices(&state, vec![prompt], &params, n)?;
     let id = random_id("chatcmpl");
     let model = state.model_name.clone();

@@ -2,6 +2,7 @@
 
 use crate::error::ApiError;
 use crate::generation::{check_model, check_n, collect, sampling_params, start_choices, Choice};
+use crate::prompt_work::{check_choices, check_text_len, off_runtime};
 use crate::protocol::*;
 use crate::sse::{sse_response, ChunkSink, WrapChunk};
 use crate::state::{AppState, SharedState};
@@ -12,7 +13,10 @@ use serde_json::Value;
 use std::sync::Arc;
 
 fn prompts(state: &AppState, p: Prompt) -> Result<Vec<Vec<u32>>, ApiError> {
-    let encode = |t: &str| -> Result<Vec<u32>, ApiError> { Ok(state.tokenizer.encode(t, true)?) };
+    let encode = |t: &str| -> Result<Vec<u32>, ApiError> {
+        check_text_len(state, t)?;
+        Ok(state.tokenizer.encode(t, true)?)
+    };
     let out = match p {
         Prompt::Text(t) => vec![encode(&t)?],
         Prompt::Texts(ts) => ts.iter().map(|t| encode(t)).collect::<Result<_, _>>()?,
@@ -78,7 +82,14 @@ pub async fn completions(state: SharedState, req: CompletionRequest) -> Result<R
         .or(if req.echo { req.logprobs } else { None });
     let vocab = state.tokenizer.tokenizer.get_vocab_size(true);
     let params = sampling_params(&req.common, vocab, max_tokens, req.logprobs, prompt_lp)?;
-    let prompts = prompts(&state, req.prompt.clone())?;
+    let count = match &req.prompt {
+        Prompt::Texts(t) => t.len(),
+        Prompt::TokenLists(l) => l.len(),
+        _ => 1,
+    };
+    check_choices(count, n)?;
+    let prompt = req.prompt.clone();
+    let prompts = off_runtime(&state, move |s| prompts(s, prompt)).await?;
     let choices = start_choices(&state, prompts, &params, n)?;
     let id = random_id("cmpl");
     let model = state.model_name.clone();

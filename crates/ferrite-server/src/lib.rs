@@ -5,6 +5,7 @@ pub mod completions;
 pub mod error;
 pub mod generation;
 pub mod metrics;
+pub mod prompt_work;
 pub mod protocol;
 pub mod sse;
 pub mod state;
@@ -123,10 +124,16 @@ async fn tokenize(
             .get("add_special_tokens")
             .and_then(Value::as_bool)
             .unwrap_or(true);
-        s.tokenizer.encode(p, add)?
+        let p = p.to_string();
+        prompt_work::off_runtime(&s, move |s| {
+            prompt_work::check_text_len(s, &p)?;
+            Ok(s.tokenizer.encode(&p, add)?)
+        })
+        .await?
     } else if req.get("messages").is_some() {
         let chat: protocol::ChatCompletionRequest = parse(&body)?;
-        chat::render_prompt(&s, &chat, chat.tools.is_some())?
+        let tools = chat.tools.is_some();
+        prompt_work::off_runtime(&s, move |s| chat::render_prompt(s, &chat, tools)).await?
     } else {
         return Err(ApiError::bad_request(
             "give `prompt` (a string) or `messages`",
