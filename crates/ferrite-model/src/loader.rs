@@ -46,7 +46,10 @@ impl WeightFormat {
 /// Engine settings, named after vLLM's flags.
 #[derive(Clone, Debug)]
 pub struct EngineArgs {
+    /// A file, a folder, or a Hugging Face id (`org/name`, `org/name:Q4_K_M`) in the cache.
     pub model: PathBuf,
+    /// Branch, tag or commit of a Hugging Face id (`--revision`).
+    pub revision: Option<String>,
     pub max_model_len: Option<usize>,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
@@ -120,6 +123,7 @@ impl EngineArgs {
     pub fn new(model: impl Into<PathBuf>) -> Self {
         Self {
             model: model.into(),
+            revision: None,
             max_model_len: None,
             max_num_seqs: 256,
             max_num_batched_tokens: 512,
@@ -138,6 +142,18 @@ impl EngineArgs {
 }
 
 impl EngineArgs {
+    /// These args with a Hugging Face id resolved to its file or folder in the cache.
+    pub fn resolved(&self) -> Result<Self> {
+        let model = crate::weights::hub::resolve(&self.model, self.revision.as_deref())?;
+        if model != self.model {
+            tracing::info!("{} is {}", self.model.display(), model.display());
+        }
+        Ok(Self {
+            model,
+            ..self.clone()
+        })
+    }
+
     /// `--max-model-len`, or the model's trained context; past that context only a warning.
     pub(crate) fn max_model_len(&self, config: &ModelConfig) -> Result<usize> {
         let max_model_len = self.max_model_len.unwrap_or(config.context_length);
@@ -216,7 +232,8 @@ pub fn config_source(model: &Path) -> Result<ConfigSource> {
 }
 
 pub fn read_config(model: &Path) -> Result<ModelConfig> {
-    models::config(&config_source(model)?)
+    let model = crate::weights::hub::resolve(model, None)?;
+    models::config(&config_source(&model)?)
 }
 
 pub struct LoadedEngine {
@@ -235,7 +252,7 @@ pub fn load(args: &EngineArgs, mut progress: impl FnMut(usize, usize)) -> Result
     match args.device {
         DeviceKind::Cpu => load_cpu(args, &mut progress),
         #[cfg(feature = "cuda")]
-        DeviceKind::Cuda(ordinal) => crate::cuda::loader::load(args, ordinal, progress),
+        DeviceKind::Cuda(ordinal) => crate::cuda::loader::load(&args.resolved()?, ordinal, progress),
         #[cfg(not(feature = "cuda"))]
         DeviceKind::Cuda(_) => bail!(
             "--device cuda: this ferrite was built without CUDA support (build with `cargo build --release --features cuda`)"
@@ -286,6 +303,7 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
     if args.load_format == LoadFormat::Dummy {
         bail!("--load-format dummy needs --device cuda");
     }
+    let args = &args.resolved()?;
     let config = read_config(&args.model)?;
     let max_model_len = args.max_model_len(&config)?;
     let tokenizer = open_tokenizer(&args.model)?;

@@ -12,9 +12,13 @@ use std::path::PathBuf;
 
 #[derive(Args, Debug, Clone)]
 pub struct EngineFlags {
-    /// A GGUF model file; with `--device cuda` also a Hugging Face model folder (or its
-    /// config.json) holding *.safetensors.
+    /// A GGUF file, a Hugging Face folder (config.json, *.safetensors), or a Hugging Face id
+    /// read from the local Hugging Face cache: `org/name`, or `org/name:Q4_K_M` for one GGUF
+    /// file of the repository.
     pub model: PathBuf,
+    /// Branch, tag or commit when MODEL is a Hugging Face id.
+    #[arg(long)]
+    pub revision: Option<String>,
     /// Longest prompt + output in tokens (default: the model's context length).
     #[arg(long)]
     pub max_model_len: Option<usize>,
@@ -81,6 +85,7 @@ impl EngineFlags {
     pub fn engine_args(&self) -> EngineArgs {
         EngineArgs {
             model: self.model.clone(),
+            revision: self.revision.clone(),
             max_model_len: self.max_model_len,
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,

@@ -139,3 +139,81 @@ fn bench_offline_reports_each_depth() {
         "{table}"
     );
 }
+
+/// `org/name` and `org/name:QUANT` from a Hugging Face cache tree built on disk (offline).
+#[test]
+fn hugging_face_ids_resolve_through_the_local_cache() {
+    let tiny = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/oracle/tiny");
+    let cache = std::env::temp_dir().join(format!("ferrite-hf-cache-{}", std::process::id()));
+    let repo = cache.join("models--test--tiny-qwen3");
+    let snap = repo.join("snapshots/0123abcd");
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "0123abcd\n").unwrap();
+    for f in ["config.json", "generation_config.json", "model.safetensors"] {
+        std::fs::copy(tiny.join("qwen3").join(f), snap.join(f)).unwrap();
+    }
+    // A GGUF repository as the cache keeps it (files are links to blobs): the real test model
+    // and a second quantization.
+    let out = Command::new("bash")
+        .arg(tiny.join("../../../scripts/fetch-model.sh"))
+        .output()
+        .unwrap();
+    let smollm2 = std::path::PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+    let gguf_repo = cache.join("models--test--smollm2-gguf");
+    let gsnap = gguf_repo.join("snapshots/4567ef");
+    std::fs::create_dir_all(&gsnap).unwrap();
+    std::fs::create_dir_all(gguf_repo.join("refs")).unwrap();
+    std::fs::write(gguf_repo.join("refs/main"), "4567ef").unwrap();
+    let link = |from: &std::path::Path, to: &str| {
+        let _ = std::fs::remove_file(gsnap.join(to));
+        std::os::unix::fs::symlink(from, gsnap.join(to)).unwrap();
+    };
+    link(&smollm2, "smollm2-Q4_1.gguf");
+    link(&tiny.join("qwen3.gguf"), "smollm2-Q8_0.gguf");
+    let run = |model: &str, extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            model,
+            "--prompt",
+            "<5> <17> <33>",
+            "--max-tokens",
+            "2",
+            "--kv-cache-memory",
+            "10000000",
+            "--max-model-len",
+            "256",
+        ];
+        args.extend_from_slice(extra);
+        let out = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+            .args(&args)
+            .env("HF_HUB_CACHE", &cache)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // The folder (config.json), then the GGUF picked by its quantization's name.
+    let (ok, err) = run("test/tiny-qwen3", &[]);
+    assert!(ok && err.contains("finish_reason=length tokens=2"), "{err}");
+    let (ok, err) = run("test/smollm2-gguf:q4_1", &[]);
+    assert!(ok && err.contains("smollm2-Q4_1.gguf"), "{err}");
+    let (ok, err) = run("test/smollm2-gguf", &[]);
+    assert!(!ok && err.contains("several GGUF files"), "{err}");
+    let (ok, err) = run("test/smollm2-gguf:q4_k_m", &[]);
+    assert!(
+        !ok && err.contains("no GGUF file matching `q4_k_m`"),
+        "{err}"
+    );
+    let (ok, err) = run("test/tiny-qwen3", &["--revision", "v2"]);
+    assert!(!ok && err.contains("revision v2"), "{err}");
+    let (ok, err) = run("HuggingFaceTB/SmolLM2-135M-Instruct", &[]);
+    assert!(!ok, "{err}");
+    assert!(
+        err.contains("not in the Hugging Face cache")
+            && err.contains("huggingface-cli download HuggingFaceTB/SmolLM2-135M-Instruct"),
+        "{err}"
+    );
+}

@@ -4,6 +4,7 @@
 
 pub mod config_source;
 pub mod gguf;
+pub mod hub;
 
 use anyhow::{anyhow, bail, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
