@@ -255,6 +255,19 @@ def test_oversized_body_and_unknown_route(server):
     assert r.status_code == 405 and r.json()["error"]["type"] == "MethodNotAllowedError"
 
 
+def test_browsers_may_call_the_api(server):
+    # CORS as vLLM's default (--allowed-origins '*'): the preflight and the answer allow the origin.
+    origin = {"Origin": "http://localhost:3000"}
+    pre = requests.options(server.url + "/v1/chat/completions", headers={
+        **origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type,authorization"})
+    assert pre.status_code == 200, pre.text
+    assert pre.headers["access-control-allow-origin"] == "*"
+    assert "POST" in pre.headers["access-control-allow-methods"] or pre.headers["access-control-allow-methods"] == "*"
+    r = requests.get(server.url + "/v1/models", headers=origin)
+    assert r.headers["access-control-allow-origin"] == "*"
+
+
 def test_huge_prompts_and_prompt_lists_are_refused_before_any_work(client, server):
     import threading, time
     # 20 MB of text cannot fit 2,048 tokens: refused without tokenizing it, and /health

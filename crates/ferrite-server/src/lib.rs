@@ -41,6 +41,28 @@ fn parse<T: DeserializeOwned>(body: &Result<Bytes, BytesRejection>) -> Result<T,
         .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
 }
 
+/// CORS as vLLM's `--allowed-origins` sets it: `*` or a list of origins, any method and
+/// header, so browser front-ends can call the API.
+pub fn cors(allowed_origins: &[String]) -> anyhow::Result<tower_http::cors::CorsLayer> {
+    use tower_http::cors::{AllowOrigin, Any, CorsLayer};
+    let origin = if allowed_origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        let list = allowed_origins
+            .iter()
+            .map(|o| {
+                o.parse::<header::HeaderValue>()
+                    .map_err(|e| anyhow::anyhow!("--allowed-origins: `{o}` is not an origin: {e}"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        AllowOrigin::list(list)
+    };
+    Ok(CorsLayer::new()
+        .allow_origin(origin)
+        .allow_methods(Any)
+        .allow_headers(Any))
+}
+
 pub fn router(state: SharedState) -> Router {
     let v1 = Router::new()
         .route(

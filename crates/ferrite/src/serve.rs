@@ -34,6 +34,10 @@ pub struct ServeArgs {
     /// How tool calls are read from model output: hermes, llama3_json.
     #[arg(long)]
     pub tool_call_parser: Option<String>,
+    /// Origins browsers may call the API from (CORS), as vLLM takes them: a JSON list
+    /// (`'["https://a.example"]'`) or comma-separated; `*` (the default) allows any.
+    #[arg(long, default_value = "*")]
+    pub allowed_origins: String,
     /// `vllm` (the default) uses vLLM's sampling defaults; GGUF files carry no generation config.
     #[arg(long, default_value = "vllm")]
     pub generation_config: String,
@@ -55,6 +59,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if args.generation_config != "vllm" && args.generation_config != "auto" {
         bail!("--generation-config: only `vllm` and `auto` are supported for GGUF models");
     }
+    let origins: Vec<String> = serde_json::from_str(&args.allowed_origins).unwrap_or_else(|_| {
+        args.allowed_origins
+            .split(',')
+            .map(|o| o.trim().to_string())
+            .filter(|o| !o.is_empty())
+            .collect()
+    });
+    let cors = ferrite_server::cors(&origins)?;
     let started = start(&args.engine)?;
     let tok = started.tokenizer.clone();
     let source = match &args.chat_template {
@@ -110,7 +122,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             std::time::Duration::from_secs(10),
         ));
         let shutdown_state = state.clone();
-        axum::serve(listener, ferrite_server::router(state))
+        axum::serve(listener, ferrite_server::router(state).layer(cors))
             .with_graceful_shutdown(drain_on_signal(shutdown_state.clone()))
             .await?;
         shutdown_state.engine.shutdown();
