@@ -23,6 +23,9 @@ def test_models_health_version(server, client):
     assert [m.id for m in models.data] == [MODEL]
     assert requests.get(server.url + "/health").status_code == 200
     assert "version" in requests.get(server.url + "/version").json()
+    # Logs redirected to a file carry no terminal colour codes.
+    log = open(server.log.name).read()
+    assert "KV cache:" in log and "\x1b[" not in log
 
 
 def test_chat_answer_and_usage(client):
