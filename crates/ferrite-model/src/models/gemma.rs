@@ -3,7 +3,7 @@
 //! interleaved with global ones, each with its own rotary base; Gemma 2 soft-caps attention
 //! scores and final logits, Gemma 3 normalizes Q and K per head instead.
 
-use super::layers::{embedding, lm_head, norm, Attention, Mlp, NormWeights};
+use super::layers::{embedding, lm_head, norm, weight_bytes, Attention, Mlp, NormWeights};
 use super::{Buffers, Family};
 use crate::backend::{Activation, AttentionSpec, Backend, Epilogue, LinearIn, Step};
 use crate::config::{rope_scaling, ModelConfig, RopeScaling};
@@ -207,12 +207,7 @@ impl<B: Backend> Family<B> for Gemma<B> {
     }
 
     fn weight_bytes(&self, b: &B) -> usize {
-        b.embedding_bytes(&self.embedding)
-            + b.linear_bytes(&self.lm_head)
-            + self
-                .layers
-                .iter()
-                .map(|l| l.attn.bytes(b) + l.mlp.bytes(b))
-                .sum::<usize>()
+        let layers = self.layers.iter().map(|l| (&l.attn, &l.mlp));
+        weight_bytes(b, &self.embedding, &self.lm_head, layers)
     }
 }

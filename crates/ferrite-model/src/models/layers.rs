@@ -187,3 +187,14 @@ pub fn lm_head<B: Backend>(
     };
     b.linear(vec![w.shaped(name, &[vocab, hidden])?], Stack::Concat)
 }
+
+/// Bytes of a decoder's matrices on the device (norms and biases are noise beside them).
+pub fn weight_bytes<'a, B: Backend + 'a>(
+    b: &B,
+    embedding: &B::Embedding,
+    lm_head: &B::Linear,
+    layers: impl Iterator<Item = (&'a Attention<B>, &'a Mlp<B>)>,
+) -> usize {
+    let body: usize = layers.map(|(a, m)| a.bytes(b) + m.bytes(b)).sum();
+    b.embedding_bytes(embedding) + b.linear_bytes(lm_head) + body
+}

@@ -2,7 +2,7 @@
 //! Qwen2 (QKV bias) and Qwen3 (Q/K norm). Pre-norm blocks, SiLU-gated MLP; what a member
 //! adds is found in its weights (biases, Q/K norms) and its config.
 
-use super::layers::{embedding, lm_head, norm, Attention, Mlp, NormWeights};
+use super::layers::{embedding, lm_head, norm, weight_bytes, Attention, Mlp, NormWeights};
 use super::{Buffers, Family};
 use crate::backend::{Activation, AttentionSpec, Backend, Epilogue, LinearIn, Step};
 use crate::config::{ModelConfig, RopeScaling};
@@ -126,12 +126,7 @@ impl<B: Backend> Family<B> for Llama<B> {
     }
 
     fn weight_bytes(&self, b: &B) -> usize {
-        b.embedding_bytes(&self.embedding)
-            + b.linear_bytes(&self.lm_head)
-            + self
-                .layers
-                .iter()
-                .map(|l| l.attn.bytes(b) + l.mlp.bytes(b))
-                .sum::<usize>()
+        let layers = self.layers.iter().map(|l| (&l.attn, &l.mlp));
+        weight_bytes(b, &self.embedding, &self.lm_head, layers)
     }
 }
