@@ -349,6 +349,43 @@ def test_api_key_tools_template_and_sigterm_drain():
             s.log.close()
 
 
+def test_shutdown_is_bounded_by_the_drain_timeout_and_a_second_signal():
+    import socket, time
+    # A connection that sent half its headers would hold a graceful shutdown forever.
+    s = Server("--drain-timeout", "2")
+    try:
+        half = socket.create_connection(("127.0.0.1", s.port))
+        half.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        time.sleep(0.2)
+        t = time.time()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=15) == 0
+        assert 1.5 < time.time() - t < 10
+        half.close()
+    finally:
+        if s.proc.poll() is None:
+            s.stop()
+        s.log.close()
+    # A second signal ends the drain of a long stream at once.
+    s = Server()
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused")
+        stream = iter(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=1500,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        next(stream)
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert s.proc.poll() is None  # still draining the stream
+        t = time.time()
+        s.proc.send_signal(signal.SIGTERM)
+        s.proc.wait(timeout=10)
+        assert time.time() - t < 5
+    finally:
+        if s.proc.poll() is None:
+            s.stop()
+        s.log.close()
+
+
 def test_bench_serve_numbers_match_the_server(server, tmp_path):
     before_gen = metric(server, "vllm:generation_tokens_total")
     before_prompt = metric(server, "vllm:prompt_tokens_total")

@@ -38,6 +38,10 @@ pub struct ServeArgs {
     /// (`'["https://a.example"]'`) or comma-separated; `*` (the default) allows any.
     #[arg(long, default_value = "*")]
     pub allowed_origins: String,
+    /// Seconds a shutdown (SIGINT/SIGTERM) waits for in-flight requests and open connections
+    /// before exiting anyway; a second signal exits at once.
+    #[arg(long, default_value_t = 30.0)]
+    pub drain_timeout: f64,
     /// `vllm` (the default) uses vLLM's sampling defaults; GGUF files carry no generation config.
     #[arg(long, default_value = "vllm")]
     pub generation_config: String,
@@ -122,24 +126,49 @@ pub fn run(args: ServeArgs) -> Result<()> {
             std::time::Duration::from_secs(10),
         ));
         let shutdown_state = state.clone();
-        axum::serve(listener, ferrite_server::router(state).layer(cors))
-            .with_graceful_shutdown(drain_on_signal(shutdown_state.clone()))
-            .await?;
+        let force = Arc::new(tokio::sync::Notify::new());
+        let timeout = std::time::Duration::from_secs_f64(args.drain_timeout.max(0.0));
+        let serve = axum::serve(listener, ferrite_server::router(state).layer(cors))
+            .with_graceful_shutdown(drain_on_signal(
+                shutdown_state.clone(),
+                force.clone(),
+                timeout,
+            ));
+        tokio::select! {
+            r = serve => {
+                r?;
+                tracing::info!("drained; exiting");
+            }
+            _ = force.notified() => tracing::warn!("exiting before the drain finished"),
+        }
         shutdown_state.engine.shutdown();
-        tracing::info!("drained; exiting");
         Ok(())
     })
 }
 
 /// On SIGINT or SIGTERM: refuse new requests, let in-flight ones finish, then return so the
-/// server closes once their responses are sent.
-async fn drain_on_signal(state: Arc<AppState>) {
+/// server closes once their responses are sent. A second signal, or `timeout` after the
+/// first (a client that never finishes its request would otherwise hold the server open),
+/// wakes `force`.
+async fn drain_on_signal(
+    state: Arc<AppState>,
+    force: Arc<tokio::sync::Notify>,
+    timeout: std::time::Duration,
+) {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .expect("install SIGTERM handler");
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
     }
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+            _ = tokio::time::sleep(timeout) => {}
+        }
+        force.notify_one();
+    });
     state.draining.store(true, Ordering::Relaxed);
     let s = state.engine.stats();
     tracing::info!(
