@@ -39,6 +39,20 @@ impl PackedStep {
         self.seq_lens_k.len()
     }
 
+    /// Positions and token ids within what a model of `max_positions` positions and a
+    /// vocabulary of `vocab` serves.
+    pub fn check(&self, max_positions: usize, vocab: usize) -> anyhow::Result<()> {
+        if let Some(&p) = self.positions.iter().max() {
+            if p as usize >= max_positions {
+                anyhow::bail!("position {p} is beyond the model's {max_positions} positions");
+            }
+        }
+        if let Some(&id) = self.input_ids.iter().find(|&&id| id as usize >= vocab) {
+            anyhow::bail!("token id {id} is outside the vocabulary of {vocab}");
+        }
+        Ok(())
+    }
+
     /// Appends one request's chunk: `tokens` at positions `start..`, K/V in `tables` (one
     /// per KV group).
     pub fn push(&mut self, tokens: &[u32], start: usize, tables: &[Vec<u32>], block_size: usize) {

@@ -139,19 +139,7 @@ impl CudaModel {
 
     /// Positions and token ids within what the model serves.
     pub fn check(&self, step: &PackedStep) -> Result<()> {
-        if let Some(&p) = step.positions.iter().max() {
-            if p as usize >= self.max_positions {
-                bail!(
-                    "position {p} is beyond the model's {} positions",
-                    self.max_positions
-                );
-            }
-        }
-        let vocab = self.config.vocab_size;
-        if let Some(&id) = step.input_ids.iter().find(|&&id| id as usize >= vocab) {
-            bail!("token id {id} is outside the vocabulary of {vocab}");
-        }
-        Ok(())
+        step.check(self.max_positions, self.config.vocab_size)
     }
 
     /// Checks the step and copies its index arrays to the device.
