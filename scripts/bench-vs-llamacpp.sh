@@ -14,7 +14,7 @@ case "$name" in
   # The GGUF has no template: both servers render ferrite's Gemma template (llama.cpp's own
   # `--chat-template gemma` drops the agent's system and tool turns: 3-token prompts).
   gemma3) suffix=-gemma3; about="Gemma 3 270M, Q4_K_M"
-    llama_template=(--jinja --chat-template-file crates/ferrite-model/templates/gemma.jinja) ;;
+    llama_template=(--jinja --chat-template-file crates/ferrite-tokenizer/templates/gemma.jinja) ;;
 esac
 source scripts/llamacpp-env.sh
 cargo build --release -q

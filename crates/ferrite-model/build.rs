@@ -1,11 +1,11 @@
-//! With the `cuda` feature: compiles `kernels/ferrite.cu` into one fat binary holding machine
+//! With the `cuda` feature: compiles `kernels/ferrite.cu` (which includes the kernel files of each op) into one fat binary holding machine
 //! code for sm_80 and sm_90 and PTX for newer GPUs, so no request waits for a driver JIT.
 
 use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
-    println!("cargo:rerun-if-changed=kernels/ferrite.cu");
+    println!("cargo:rerun-if-changed=kernels");
     println!("cargo:rerun-if-env-changed=NVCC");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;

@@ -9,8 +9,8 @@ mkdir -p "$out" /tmp/ferrite
 xz -dc .device/bundle.tar.xz | tar -C /tmp/ferrite -xf -
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 status=0
-( cd /tmp/ferrite && FERRITE_CUDA_TEST_MODEL=/tmp/ferrite/models/smollm2-10l.gguf \
-    ./bin/cuda-tests --test-threads 1 --nocapture ) 2>&1 | tee "$out/tests.log" || status=1
+( root=$PWD && cd /tmp/ferrite && FERRITE_CUDA_TEST_MODEL=/tmp/ferrite/models/smollm2-10l.gguf \
+    FERRITE_REPO_ROOT=$root ./bin/cuda-tests --test-threads 1 --nocapture "${CUDA_TESTS:-}" ) 2>&1 | tee "$out/tests.log" || status=1
 /tmp/ferrite/bin/ferrite bench device scripts/cuda/llama-3.1-8b.json "$@" 2>&1 \
   | tee "$out/bench-device.log" || status=1
 # HTTP serving on the GPU with the real (cut) model, its tokenizer and chat template.

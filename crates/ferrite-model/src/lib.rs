@@ -3,10 +3,9 @@
 //! the paged KV cache and attention, the memory budget, the sampler and the model runner.
 
 pub mod backend;
-pub mod chat_template;
+pub mod checkpoint;
 pub mod config;
-#[cfg(feature = "cuda")]
-pub mod cuda;
+pub mod engine_args;
 pub mod loader;
 pub mod memory;
 pub mod models;
@@ -14,5 +13,6 @@ pub mod rope;
 pub mod runner;
 pub mod sampler;
 pub mod step;
-pub mod tokenizer;
 pub mod weights;
+
+pub use ferrite_tokenizer::{chat_template, tokenizer};

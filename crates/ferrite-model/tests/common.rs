@@ -3,8 +3,9 @@
 #![allow(dead_code)]
 
 use ferrite_model::backend::cpu::CpuBackend;
+use ferrite_model::backend::Backend;
 use ferrite_model::loader::load_cpu_decoder;
-use ferrite_model::loader::WeightFormat;
+use ferrite_model::loader::{LoadFormat, WeightFormat};
 use ferrite_model::models::Decoder;
 use ferrite_model::runner::StepModel;
 use ferrite_model::step::PackedStep;
@@ -13,8 +14,13 @@ use std::process::Command;
 
 pub type CpuDecoder = Decoder<CpuBackend>;
 
+/// The repository: where the tests were built, or `FERRITE_REPO_ROOT` (a test binary run on
+/// another machine).
 pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+    match std::env::var_os("FERRITE_REPO_ROOT") {
+        Some(root) => PathBuf::from(root),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.."),
+    }
 }
 
 /// Path of a test model's GGUF (`smollm2`, `gemma3`), fetched (and checksummed) by
@@ -40,7 +46,15 @@ pub fn model_path() -> PathBuf {
 
 /// A model on the CPU backend (4096 positions), its KV cache not yet allocated.
 pub fn load_path(path: &Path, format: WeightFormat) -> CpuDecoder {
-    load_cpu_decoder(path, format, None, Some(4096), &mut |_, _| {}).unwrap()
+    load_cpu_decoder(
+        path,
+        LoadFormat::Auto,
+        format,
+        None,
+        Some(4096),
+        &mut |_, _| {},
+    )
+    .unwrap()
 }
 
 pub fn load_model(format: WeightFormat) -> CpuDecoder {
@@ -49,7 +63,7 @@ pub fn load_model(format: WeightFormat) -> CpuDecoder {
 
 /// Logits of every position of `tokens`, run as one prefill in a fresh cache (each KV group
 /// in blocks of its own).
-pub fn all_logits(model: &mut CpuDecoder, tokens: &[u32]) -> Vec<Vec<f32>> {
+pub fn all_logits<B: Backend>(model: &mut Decoder<B>, tokens: &[u32]) -> Vec<Vec<f32>> {
     let bs = 16;
     let blocks = tokens.len().div_ceil(bs);
     let groups = model.layout.groups.len();

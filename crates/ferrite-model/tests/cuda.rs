@@ -5,16 +5,22 @@
 //! sizes and block sizes. Model: the CPU backend (f32 weights) on the same GGUF, teacher-forced.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
+use ferrite_model::backend::cuda::graph::GraphShape;
+use ferrite_model::backend::cuda::kernels::attention::{AttentionMeta, AttentionShape, QkvParams};
+use ferrite_model::backend::cuda::kernels::matmul::MatIn;
+use ferrite_model::backend::cuda::kernels::sample::draw_params;
+use ferrite_model::backend::cuda::kernels::Kernels;
+use ferrite_model::backend::cuda::linear::Linear;
+use ferrite_model::backend::cuda::CudaBackend;
+use ferrite_model::backend::Activation;
+use ferrite_model::checkpoint::open_weights;
 use ferrite_model::config::{ModelConfig, RopeStyle};
-use ferrite_model::cuda::kernels::{
-    draw_params, AttentionMeta, AttentionShape, Kernels, MatIn, QkvParams,
-};
-use ferrite_model::cuda::model::CudaModel;
-use ferrite_model::cuda::weights::{Linear, Weights};
-use ferrite_model::loader::load_cpu_decoder;
-use ferrite_model::loader::WeightFormat;
-use ferrite_model::ops::RopeTable;
+use ferrite_model::loader::{load_cpu_decoder, LoadFormat, WeightFormat};
+use ferrite_model::models::{self, Decoder};
+use ferrite_model::rope::{RopeSpec, RopeTable};
 use ferrite_model::runner::{RowDraw, StepModel};
 use ferrite_model::sampler::argmax;
 use ferrite_model::step::PackedStep;
@@ -26,7 +32,35 @@ use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
 fn device() -> Device {
-    ferrite_model::cuda::open_device(0).expect("a CUDA GPU (these tests run on the GPU host)")
+    ferrite_model::backend::cuda::open_device(0)
+        .expect("a CUDA GPU (these tests run on the GPU host)")
+}
+
+/// A checkpoint (GGUF or Hugging Face folder) on the GPU, weights bf16 or, with `quantized`,
+/// the GGUF's blocks as they are; KV cache not yet allocated.
+fn gpu_model(path: &std::path::Path, quantized: bool, max_pos: usize) -> Decoder<CudaBackend> {
+    let backend = CudaBackend::new(device(), quantized, "cuda:0".into()).unwrap();
+    let (src, mut w) = open_weights(path, LoadFormat::Auto).unwrap();
+    models::load(backend, &src, &mut w, max_pos, &mut |_, _| {}).unwrap()
+}
+
+fn test_model() -> String {
+    std::env::var("FERRITE_CUDA_TEST_MODEL")
+        .expect("FERRITE_CUDA_TEST_MODEL: a Llama-family GGUF (scripts/cuda/check.sh sets it)")
+}
+
+/// Decode graphs as the loader sets them up, padding into block `scratch`.
+fn enable_graphs(m: &mut Decoder<CudaBackend>, max_batch: usize, scratch: usize, bs: usize) {
+    let c = m.config.clone();
+    let shape = GraphShape {
+        max_batch,
+        scratch_block: scratch as u32,
+        block_size: bs,
+        max_seq_len: m.max_positions(),
+        heads: (c.num_heads, c.num_kv_heads, c.head_dim),
+        kv_groups: m.layout.groups.len(),
+    };
+    m.backend.enable_decode_graphs(shape).unwrap();
 }
 
 fn kernels(dev: &Device) -> Kernels {
@@ -441,7 +475,7 @@ fn folded_matmuls_match_host() {
             norm: &norm,
             eps,
         };
-        let got = host(&kern.matmul_silu(input, &w).unwrap());
+        let got = host(&kern.matmul_gated(input, &w, Activation::Silu).unwrap());
         let act: Vec<f64> = reference(&normed, &wh, k)
             .chunks(2)
             .map(|p| {
@@ -450,6 +484,51 @@ fn folded_matmuls_match_host() {
             })
             .collect();
         let e_silu = worst(&got, &act);
+        // The same pairs through GELU (tanh approximation), Gemma's activation.
+        let input = MatIn::Rms {
+            x: &x,
+            rows: Some(&rows),
+            norm: &norm,
+            eps,
+        };
+        let got = host(&kern.matmul_gated(input, &w, Activation::GeluTanh).unwrap());
+        let gelu: Vec<f64> = reference(&normed, &wh, k)
+            .chunks(2)
+            .map(|p| {
+                let (g, u) = (
+                    round(&[p[0] as f32])[0] as f64,
+                    round(&[p[1] as f32])[0] as f64,
+                );
+                let c = (2.0 / std::f64::consts::PI).sqrt();
+                0.5 * g * (1.0 + (c * (g + 0.044715 * g * g * g)).tanh()) * u
+            })
+            .collect();
+        let e_gelu = worst(&got, &gelu);
+        // The residual plus the RMSNorm of the product (Gemma's post-norms), f32 throughout.
+        let res = rand((r, n), DType::F32);
+        let before = host(&res);
+        let y = kern.matmul(MatIn::Bf16(&a), &w, DType::F32).unwrap();
+        let post = rand((1, n), DType::BF16).flatten_all().unwrap();
+        kern.add_rms_norm(&res, &y, &post, eps).unwrap();
+        let (yh, posth) = (host(&y), host(&post));
+        let want: Vec<f64> = yh
+            .chunks(n)
+            .zip(before.chunks(n))
+            .flat_map(|(y, b)| {
+                let inv = 1.0
+                    / (y.iter().map(|v| (v * v) as f64).sum::<f64>() / n as f64 + eps as f64)
+                        .sqrt();
+                y.iter()
+                    .zip(b)
+                    .zip(&posth)
+                    .map(move |((y, b), w)| *b as f64 + *y as f64 * inv * *w as f64)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let e_post = worst(&host(&res), &want);
+        println!("  norm->gelu-mul {e_gelu:.2e}, add rms_norm {e_post:.2e}");
+        assert!(e_gelu < 1e-2, "{r} rows, norm -> gelu-mul: {e_gelu}");
+        assert!(e_post < 1e-4, "{r} rows, add rms_norm: {e_post}");
         println!(
             "folded matmuls, {r} rows: norm->bf16 {e_norm:.2e}, norm->f32 {e_norm_f32:.2e}, \
              add {e_add:.2e}, norm->silu-mul {e_silu:.2e} (max |err|/(1+|ref|))"
@@ -483,7 +562,13 @@ fn qkv_rope_write_matches_host() {
         let mut slots: Vec<u32> = (0..(blocks * bs) as u32).collect();
         slots.shuffle(&mut rng);
         slots.truncate(t);
-        let rope = RopeTable::new(d, 10000.0, 512, style);
+        let spec = RopeSpec {
+            dim: d,
+            theta: 10000.0,
+            style,
+            scaling: ferrite_model::config::RopeScaling::None,
+        };
+        let rope = RopeTable::new(&spec, 512);
         let (cos, sin) = rope.tables();
         let cos_t = Tensor::from_slice(cos, (512, d / 2), &dev).unwrap();
         let sin_t = Tensor::from_slice(sin, (512, d / 2), &dev).unwrap();
@@ -625,11 +710,8 @@ struct Agreement {
 }
 
 fn agreement_with_cpu(quantized: bool) -> Agreement {
-    let path = std::env::var("FERRITE_CUDA_TEST_MODEL")
-        .expect("FERRITE_CUDA_TEST_MODEL: a Llama-family GGUF (scripts/cuda/check.sh sets it)");
-    let dev = device();
-    let mut g = GgufFile::open(std::path::Path::new(&path)).unwrap();
-    let config = ModelConfig::from_gguf(&g).unwrap();
+    let path = test_model();
+    let g = GgufFile::open(std::path::Path::new(&path)).unwrap();
     let tok = ModelTokenizer::load(&g).unwrap();
     let text = "The paged KV cache keeps each request's keys and values in fixed-size blocks. \
         A scheduler admits requests while blocks remain, and a packed step runs prefill chunks \
@@ -654,20 +736,20 @@ fn agreement_with_cpu(quantized: bool) -> Agreement {
     let blocks = 64;
     let mut cpu = {
         let path = std::path::Path::new(&path);
-        let mut m =
-            load_cpu_decoder(path, WeightFormat::F32, None, Some(max_pos), &mut |_, _| {}).unwrap();
+        let mut m = load_cpu_decoder(
+            path,
+            LoadFormat::Auto,
+            WeightFormat::F32,
+            None,
+            Some(max_pos),
+            &mut |_, _| {},
+        )
+        .unwrap();
         m.allocate_cache(blocks, bs).unwrap();
         m
     };
-    let mut gpu = {
-        let w = Weights::from_gguf(&mut g, &config, &dev, quantized, |_, _| {}).unwrap();
-        assert_eq!(w.quantized(), quantized);
-        let mut c = config.clone();
-        c.vocab_size = w.embedding.dim(0).unwrap();
-        let mut m = CudaModel::new(c, dev.clone(), w, max_pos, "cuda:0".into()).unwrap();
-        m.allocate_cache(blocks, bs).unwrap();
-        m
-    };
+    let mut gpu = gpu_model(std::path::Path::new(&path), quantized, max_pos);
+    gpu.allocate_cache(blocks, bs).unwrap();
     let vocab = cpu.vocab_size();
     assert_eq!(vocab, gpu.vocab_size());
     let tables: Vec<Vec<u32>> = (0..3).map(|i| (i * 20..i * 20 + 20).collect()).collect();
@@ -741,23 +823,16 @@ fn agreement_with_cpu(quantized: bool) -> Agreement {
 /// larger batch left behind) give the logits an eager run gives.
 #[test]
 fn decode_graphs_match_eager_steps() {
-    let path = std::env::var("FERRITE_CUDA_TEST_MODEL")
-        .expect("FERRITE_CUDA_TEST_MODEL: a Llama-family GGUF (scripts/cuda/check.sh sets it)");
-    let dev = device();
-    let mut g = GgufFile::open(std::path::Path::new(&path)).unwrap();
-    let config = ModelConfig::from_gguf(&g).unwrap();
+    let path = test_model();
     let (bs, blocks, max_pos) = (16, 64, 512);
-    let mut models: Vec<CudaModel> = (0..2)
+    let mut models: Vec<Decoder<CudaBackend>> = (0..2)
         .map(|_| {
-            let w = Weights::from_gguf(&mut g, &config, &dev, false, |_, _| {}).unwrap();
-            let mut c = config.clone();
-            c.vocab_size = w.embedding.dim(0).unwrap();
-            let mut m = CudaModel::new(c, dev.clone(), w, max_pos, "cuda:0".into()).unwrap();
+            let mut m = gpu_model(std::path::Path::new(&path), false, max_pos);
             m.allocate_cache(blocks + 1, bs).unwrap();
             m
         })
         .collect();
-    models[1].enable_decode_graphs(8, blocks as u32).unwrap();
+    enable_graphs(&mut models[1], 8, blocks, bs);
     let vocab = models[0].vocab_size();
     let mut rng = StdRng::seed_from_u64(11);
     let tables: Vec<Vec<u32>> = (0..5).map(|i| (i * 12..i * 12 + 12).collect()).collect();
@@ -818,9 +893,7 @@ fn decode_graphs_match_eager_steps() {
 /// through the safetensors path and computes what the GGUF path computes.
 #[test]
 fn safetensors_checkpoint_matches_gguf() {
-    let path = std::env::var("FERRITE_CUDA_TEST_MODEL")
-        .expect("FERRITE_CUDA_TEST_MODEL: a Llama-family GGUF (scripts/cuda/check.sh sets it)");
-    let dev = device();
+    let path = test_model();
     let cpu = Device::Cpu;
     let mut g = GgufFile::open(std::path::Path::new(&path)).unwrap();
     let config = ModelConfig::from_gguf(&g).unwrap();
@@ -902,17 +975,13 @@ fn safetensors_checkpoint_matches_gguf() {
     let hf = ModelConfig::from_hf_config(&dir.join("config.json")).unwrap();
     assert_eq!(hf.rope_style, RopeStyle::Neox);
     let (bs, blocks, max_pos) = (16, 40, 512);
-    let build = |config: ModelConfig, w: Weights| {
-        let mut c = config;
-        c.vocab_size = w.embedding.dim(0).unwrap();
-        let mut m = CudaModel::new(c, dev.clone(), w, max_pos, "cuda:0".into()).unwrap();
+    let build = |path: &std::path::Path| {
+        let mut m = gpu_model(path, false, max_pos);
         m.allocate_cache(blocks, bs).unwrap();
         m
     };
-    let w = Weights::from_gguf(&mut g, &config, &dev, false, |_, _| {}).unwrap();
-    let mut from_gguf = build(config.clone(), w);
-    let w = Weights::from_safetensors(&dir, &hf, &dev, |_, _| {}).unwrap();
-    let mut from_st = build(hf, w);
+    let mut from_gguf = build(std::path::Path::new(&path));
+    let mut from_st = build(&dir);
     std::fs::remove_dir_all(&dir).unwrap();
     let vocab = from_gguf.vocab_size();
     assert_eq!(vocab, from_st.vocab_size());
@@ -1034,4 +1103,141 @@ fn device_draws_follow_the_distribution() {
     let greedy = Tensor::from_vec(greedy.clone(), greedy.len(), &dev).unwrap();
     let t: Vec<u32> = k.sample_rows(&ties, &greedy).unwrap().to_vec1().unwrap();
     assert_eq!(t, vec![1]);
+}
+
+/// Every family of `models/` on the GPU against Hugging Face transformers (f32), on the tiny
+/// random-weight checkpoints of `tests/oracle/tiny` (safetensors, and the GGUF of the same
+/// weights where there is one), teacher-forced over a sequence longer than every window.
+#[test]
+fn families_agree_with_transformers() {
+    for (family, has_gguf) in [
+        ("llama31", true),
+        ("mistral", false),
+        ("qwen2", true),
+        ("qwen3", true),
+        ("gemma2", true),
+        ("gemma3", true),
+    ] {
+        let p = common::repo_root().join(format!("tests/oracle/tiny/{family}/oracle.json"));
+        let j: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+        let tokens = common::ids(&j["token_ids"]);
+        let want: Vec<Vec<f64>> = j["logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                r.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap())
+                    .collect()
+            })
+            .collect();
+        let dir = common::repo_root().join(format!("tests/oracle/tiny/{family}"));
+        let mut paths = vec![dir.clone()];
+        if has_gguf {
+            paths.push(dir.with_extension("gguf"));
+        }
+        for path in paths {
+            let mut m = gpu_model(&path, false, 4096);
+            let got = common::all_logits(&mut m, &tokens);
+            let (mut worst, mut sum, mut n, mut agree) = (0f64, 0f64, 0usize, 0usize);
+            let scale = want.iter().flatten().map(|x| x.abs()).fold(0f64, f64::max);
+            for (g, w) in got.iter().zip(&want) {
+                let wa = (0..w.len()).max_by(|&a, &b| w[a].total_cmp(&w[b])).unwrap();
+                agree += (argmax(g) as usize == wa) as usize;
+                for (x, y) in g.iter().zip(w) {
+                    worst = worst.max((*x as f64 - y).abs());
+                    sum += (*x as f64 - y).abs();
+                    n += 1;
+                }
+            }
+            let (mean, rows) = (sum / n as f64, want.len());
+            println!(
+                "{family} {}: {rows} positions, top-1 {agree}/{rows}, mean |dlogit| {mean:.2e}, max {worst:.2e} (largest logit {scale:.2})",
+                path.file_name().unwrap().to_string_lossy()
+            );
+            assert_eq!(got.len(), rows);
+            // bf16 weights and activations (2^-9 relative per value) through a few layers:
+            // a few hundredths of the logits' range, and the top-1 where it is not a near-tie.
+            assert!(
+                worst < 0.05 * scale.max(1.0),
+                "{family}: max |dlogit| {worst}"
+            );
+            assert!(
+                mean < 0.01 * scale.max(1.0),
+                "{family}: mean |dlogit| {mean}"
+            );
+            assert!(
+                agree as f64 >= 0.9 * rows as f64,
+                "{family}: top-1 {agree}/{rows}"
+            );
+        }
+    }
+}
+
+/// A request's greedy tokens do not depend on what shares its steps: 16 prompts decoded
+/// one at a time and all 16 together (decode graphs on, as the loader sets them) give the
+/// same tokens.
+#[test]
+fn greedy_output_is_the_same_at_concurrency_1_and_16() {
+    let path = test_model();
+    let (bs, max_pos, new_tokens) = (16, 512, 24);
+    let per = max_pos / bs;
+    let blocks = 16 * per;
+    let mut m = gpu_model(std::path::Path::new(&path), false, max_pos);
+    m.allocate_cache(blocks + 1, bs).unwrap();
+    enable_graphs(&mut m, 16, blocks, bs);
+    let vocab = m.vocab_size() as u32;
+    let mut rng = StdRng::seed_from_u64(21);
+    let prompts: Vec<Vec<u32>> = (0..16)
+        .map(|i| {
+            (0..20 + 7 * i)
+                .map(|_| rng.random_range(0..vocab))
+                .collect()
+        })
+        .collect();
+    let tables: Vec<Vec<u32>> = (0..16u32)
+        .map(|i| (i * per as u32..(i + 1) * per as u32).collect())
+        .collect();
+    // Greedy decoding of the requests `which`, all in the same steps.
+    let mut decode = |which: &[usize]| -> Vec<Vec<u32>> {
+        let mut step = PackedStep::default();
+        for &i in which {
+            step.push(&prompts[i], 0, std::slice::from_ref(&tables[i]), bs);
+            step.logits_indices.push(step.num_tokens() as u32 - 1);
+        }
+        step.finish();
+        let mut last = m.forward_argmax(&step).unwrap();
+        let mut out: Vec<Vec<u32>> = last.iter().map(|&t| vec![t]).collect();
+        for n in 0..new_tokens - 1 {
+            let mut step = PackedStep::default();
+            for (j, &i) in which.iter().enumerate() {
+                let at = prompts[i].len() + n;
+                step.push(&[last[j]], at, std::slice::from_ref(&tables[i]), bs);
+                step.logits_indices.push(j as u32);
+            }
+            step.finish();
+            last = m.forward_argmax(&step).unwrap();
+            for (o, &t) in out.iter_mut().zip(&last) {
+                o.push(t);
+            }
+        }
+        out
+    };
+    let alone: Vec<Vec<u32>> = (0..16).flat_map(|i| decode(&[i])).collect();
+    let all: Vec<usize> = (0..16).collect();
+    let together = decode(&all);
+    let same = alone.iter().zip(&together).filter(|(a, b)| a == b).count();
+    for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
+        if a != b {
+            let at = a.iter().zip(b).position(|(x, y)| x != y).unwrap();
+            println!("request {i}: alone and in 16 split at token {at}");
+        }
+    }
+    println!(
+        "greedy at concurrency 1 vs 16: {same}/16 requests identical over {new_tokens} tokens"
+    );
+    assert_eq!(same, 16, "greedy tokens depend on the batch");
 }

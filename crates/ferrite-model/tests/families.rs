@@ -10,7 +10,7 @@ mod common;
 use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::Device;
 use common::*;
-use ferrite_model::loader::{load_cpu_decoder, WeightFormat};
+use ferrite_model::loader::{load_cpu_decoder, LoadFormat, WeightFormat};
 use ferrite_model::weights::gguf::GgufFile;
 
 /// The token ids, and the oracle's logits: `logits` (f32) or `logits_f16_kv`.
@@ -159,9 +159,16 @@ fn files_that_contradict_themselves_fail_with_the_key_or_tensor_named() {
     ];
     for (name, key, value, want) in cases {
         let path = rewritten(name, |k, _| (k == key).then(|| value.clone()));
-        let err = load_cpu_decoder(&path, WeightFormat::F32, None, Some(64), &mut |_, _| {})
-            .err()
-            .unwrap_or_else(|| panic!("{name}: loaded"));
+        let err = load_cpu_decoder(
+            &path,
+            LoadFormat::Auto,
+            WeightFormat::F32,
+            None,
+            Some(64),
+            &mut |_, _| {},
+        )
+        .err()
+        .unwrap_or_else(|| panic!("{name}: loaded"));
         let err = format!("{err:#}");
         assert!(err.contains(want), "{name}: {err}");
     }

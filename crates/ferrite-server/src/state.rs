@@ -3,8 +3,8 @@
 use crate::metrics::Metrics;
 use crate::tools::ToolParser;
 use ferrite_core::engine::EngineHandle;
-use ferrite_model::chat_template::ChatTemplate;
-use ferrite_model::tokenizer::ModelTokenizer;
+use ferrite_tokenizer::chat_template::ChatTemplate;
+use ferrite_tokenizer::tokenizer::ModelTokenizer;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 

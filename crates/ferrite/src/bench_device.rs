@@ -5,12 +5,19 @@
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Args;
+use ferrite_model::backend::cuda::graph::GraphShape;
+use ferrite_model::backend::cuda::kernels::attention::{AttentionMeta, AttentionShape};
+use ferrite_model::backend::cuda::kernels::matmul::MatIn;
+use ferrite_model::backend::cuda::kernels::Kernels;
+use ferrite_model::backend::cuda::linear::{self, interleave_gate_up, Linear};
+use ferrite_model::backend::cuda::{open_device, CudaBackend};
+use ferrite_model::backend::Activation;
 use ferrite_model::config::ModelConfig;
-use ferrite_model::cuda::kernels::{AttentionMeta, AttentionShape, Kernels, MatIn};
-use ferrite_model::cuda::model::CudaModel;
-use ferrite_model::cuda::weights::{Linear, Weights};
+use ferrite_model::models;
 use ferrite_model::runner::StepModel;
 use ferrite_model::step::PackedStep;
+use ferrite_model::weights::config_source::ConfigSource;
+use ferrite_model::weights::WeightSource;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -104,9 +111,41 @@ fn step(batch: usize, qlen: usize, ctx: usize) -> PackedStep {
     s
 }
 
+/// One layer's matrices (random, bf16), for the matmul timings.
+struct LayerWeights {
+    attn_norm: Tensor,
+    qkv: Linear,
+    o: Linear,
+    ffn_norm: Tensor,
+    gate_up: Linear,
+    down: Linear,
+}
+
+fn layer_weights(c: &ModelConfig, dev: &Device) -> Result<Vec<LayerWeights>> {
+    let (h, d) = (c.hidden_size, c.head_dim);
+    let dense = |r, k| Ok::<_, anyhow::Error>(Linear::Dense(linear::random(r, k, dev)?));
+    let ones = || Ok::<_, anyhow::Error>(Tensor::ones(h, DType::BF16, dev)?);
+    (0..c.num_layers)
+        .map(|_| {
+            let i = c.intermediate_size;
+            let gate_up =
+                interleave_gate_up(&linear::random(i, h, dev)?, &linear::random(i, h, dev)?)?;
+            Ok(LayerWeights {
+                attn_norm: ones()?,
+                qkv: dense((c.num_heads + 2 * c.num_kv_heads) * d, h)?,
+                o: dense(h, c.num_heads * d)?,
+                ffn_norm: ones()?,
+                gate_up: Linear::Dense(gate_up),
+                down: dense(h, i)?,
+            })
+        })
+        .collect()
+}
+
 pub fn run(a: DeviceBenchArgs) -> Result<()> {
-    let config = ModelConfig::from_hf_config(&a.config)?;
-    let dev = ferrite_model::cuda::open_device(a.device)?;
+    let src = ConfigSource::from_hf(&a.config)?;
+    let config = models::config(&src)?;
+    let dev = open_device(a.device)?;
     let Device::Cuda(cuda) = &dev else {
         bail!("not a CUDA device")
     };
@@ -116,21 +155,23 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
         matmul_rate / 1e12,
         copy_bw / 1e9
     );
-    let weights = Weights::dummy(&config, &dev, |_, _| {})?;
     let max_ctx = a.context.max(a.prompt_tokens) + 1;
-    let mut model = CudaModel::new(
-        config.clone(),
-        dev.clone(),
-        weights,
+    let backend = CudaBackend::new(dev.clone(), false, "bench".into())?;
+    let mut model = models::load(
+        backend,
+        &src,
+        &mut WeightSource::Dummy,
         max_ctx,
-        "bench".into(),
+        &mut |_, _| {},
     )?;
     let wbytes = model.weight_bytes() as f64;
     let max_batch = a.batch.iter().copied().max().unwrap_or(1);
     let blocks = (max_batch * a.context.div_ceil(BLOCK)).max(a.prompt_tokens.div_ceil(BLOCK));
     // The last block is the decode graphs' scratch block.
     model.allocate_cache(blocks + 1, BLOCK)?;
-    model.randomize_cache()?;
+    for pages in model.caches_mut() {
+        pages.randomize()?;
+    }
     let kv_row = 2 * config.num_kv_heads * config.head_dim * 2 * config.num_layers;
     println!(
         "model: {} layers, hidden {}, {:.2} GB of bf16 weights; floor of a decode step = weights / copy bandwidth = {:.3} ms",
@@ -143,7 +184,14 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
     println!("|---:|---:|---|---:|---:|---:|---:|---:|");
     for graphs in [false, true] {
         if graphs {
-            model.enable_decode_graphs(max_batch, blocks as u32)?;
+            model.backend.enable_decode_graphs(GraphShape {
+                max_batch,
+                scratch_block: blocks as u32,
+                block_size: BLOCK,
+                max_seq_len: max_ctx,
+                heads: (config.num_heads, config.num_kv_heads, config.head_dim),
+                kv_groups: model.layout.groups.len(),
+            })?;
         }
         for &b in &a.batch {
             let s = step(b, 1, a.context);
@@ -155,10 +203,9 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
                 let mut hosts = Vec::with_capacity(a.repeats);
                 for _ in 0..a.repeats {
                     let t0 = Instant::now();
-                    let logits = model.forward_logits(&s)?;
+                    model.launch(&s)?;
                     hosts.push(t0.elapsed().as_secs_f64());
                     sync(&dev)?;
-                    drop(logits);
                 }
                 hosts.sort_by(f64::total_cmp);
                 Some(hosts[hosts.len() / 2])
@@ -179,7 +226,9 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
     // The matmuls of a decode step alone (every layer's four and the LM head, one row each):
     // what cuBLAS makes of reading the weights once.
     let kernels = Kernels::load(cuda)?;
-    let w = model.weights();
+    let layers = layer_weights(&config, &dev)?;
+    let lm_head = Linear::Dense(linear::random(config.vocab_size, config.hidden_size, &dev)?);
+    let final_norm = Tensor::ones(config.hidden_size, DType::BF16, &dev)?;
     for rows in [1usize, 32] {
         let x =
             Tensor::randn(0f32, 1.0, (rows, config.hidden_size), &dev)?.to_dtype(DType::BF16)?;
@@ -188,13 +237,13 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
         let xo = Tensor::randn(0f32, 1.0, (rows, config.num_heads * config.head_dim), &dev)?
             .to_dtype(DType::BF16)?;
         let t = median(a.repeats, || {
-            for l in &w.layers {
+            for l in &layers {
                 kernels.matmul_nt(&x, l.qkv.dense()?, DType::BF16)?;
                 kernels.matmul_nt(&xo, l.o.dense()?, DType::BF16)?;
                 kernels.matmul_nt(&x, l.gate_up.dense()?, DType::BF16)?;
                 kernels.matmul_nt(&xi, l.down.dense()?, DType::BF16)?;
             }
-            kernels.matmul_nt(&x, w.lm_head.dense()?, DType::F32)?;
+            kernels.matmul_nt(&x, lm_head.dense()?, DType::F32)?;
             sync(&dev)
         })?;
         println!(
@@ -220,13 +269,13 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
             eps,
         };
         let t = median(a.repeats, || {
-            for l in &w.layers {
+            for l in &layers {
                 kernels.matmul(norm(&l.attn_norm), &l.qkv, DType::BF16)?;
                 kernels.matmul_add(MatIn::Bf16(&attn), &l.o, &x)?;
-                kernels.matmul_silu(norm(&l.ffn_norm), &l.gate_up)?;
+                kernels.matmul_gated(norm(&l.ffn_norm), &l.gate_up, Activation::Silu)?;
                 kernels.matmul_add(MatIn::Bf16(&act), &l.down, &x)?;
             }
-            kernels.matmul(norm(&w.final_norm), &w.lm_head, DType::F32)?;
+            kernels.matmul(norm(&final_norm), &lm_head, DType::F32)?;
             sync(&dev)
         })?;
         println!(
@@ -252,9 +301,9 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
             norm,
             eps,
         };
-        let layers = &w.layers;
-        let head = std::slice::from_ref(&w.lm_head);
-        let final_norm = &w.final_norm;
+        let layers = &layers;
+        let head = std::slice::from_ref(&lm_head);
+        let final_norm = &final_norm;
         let kinds: [(&str, Vec<&Linear>, &Tensor, Folded); 5] = [
             (
                 "qkv (RMSNorm folded)",

@@ -40,21 +40,31 @@ fn unknown_device_is_a_usage_error() {
     );
 }
 
+/// `--load-format dummy` draws random weights from the config alone, on the CPU too: a folder
+/// holding nothing but a Gemma 3 `config.json` serves (and fails without the flag).
 #[test]
-fn dummy_weights_need_a_gpu() {
-    let (ok, err) = ferrite(&[
-        "generate",
-        "config.json",
-        "--prompt",
-        "hi",
-        "--load-format",
-        "dummy",
-    ]);
+fn dummy_weights_need_only_the_config() {
+    let src =
+        env!("CARGO_MANIFEST_DIR").to_string() + "/../../tests/oracle/tiny/gemma3/config.json";
+    let dir = std::env::temp_dir().join(format!("ferrite-dummy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src, dir.join("config.json")).unwrap();
+    let dir = dir.to_str().unwrap();
+    let args = |dummy: bool| {
+        let mut a = vec!["generate", dir, "--prompt", "<5> <17>", "--max-tokens", "3"];
+        a.extend(["--kv-cache-memory", "10000000"]);
+        if dummy {
+            a.extend(["--load-format", "dummy"]);
+        }
+        a
+    };
+    let (ok, err) = ferrite(&args(true));
+    assert!(ok, "{err}");
+    assert!(err.contains("finish_reason=length tokens=3"), "{err}");
+    let (ok, err) = ferrite(&args(false));
     assert!(!ok);
-    assert!(
-        err.contains("--load-format dummy needs --device cuda"),
-        "{err}"
-    );
+    assert!(err.contains("no *.safetensors files"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]

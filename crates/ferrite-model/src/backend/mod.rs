@@ -4,11 +4,14 @@
 //! op). Families are generic over `B: Backend`: every op is statically dispatched.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use crate::rope::RopeSpec;
+use crate::runner::RowDraw;
 use crate::step::PackedStep;
-use anyhow::Result;
-use candle_core::quantized::QTensor;
+use anyhow::{bail, Result};
+use candle_core::quantized::{GgmlDType, QTensor};
 
 /// The gated activation of an MLP: `act(gate) * up`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,7 +96,22 @@ pub struct QkvPrep<'a, B: Backend> {
 /// A step as the ops see it: the host's index arrays and the backend's copy of them.
 pub struct Step<'a, B: Backend> {
     pub host: &'a PackedStep,
-    pub inputs: B::StepInputs,
+    pub inputs: &'a B::StepInputs,
+}
+
+/// A family's forward pass over one step: launches every op, leaves the logits in the
+/// backend ([`Backend::logits`]).
+pub type Forward<'a, B> = &'a mut (dyn FnMut(&mut B, &Step<B>) -> Result<()> + Send);
+
+/// A random `[rows, cols]` matrix on the host, normal with std 0.02 (activations keep a
+/// realistic scale); in Q8_0 blocks where the width allows, as quantized checkpoints come.
+pub fn random_matrix(rows: usize, cols: usize) -> Result<QTensor> {
+    let t = candle_core::Tensor::randn(0f32, 0.02, (rows, cols), &candle_core::Device::Cpu)?;
+    let dtype = match cols % 32 {
+        0 => GgmlDType::Q8_0,
+        _ => GgmlDType::F32,
+    };
+    Ok(QTensor::quantize(&t, dtype)?)
 }
 
 pub trait Backend: Send + Sized {
@@ -109,10 +127,21 @@ pub trait Backend: Send + Sized {
     type LayerCache: Send;
     /// A step's index arrays where the ops read them.
     type StepInputs: Sync;
+    /// Whether a step's activations stay allocated for the next step to write into (the
+    /// CPU's buffers); otherwise they are dropped at the end of each step.
+    const REUSES_ACTIVATIONS: bool = true;
 
     fn vector(&self, v: Vec<f32>) -> Result<Self::Vector>;
     fn linear(&self, parts: Vec<QTensor>, stack: Stack) -> Result<Self::Linear>;
     fn embedding(&self, table: QTensor) -> Result<Self::Embedding>;
+    /// Random weights of these shapes (`--load-format dummy`); a device may draw them itself.
+    fn random_linear(&self, rows: &[usize], cols: usize, stack: Stack) -> Result<Self::Linear> {
+        let parts = rows.iter().map(|&r| random_matrix(r, cols));
+        self.linear(parts.collect::<Result<_>>()?, stack)
+    }
+    fn random_embedding(&self, vocab: usize, hidden: usize) -> Result<Self::Embedding> {
+        self.embedding(random_matrix(vocab, hidden)?)
+    }
     fn rope(&self, spec: &RopeSpec, max_positions: usize) -> Result<Self::Rope>;
     /// Bytes a weight occupies on the device.
     fn linear_bytes(&self, w: &Self::Linear) -> usize;
@@ -126,12 +155,15 @@ pub trait Backend: Send + Sized {
         head_dim: usize,
     ) -> Result<Self::LayerCache>;
 
-    /// Runs `f` where the backend's ops belong (the CPU's compute threads).
-    fn run<R: Send>(&mut self, f: impl FnOnce(&mut Self) -> R + Send) -> R {
-        f(self)
-    }
-
-    fn upload(&mut self, step: &PackedStep) -> Result<Self::StepInputs>;
+    /// Runs `forward` over `host` where the backend's ops belong (the CPU's compute threads;
+    /// on a GPU, eagerly or from a captured graph). With `draws`, each logits row's token is
+    /// also drawn on the device, for [`Backend::drawn_tokens`].
+    fn step(
+        &mut self,
+        host: &PackedStep,
+        draws: Option<&[RowDraw]>,
+        forward: Forward<Self>,
+    ) -> Result<()>;
     /// The embedding rows of the step's tokens, times `scale` if given.
     fn embed(
         &mut self,
@@ -179,6 +211,14 @@ pub trait Backend: Send + Sized {
     ) -> Result<()>;
     /// The last [`Backend::logits`], `[rows, vocab]` on the host.
     fn host_logits(&mut self) -> Result<&mut [f32]>;
+    /// Whether [`Backend::step`] takes `draws`.
+    fn draws_on_device(&self) -> bool {
+        false
+    }
+    /// The tokens the last [`Backend::step`] drew.
+    fn drawn_tokens(&mut self) -> Result<Vec<u32>> {
+        bail!("this backend samples on the host")
+    }
     /// Backend, threads and weight format, for the start-up log line.
     fn describe(&self) -> String;
 }

@@ -119,7 +119,7 @@ impl<B: Backend> Gemma<B> {
         };
         let by_one = NormWeights::OffsetByOne;
         let h = c.hidden_size;
-        let (embedding, vocab) = embedding(b, w, h)?;
+        let (embedding, vocab) = embedding(b, w, c.vocab_size, h)?;
         let mut layers = Vec::with_capacity(c.num_layers);
         for (i, &local) in gc.local.iter().enumerate() {
             let p = format!("model.layers.{i}");

@@ -24,6 +24,9 @@ pub fn norm<B: Backend>(
     len: usize,
     kind: NormWeights,
 ) -> Result<B::Vector> {
+    if w.is_dummy() {
+        return b.vector(vec![1.0; len]);
+    }
     let mut v = w.vector(name)?;
     if v.len() != len {
         anyhow::bail!(
@@ -35,6 +38,25 @@ pub fn norm<B: Backend>(
         v.iter_mut().for_each(|x| *x += 1.0);
     }
     b.vector(v)
+}
+
+/// The matrices `parts` (name, rows), each `cols` wide, as one weight stacked as `stack`;
+/// random ones of those shapes for `--load-format dummy`.
+pub fn matrix<B: Backend>(
+    b: &B,
+    w: &mut WeightSource,
+    parts: &[(String, usize)],
+    cols: usize,
+    stack: Stack,
+) -> Result<B::Linear> {
+    if w.is_dummy() {
+        let rows: Vec<usize> = parts.iter().map(|p| p.1).collect();
+        return b.random_linear(&rows, cols, stack);
+    }
+    let parts = parts
+        .iter()
+        .map(|(name, rows)| w.shaped(name, &[*rows, cols]));
+    b.linear(parts.collect::<Result<_>>()?, stack)
 }
 
 pub struct Attention<B: Backend> {
@@ -63,9 +85,7 @@ impl<B: Backend> Attention<B> {
         let d = spec.head_dim;
         let (q_w, kv_w) = (spec.num_heads * d, spec.num_kv_heads * d);
         let qkv = [("q_proj", q_w), ("k_proj", kv_w), ("v_proj", kv_w)]
-            .iter()
-            .map(|(n, rows)| w.shaped(&p(&format!("{n}.weight")), &[*rows, hidden]))
-            .collect::<Result<Vec<_>>>()?;
+            .map(|(n, rows)| (p(&format!("{n}.weight")), rows));
         let bias = match w.opt_vector(&p("q_proj.bias"))? {
             Some(mut q) => {
                 q.extend(w.vector(&p("k_proj.bias"))?);
@@ -88,12 +108,9 @@ impl<B: Backend> Attention<B> {
         Ok(Self {
             q_norm: qk_norm(w, "q_norm")?,
             k_norm: qk_norm(w, "k_norm")?,
-            qkv: b.linear(qkv, Stack::Concat)?,
+            qkv: matrix(b, w, &qkv, hidden, Stack::Concat)?,
             bias,
-            o: b.linear(
-                vec![w.shaped(&p("o_proj.weight"), &[hidden, q_w])?],
-                Stack::Concat,
-            )?,
+            o: matrix(b, w, &[(p("o_proj.weight"), hidden)], q_w, Stack::Concat)?,
             spec,
         })
     }
@@ -141,14 +158,10 @@ impl<B: Backend> Mlp<B> {
         inter: usize,
     ) -> Result<Self> {
         let p = |n: &str| format!("{prefix}.mlp.{n}.weight");
-        let gate_up = vec![
-            w.shaped(&p("gate_proj"), &[inter, hidden])?,
-            w.shaped(&p("up_proj"), &[inter, hidden])?,
-        ];
-        let down = w.shaped(&p("down_proj"), &[hidden, inter])?;
+        let gate_up = [(p("gate_proj"), inter), (p("up_proj"), inter)];
         Ok(Self {
-            gate_up: b.linear(gate_up, Stack::GateUp)?,
-            down: b.linear(vec![down], Stack::Concat)?,
+            gate_up: matrix(b, w, &gate_up, hidden, Stack::GateUp)?,
+            down: matrix(b, w, &[(p("down_proj"), hidden)], inter, Stack::Concat)?,
         })
     }
 
@@ -157,12 +170,17 @@ impl<B: Backend> Mlp<B> {
     }
 }
 
-/// The embedding table, `[vocab, hidden]` for some vocabulary, and that vocabulary's size.
+/// The embedding table, `[vocab, hidden]` for some vocabulary, and that vocabulary's size
+/// (`vocab`, the config's, for random weights).
 pub fn embedding<B: Backend>(
     b: &B,
     w: &mut WeightSource,
+    vocab: usize,
     hidden: usize,
 ) -> Result<(B::Embedding, usize)> {
+    if w.is_dummy() {
+        return Ok((b.random_embedding(vocab, hidden)?, vocab));
+    }
     let t = w.tensor("model.embed_tokens.weight")?;
     if t.shape().dims().get(1) != Some(&hidden) || t.shape().dims().len() != 2 {
         anyhow::bail!(
@@ -185,7 +203,7 @@ pub fn lm_head<B: Backend>(
         true => "lm_head.weight",
         false => "model.embed_tokens.weight",
     };
-    b.linear(vec![w.shaped(name, &[vocab, hidden])?], Stack::Concat)
+    matrix(b, w, &[(name.to_string(), vocab)], hidden, Stack::Concat)
 }
 
 /// Bytes of a decoder's matrices on the device (norms and biases are noise beside them).

@@ -56,7 +56,7 @@ impl<B: Backend> Llama<B> {
             kv_slot: 0,
         };
         let h = c.hidden_size;
-        let (embedding, vocab) = embedding(b, w, h)?;
+        let (embedding, vocab) = embedding(b, w, c.vocab_size, h)?;
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let p = format!("model.layers.{i}");

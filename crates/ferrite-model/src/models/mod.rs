@@ -8,7 +8,7 @@ pub mod llama;
 
 use crate::backend::{Backend, Step};
 use crate::config::ModelConfig;
-use crate::runner::StepModel;
+use crate::runner::{RowDraw, StepModel};
 use crate::step::PackedStep;
 use crate::weights::config_source::ConfigSource;
 use crate::weights::WeightSource;
@@ -157,6 +157,7 @@ fn embedding_rows(w: &WeightSource) -> Result<Option<usize>> {
             .get("model.embed_tokens.weight")
             .ok()
             .map(|t| t.shape()[0]),
+        WeightSource::Dummy => None,
     })
 }
 
@@ -212,18 +213,55 @@ impl<B: Backend> Decoder<B> {
     }
 }
 
-impl<B: Backend> StepModel for Decoder<B> {
-    fn forward(&mut self, step: &PackedStep) -> Result<&mut [f32]> {
+impl<B: Backend> Decoder<B> {
+    /// The family's forward over `step` on the backend, logits left there (a device may
+    /// still be running it).
+    pub fn launch(&mut self, step: &PackedStep) -> Result<()> {
+        self.run(step, None)
+    }
+
+    fn run(&mut self, step: &PackedStep, draws: Option<&[RowDraw]>) -> Result<()> {
         self.check(step)?;
         let (family, cache, ws) = (&self.family, &mut self.cache, &mut self.buffers);
-        self.backend.run(|b| {
-            let s = Step {
-                host: step,
-                inputs: b.upload(step)?,
-            };
-            family.forward(b, &s, cache, ws)
-        })?;
+        let mut forward = |b: &mut B, s: &Step<B>| {
+            let r = family.forward(b, s, cache, ws);
+            if !B::REUSES_ACTIVATIONS {
+                *ws = Buffers::default();
+            }
+            r
+        };
+        self.backend.step(step, draws, &mut forward)
+    }
+
+    /// The KV pages, one per slot of the layout (benchmarks fill them).
+    pub fn caches_mut(&mut self) -> &mut [B::LayerCache] {
+        &mut self.cache
+    }
+}
+
+impl<B: Backend> StepModel for Decoder<B> {
+    fn forward(&mut self, step: &PackedStep) -> Result<&mut [f32]> {
+        self.run(step, None)?;
         self.backend.host_logits()
+    }
+
+    fn forward_argmax(&mut self, step: &PackedStep) -> Result<Vec<u32>> {
+        if self.draws_on_device() {
+            let greedy = vec![RowDraw::Greedy; step.logits_indices.len()];
+            return self.forward_draw(step, &greedy);
+        }
+        let vocab = self.vocab_size();
+        let logits = self.forward(step)?;
+        Ok(logits.chunks(vocab).map(crate::sampler::argmax).collect())
+    }
+
+    fn draws_on_device(&self) -> bool {
+        self.backend.draws_on_device()
+    }
+
+    fn forward_draw(&mut self, step: &PackedStep, draws: &[RowDraw]) -> Result<Vec<u32>> {
+        self.run(step, Some(draws))?;
+        self.backend.drawn_tokens()
     }
 
     fn vocab_size(&self) -> usize {

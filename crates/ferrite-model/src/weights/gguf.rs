@@ -140,3 +140,30 @@ impl GgufFile {
             .sum()
     }
 }
+
+impl ferrite_tokenizer::Metadata for GgufFile {
+    fn path(&self) -> &Path {
+        &self.path
+    }
+    fn string(&self, key: &str) -> Result<String> {
+        GgufFile::string(self, key)
+    }
+    fn opt_string(&self, key: &str) -> Option<String> {
+        GgufFile::opt_string(self, key)
+    }
+    fn opt_u64(&self, key: &str) -> Option<u64> {
+        GgufFile::opt_u64(self, key)
+    }
+    fn opt_bool(&self, key: &str) -> Option<bool> {
+        GgufFile::opt_bool(self, key)
+    }
+    fn string_array(&self, key: &str) -> Result<Vec<String>> {
+        GgufFile::string_array(self, key)
+    }
+    fn f32_array(&self, key: &str) -> Option<Vec<f32>> {
+        GgufFile::f32_array(self, key)
+    }
+    fn u64_array(&self, key: &str) -> Option<Vec<u64>> {
+        GgufFile::u64_array(self, key)
+    }
+}

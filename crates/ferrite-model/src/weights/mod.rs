@@ -20,6 +20,9 @@ pub enum WeightSource {
         files: MmapedSafetensors,
         dir: PathBuf,
     },
+    /// No file (`--load-format dummy`): the families draw random weights of the config's
+    /// shapes on the backend, ones for norms.
+    Dummy,
 }
 
 /// GGUF name of a Hugging Face tensor name (llama.cpp's converter's map).
@@ -91,10 +94,15 @@ impl WeightSource {
         matches!(self, Self::Gguf { .. })
     }
 
+    pub fn is_dummy(&self) -> bool {
+        matches!(self, Self::Dummy)
+    }
+
     fn location(&self) -> String {
         match self {
             Self::Gguf { file, .. } => file.path.display().to_string(),
             Self::Safetensors { dir, .. } => dir.display().to_string(),
+            Self::Dummy => "--load-format dummy".into(),
         }
     }
 
@@ -102,6 +110,7 @@ impl WeightSource {
         match self {
             Self::Gguf { file, arch } => gguf_name(arch, name).is_some_and(|g| file.has_tensor(&g)),
             Self::Safetensors { files, .. } => files.get(name).is_ok(),
+            Self::Dummy => false,
         }
     }
 
@@ -121,6 +130,7 @@ impl WeightSource {
                     .to_dtype(DType::F32)?;
                 Ok(QTensor::quantize(&t, GgmlDType::F32)?)
             }
+            Self::Dummy => bail!("{location}: no tensor `{name}` (random weights)"),
         }
     }
 

@@ -6,7 +6,7 @@
 use super::quant::activations::QuantizedActs;
 use super::quant::packed::PackedWeight;
 use super::quant::{matmul, Isa};
-use crate::loader::WeightFormat;
+use crate::engine_args::WeightFormat;
 use anyhow::{anyhow, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};

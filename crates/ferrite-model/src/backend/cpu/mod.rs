@@ -11,7 +11,7 @@ pub mod ops;
 pub mod quant;
 
 use super::{AttentionSpec, Backend, Epilogue, LinearIn, QkvPrep, Stack, Step};
-use crate::loader::WeightFormat;
+use crate::engine_args::WeightFormat;
 use crate::rope::{RopeSpec, RopeTable};
 use anyhow::{bail, Result};
 use attention::{paged_attention, AttentionMeta, AttentionParams};
@@ -184,13 +184,17 @@ impl Backend for CpuBackend {
         Ok(l)
     }
 
-    fn run<R: Send>(&mut self, f: impl FnOnce(&mut Self) -> R + Send) -> R {
+    fn step(
+        &mut self,
+        host: &crate::step::PackedStep,
+        draws: Option<&[crate::runner::RowDraw]>,
+        forward: super::Forward<Self>,
+    ) -> Result<()> {
+        if draws.is_some() {
+            bail!("the CPU backend samples on the host");
+        }
         let pool = self.pool.clone();
-        pool.install(|| f(self))
-    }
-
-    fn upload(&mut self, _step: &crate::step::PackedStep) -> Result<()> {
-        Ok(())
+        pool.install(|| forward(self, &Step { host, inputs: &() }))
     }
 
     fn embed(

@@ -6,15 +6,20 @@
 //! addresses (filled before each launch), block tables as wide as the longest request,
 //! attention splits sized for the longest context, and cuBLAS's workspace.
 
-use super::kernels::{attention_tiles, draw_params, ptr};
-use super::model::{CudaModel, StepInputs};
+use super::inputs::{u32s, GroupInputs, StepInputs};
+use super::kernels::attention::attention_tiles;
+use super::kernels::sample::draw_params;
+use super::kernels::{ptr, Kernels};
 use crate::runner::RowDraw;
-use crate::step::PackedStep;
+use crate::step::{KvTables, PackedStep};
 use anyhow::{ensure, Context, Result};
 use candle_core::cuda::cudarc::cublas::sys::{cublasSetWorkspace_v2, cublasStatus_t};
 use candle_core::cuda::cudarc::cublas::CudaBlas;
 use candle_core::cuda::cudarc::driver::{result, sys, CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use candle_core::{CudaDevice, DType, Device, Tensor};
+
+/// The forward pass a graph captures: launches every op over the inputs, returns the logits.
+pub type Launch<'a> = &'a mut dyn FnMut(&StepInputs) -> Result<Tensor>;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -84,8 +89,22 @@ pub struct DecodeGraphs {
     /// Block-table width of every graph: the most blocks one request can hold.
     width: usize,
     max_seq_len: usize,
+    /// Query heads, KV heads and head size (they size the attention splits).
+    heads: (usize, usize, usize),
+    kv_groups: usize,
     /// Set after a failed capture: every step then runs eagerly.
     disabled: bool,
+}
+
+/// The shapes a set of decode graphs is built for.
+pub struct GraphShape {
+    pub max_batch: usize,
+    /// The block that padding rows write to.
+    pub scratch_block: u32,
+    pub block_size: usize,
+    pub max_seq_len: usize,
+    pub heads: (usize, usize, usize),
+    pub kv_groups: usize,
 }
 
 /// Batch size of a decode-only step (one new token and one logits row per request).
@@ -94,26 +113,18 @@ fn decode_batch(step: &PackedStep) -> Option<usize> {
     (b > 0 && step.num_tokens() == b && step.logits_indices.len() == b).then_some(b)
 }
 
-fn u32s(v: &[u32], dev: &Device) -> Result<Tensor> {
-    Ok(Tensor::from_slice(v, v.len(), dev)?)
-}
-
 impl DecodeGraphs {
-    pub fn new(
-        dev: &CudaDevice,
-        max_batch: usize,
-        scratch_block: u32,
-        block_size: usize,
-        max_seq_len: usize,
-    ) -> Result<Self> {
+    pub fn new(dev: &CudaDevice, s: GraphShape) -> Result<Self> {
         Ok(Self {
             graphs: HashMap::new(),
             _workspace: Some(BlasWorkspace::set(dev)?),
-            max_batch: max_batch.min(MAX_GRAPH_BATCH),
-            scratch_block,
-            block_size,
-            width: max_seq_len.div_ceil(block_size),
-            max_seq_len,
+            max_batch: s.max_batch.min(MAX_GRAPH_BATCH),
+            scratch_block: s.scratch_block,
+            block_size: s.block_size,
+            width: s.max_seq_len.div_ceil(s.block_size),
+            max_seq_len: s.max_seq_len,
+            heads: s.heads,
+            kv_groups: s.kv_groups,
             disabled: false,
         })
     }
@@ -124,20 +135,22 @@ impl DecodeGraphs {
     /// step that fits.
     pub fn replay(
         &mut self,
-        model: &CudaModel,
+        kernels: &Kernels,
+        dev: &Device,
         step: &PackedStep,
         draws: &[RowDraw],
+        forward: Launch,
     ) -> Result<Option<&DecodeGraph>> {
         let Some(b) = decode_batch(step) else {
             return Ok(None);
         };
-        if self.disabled || b > self.max_batch || step.kv[0].max_blocks > self.width {
+        let too_wide = step.kv.iter().any(|kv| kv.max_blocks > self.width);
+        if self.disabled || b > self.max_batch || too_wide || step.kv.len() != self.kv_groups {
             return Ok(None);
         }
-        model.check(step)?;
         let bucket = b.next_power_of_two();
         if !self.graphs.contains_key(&bucket) {
-            match self.capture(model, bucket) {
+            match self.capture(kernels, dev, bucket, forward) {
                 Ok(g) => {
                     self.graphs.insert(bucket, g);
                 }
@@ -151,8 +164,8 @@ impl DecodeGraphs {
             }
         }
         let g = &self.graphs[&bucket];
-        let Device::Cuda(dev) = model.device() else {
-            unreachable!("a CUDA model")
+        let Device::Cuda(dev) = dev else {
+            unreachable!("a CUDA device")
         };
         let stream = dev.cuda_stream();
         let scratch_slot = self.scratch_block * self.block_size as u32;
@@ -163,61 +176,65 @@ impl DecodeGraphs {
         };
         copy_in(&stream, &g.inputs.ids, &pad(&step.input_ids, 0))?;
         copy_in(&stream, &g.inputs.positions, &pad(&step.positions, 0))?;
-        copy_in(
-            &stream,
-            &g.inputs.slots,
-            &pad(&step.kv[0].slot_mapping, scratch_slot),
-        )?;
+        for (kv, gi) in step.kv.iter().zip(&g.inputs.groups) {
+            copy_in(&stream, &gi.slots, &pad(&kv.slot_mapping, scratch_slot))?;
+            copy_table(&stream, &gi.block_tables, kv, b, self.width)?;
+        }
         copy_in(&stream, &g.inputs.seq_lens_k, &pad(&step.seq_lens_k, 1))?;
-        copy_table(&stream, &g.inputs.block_tables, step, self.width)?;
         copy_in(&stream, &g.draws, &draw_params(draws, bucket))?;
         g.graph.launch()?;
         Ok(Some(g))
     }
 
-    fn capture(&self, model: &CudaModel, bucket: usize) -> Result<DecodeGraph> {
-        let dev = model.device();
+    fn capture(
+        &self,
+        kernels: &Kernels,
+        dev: &Device,
+        bucket: usize,
+        forward: Launch,
+    ) -> Result<DecodeGraph> {
         let Device::Cuda(cuda) = dev else {
-            unreachable!("a CUDA model")
+            unreachable!("a CUDA device")
         };
-        let c = &model.config;
+        let (h, hkv, d) = self.heads;
         // Padding rows: one key, in the scratch block, at position 0.
         let mut table = vec![0u32; bucket * self.width];
         table
             .iter_mut()
             .step_by(self.width)
             .for_each(|t| *t = self.scratch_block);
-        let tiles = attention_tiles(bucket, bucket, c.head_dim, c.num_heads / c.num_kv_heads);
+        let tiles = attention_tiles(bucket, bucket, d, h / hkv);
+        let scratch_slots = vec![self.scratch_block * self.block_size as u32; bucket];
+        let groups = (0..self.kv_groups)
+            .map(|_| {
+                Ok(GroupInputs {
+                    slots: u32s(&scratch_slots, dev)?,
+                    block_tables: u32s(&table, dev)?,
+                    max_blocks: self.width,
+                })
+            })
+            .collect::<Result<_>>()?;
         let inputs = StepInputs {
             ids: u32s(&vec![0; bucket], dev)?,
             positions: u32s(&vec![0; bucket], dev)?,
-            slots: u32s(
-                &vec![self.scratch_block * self.block_size as u32; bucket],
-                dev,
-            )?,
             cu_seqlens_q: u32s(&(0..=bucket as u32).collect::<Vec<_>>(), dev)?,
             seq_lens_k: u32s(&vec![1; bucket], dev)?,
-            block_tables: u32s(&table, dev)?,
             rows: u32s(&(0..bucket as u32).collect::<Vec<_>>(), dev)?,
-            max_blocks: self.width,
+            groups,
+            num_seqs: bucket,
+            num_tokens: bucket,
             max_seq_len: self.max_seq_len,
-            splits: Some(
-                model
-                    .kernels()
-                    .splits(tiles * c.num_kv_heads, self.max_seq_len),
-            ),
+            splits: Some(kernels.splits(tiles * hkv, self.max_seq_len)),
         };
         let draws = u32s(&draw_params(&[], bucket), dev)?;
         // An eager run first, so every module is loaded outside the capture.
-        model.kernels().sample_rows(&model.run(&inputs)?, &draws)?;
+        kernels.sample_rows(&forward(&inputs)?, &draws)?;
         let stream = cuda.cuda_stream();
         stream.synchronize()?;
         stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
         // Only ferrite's kernels and cuBLAS in here: candle's launches copy their shapes from
         // host memory, which a replay would read after it is gone.
-        let captured = model
-            .run(&inputs)
-            .and_then(|l| Ok((model.kernels().sample_rows(&l, &draws)?, l)));
+        let captured = forward(&inputs).and_then(|l| Ok((kernels.sample_rows(&l, &draws)?, l)));
         // Always end the capture, so a failure leaves the stream usable.
         let graph = stream.end_capture(
             sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
@@ -244,19 +261,20 @@ fn copy_in(stream: &Arc<CudaStream>, dst: &Tensor, data: &[u32]) -> Result<()> {
     Ok(())
 }
 
-/// The step's `[B, max_blocks]` tables into the first B rows of the `[bucket, width]` table.
+/// A group's `[B, max_blocks]` tables into the first B rows of the `[bucket, width]` table.
 fn copy_table(
     stream: &Arc<CudaStream>,
     dst: &Tensor,
-    step: &PackedStep,
+    kv: &KvTables,
+    num_seqs: usize,
     width: usize,
 ) -> Result<()> {
-    let row = step.kv[0].max_blocks * 4;
+    let row = kv.max_blocks * 4;
     let p = sys::CUDA_MEMCPY2D {
         srcXInBytes: 0,
         srcY: 0,
         srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
-        srcHost: step.kv[0].block_tables.as_ptr().cast(),
+        srcHost: kv.block_tables.as_ptr().cast(),
         srcDevice: 0,
         srcArray: std::ptr::null_mut(),
         srcPitch: row,
@@ -268,7 +286,7 @@ fn copy_table(
         dstArray: std::ptr::null_mut(),
         dstPitch: width * 4,
         WidthInBytes: row,
-        Height: step.num_seqs(),
+        Height: num_seqs,
     };
     // SAFETY: as in `copy_in`; the copy stays inside B rows of `width` u32 each.
     unsafe { sys::cuMemcpy2DAsync_v2(&p, stream.cu_stream()).result()? };

@@ -1,7 +1,7 @@
 //! The tokenizer, built from GGUF metadata (`tokenizer.ggml.*`) or a `tokenizer.json` beside
 //! the weights, with the special-token ids and chat template the engine needs.
 
-use crate::weights::gguf::GgufFile;
+use crate::Metadata;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -19,8 +19,8 @@ pub struct ModelTokenizer {
 
 impl ModelTokenizer {
     /// From the GGUF metadata, unless a `tokenizer.json` sits beside the weights.
-    pub fn load(gguf: &GgufFile) -> Result<Self> {
-        let beside = gguf.path.with_file_name("tokenizer.json");
+    pub fn load(gguf: &impl Metadata) -> Result<Self> {
+        let beside = gguf.path().with_file_name("tokenizer.json");
         let (tokenizer, from_json) = if beside.exists() {
             (load_json(&beside)?, true)
         } else {
@@ -157,7 +157,7 @@ impl ModelTokenizer {
 /// Control tokens that end a chat turn, by their text.
 const END_OF_TURN: &[&str] = &["<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>"];
 
-fn end_of_turn_tokens(gguf: &GgufFile) -> Vec<u32> {
+fn end_of_turn_tokens(gguf: &impl Metadata) -> Vec<u32> {
     let (Ok(tokens), Some(types)) = (
         gguf.string_array("tokenizer.ggml.tokens"),
         gguf.u64_array("tokenizer.ggml.token_type"),
@@ -236,7 +236,7 @@ fn merges_from_scores(tokens: &[String], scores: &[f32]) -> Vec<(String, String)
     merges.into_iter().map(|m| (m.3, m.4)).collect()
 }
 
-fn from_gguf(gguf: &GgufFile) -> Result<Tokenizer> {
+fn from_gguf(gguf: &impl Metadata) -> Result<Tokenizer> {
     let model = gguf.string("tokenizer.ggml.model")?;
     let tokens = gguf.string_array("tokenizer.ggml.tokens")?;
     let types = gguf.u64_array("tokenizer.ggml.token_type");

@@ -1,0 +1,449 @@
+#pragma once
+#include "common.cuh"
+
+// ---------------------------------------------------------------------------------------------
+// Paged varlen attention over one packed step: prefill chunks and decodes in one launch.
+// Program (tile, kv_head, split): a tile is up to TQ = ROWS / G consecutive query tokens of one
+// request, all G query heads of the KV head (so each K/V row read serves ROWS query rows). Tile
+// t of request i starts at cu_q[i] / TQ + i, so the request is found by binary search (vLLM's
+// unified-attention layout) and the grid is sized from T and B alone. A split covers a share of
+// the tile's key range; with splits > 1 it writes unnormalized partials for `merge_splits`.
+// This CUDA-core kernel serves head sizes the tensor-core kernel below does not (256).
+constexpr int ROWS = 16;
+constexpr int KCHUNK = 128;  // keys per pass = threads per block
+
+// The query tokens of program `blockIdx.x` and the keys they may see.
+struct Tile {
+  int seq, q0, t_begin, nt;  // request, its first row in the step, tile start, tokens
+  int first_pos;             // position of the tile's first token
+  int k_start, k_end;        // keys [k_start, k_end) (causal, sliding window)
+};
+
+// Tile t of request i starts at cu_q[i] / TQ + i: a binary search over that finds the
+// request; false for the padding programs past a request's last tile.
+__device__ bool find_tile(const uint32_t* cu_q, const uint32_t* seq_k, int num_seqs, int TQ,
+                          int window, Tile& t) {
+  const int tile = blockIdx.x;
+  int lo = 0, hi = num_seqs - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if ((int)(cu_q[mid] / TQ) + mid <= tile) lo = mid; else hi = mid - 1;
+  }
+  const int q0 = cu_q[lo], qlen = cu_q[lo + 1] - q0;
+  t.seq = lo;
+  t.q0 = q0;
+  t.t_begin = (tile - (q0 / TQ + lo)) * TQ;
+  if (t.t_begin >= qlen) return false;
+  t.nt = min(TQ, qlen - t.t_begin);
+  t.first_pos = (int)seq_k[lo] - qlen + t.t_begin;
+  t.k_end = t.first_pos + t.nt;
+  t.k_start = window > 0 ? max(0, t.first_pos - window + 1) : 0;
+  return true;
+}
+
+template <int D>
+__device__ void attention_tile(const bf16* __restrict__ q, const bf16* __restrict__ kc,
+                               const bf16* __restrict__ vc, const uint32_t* cu_q,
+                               const uint32_t* seq_k, const uint32_t* tables, int max_blocks,
+                               int num_seqs, int H, int Hkv, int block_size, float scale,
+                               int window, float softcap, int splits, bf16* out, float* part_acc,
+                               float* part_ml) {
+  constexpr int DPT = D >= 128 ? D / 128 : 1;       // dims per thread in P.V
+  constexpr int RSTRIDE = D >= 128 ? 1 : 128 / D;  // threads sharing a dim split the rows
+  constexpr int NR = ROWS / RSTRIDE;
+  __shared__ float qs[ROWS][D];
+  __shared__ float ps[ROWS][KCHUNK];
+  __shared__ float m_s[ROWS], l_s[ROWS], alpha_s[ROWS];
+  const int G = H / Hkv;
+  const int hk = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
+  Tile tl;
+  if (!find_tile(cu_q, seq_k, num_seqs, ROWS / G, window, tl)) return;
+  const int seq = tl.seq, q0 = tl.q0, t_begin = tl.t_begin, first_pos = tl.first_pos;
+  const int nrows = tl.nt * G, k_start = tl.k_start, k_end = tl.k_end;
+  const int per = (k_end - k_start + splits - 1) / splits;
+  const int s_begin = k_start + split * per, s_end = min(k_end, s_begin + per);
+  const uint32_t* table = tables + (size_t)seq * max_blocks;
+
+  for (int i = tid; i < ROWS * D; i += blockDim.x) {
+    int r = i / D, d = i % D;
+    float x = 0.f;
+    if (r < nrows)
+      x = __bfloat162float(q[((size_t)(q0 + t_begin + r / G) * H + hk * G + r % G) * D + d]);
+    qs[r][d] = x * scale;
+  }
+  if (tid < ROWS) {
+    m_s[tid] = -INFINITY;
+    l_s[tid] = 0.f;
+  }
+  float acc[NR][DPT];
+#pragma unroll
+  for (int i = 0; i < NR; i++)
+#pragma unroll
+    for (int j = 0; j < DPT; j++) acc[i][j] = 0.f;
+  const int dim0 = tid % (D >= 128 ? 128 : D), rgroup = tid / (D >= 128 ? 128 : D);
+  __syncthreads();
+
+  for (int c0 = s_begin; c0 < s_end; c0 += KCHUNK) {
+    // Scores: one key per thread, every row of the tile.
+    const int k = c0 + tid;
+    float s[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) s[r] = 0.f;
+    if (k < s_end) {
+      const uint32_t page = table[k / block_size];
+      const uint4* krow = reinterpret_cast<const uint4*>(
+          kc + (((size_t)page * Hkv + hk) * block_size + k % block_size) * D);
+#pragma unroll 4
+      for (int c = 0; c < D / 8; c++) {
+        uint4 raw = __ldg(krow + c);
+        const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+        float kf[8];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          float2 f = __bfloat1622float2(h2[e]);
+          kf[2 * e] = f.x;
+          kf[2 * e + 1] = f.y;
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+          if (r < nrows) {
+            const float4* qv = reinterpret_cast<const float4*>(&qs[r][c * 8]);
+            float4 a = qv[0], b = qv[1];
+            s[r] += a.x * kf[0] + a.y * kf[1] + a.z * kf[2] + a.w * kf[3] + b.x * kf[4] +
+                    b.y * kf[5] + b.z * kf[6] + b.w * kf[7];
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+      const int pos = first_pos + r / G;
+      bool ok = r < nrows && k < s_end && k <= pos && (window <= 0 || k > pos - window);
+      float x = s[r];
+      if (softcap > 0.f) x = softcap * tanhf(x / softcap);
+      ps[r][tid] = ok ? x : -INFINITY;
+    }
+    __syncthreads();
+    // Online softmax per row: a warp per row.
+    const int warp = tid >> 5, lane = tid & 31;
+    for (int r = warp; r < ROWS; r += blockDim.x >> 5) {
+      float mx = -INFINITY;
+      for (int j = lane; j < KCHUNK; j += 32) mx = fmaxf(mx, ps[r][j]);
+      mx = warp_max(mx);
+      const float m_old = m_s[r], m_new = fmaxf(m_old, mx);
+      float sum = 0.f;
+      for (int j = lane; j < KCHUNK; j += 32) {
+        float p = m_new == -INFINITY ? 0.f : __expf(ps[r][j] - m_new);
+        ps[r][j] = p;
+        sum += p;
+      }
+      sum = warp_sum(sum);
+      if (lane == 0) {
+        float a = m_old == -INFINITY ? 0.f : __expf(m_old - m_new);
+        alpha_s[r] = a;
+        l_s[r] = l_s[r] * a + sum;
+        m_s[r] = m_new;
+      }
+    }
+    __syncthreads();
+    // P.V: each thread owns DPT dims of NR rows.
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+      const float a = alpha_s[i * RSTRIDE + rgroup];
+#pragma unroll
+      for (int j = 0; j < DPT; j++) acc[i][j] *= a;
+    }
+    const int n = min(KCHUNK, s_end - c0);
+#pragma unroll 4
+    for (int kk = 0; kk < n; kk++) {
+      const int key = c0 + kk;
+      const uint32_t page = table[key / block_size];
+      const bf16* vrow = vc + (((size_t)page * Hkv + hk) * block_size + key % block_size) * D;
+      float vv[DPT];
+#pragma unroll
+      for (int j = 0; j < DPT; j++) vv[j] = __bfloat162float(vrow[dim0 + j * 128]);
+#pragma unroll
+      for (int i = 0; i < NR; i++) {
+        if (i * RSTRIDE + rgroup >= nrows) break;  // decodes fill few of the tile's rows
+        const float p = ps[i * RSTRIDE + rgroup][kk];
+#pragma unroll
+        for (int j = 0; j < DPT; j++) acc[i][j] += p * vv[j];
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int i = 0; i < NR; i++) {
+    const int r = i * RSTRIDE + rgroup;
+    if (r >= nrows) continue;
+    const size_t row = (size_t)(q0 + t_begin + r / G) * H + hk * G + r % G;
+#pragma unroll
+    for (int j = 0; j < DPT; j++) {
+      const int d = dim0 + j * 128;
+      if (splits == 1) {
+        const float l = l_s[r];
+        out[row * D + d] = __float2bfloat16(l > 0.f ? acc[i][j] / l : 0.f);
+      } else {
+        part_acc[(row * splits + split) * D + d] = acc[i][j];
+        if (d == 0) {
+          part_ml[(row * splits + split) * 2] = m_s[r];
+          part_ml[(row * splits + split) * 2 + 1] = l_s[r];
+        }
+      }
+    }
+  }
+}
+
+#define ATTENTION(D)                                                                         \
+  extern "C" __global__ void __launch_bounds__(KCHUNK) paged_attention_d##D##_bf16(          \
+      const bf16* q, const bf16* kc, const bf16* vc, const uint32_t* cu_q,                   \
+      const uint32_t* seq_k, const uint32_t* tables, int max_blocks, int num_seqs, int H,    \
+      int Hkv, int block_size, float scale, int window, float softcap, int splits, bf16* out, \
+      float* part_acc, float* part_ml) {                                                     \
+    attention_tile<D>(q, kc, vc, cu_q, seq_k, tables, max_blocks, num_seqs, H, Hkv,         \
+                      block_size, scale, window, softcap, splits, out, part_acc, part_ml);   \
+  }
+ATTENTION(256)
+
+// Combines the splits of each query row: grid T*H blocks, D threads.
+extern "C" __global__ void merge_splits_bf16(const float* part_acc, const float* part_ml,
+                                             bf16* out, int splits, int D) {
+  const size_t row = blockIdx.x;
+  float m = -INFINITY;
+  for (int s = 0; s < splits; s++) m = fmaxf(m, part_ml[(row * splits + s) * 2]);
+  float l = 0.f, acc = 0.f;
+  for (int s = 0; s < splits; s++) {
+    const float ms = part_ml[(row * splits + s) * 2];
+    if (ms == -INFINITY) continue;
+    const float w = __expf(ms - m);
+    l += part_ml[(row * splits + s) * 2 + 1] * w;
+    acc += part_acc[(row * splits + s) * D + threadIdx.x] * w;
+  }
+  out[row * D + threadIdx.x] = __float2bfloat16(l > 0.f ? acc / l : 0.f);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The same attention on tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate), flash-
+// attention style, for head sizes 64 and 128: a program takes 64 query rows (TQ = 64 / G tokens
+// x the G query heads of one KV head, so each K/V tile read from memory serves every head of
+// the group), walks its share of the keys in tiles of 64 staged in shared memory through the
+// block table (coalesced 16-byte loads), and keeps the softmax online in registers. Decodes
+// fill few rows of a tile; warps without rows skip the math, and splits of the key range keep
+// the multiprocessors busy on long contexts.
+constexpr int MMA_ROWS = 64;
+constexpr int MMA_KEYS = 64;
+constexpr int MMA_THREADS = 128;
+
+__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* p) {
+  uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
+  uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+// 16 bytes global -> shared without passing through registers; zero-fills when !valid.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+
+template <int D>
+__device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __restrict__ kc,
+                                   const bf16* __restrict__ vc, const uint32_t* cu_q,
+                                   const uint32_t* seq_k, const uint32_t* tables, int max_blocks,
+                                   int num_seqs, int H, int Hkv, int block_size, float scale,
+                                   int window, float softcap, int splits, bf16* out,
+                                   float* part_acc, float* part_ml) {
+  constexpr int LD = D + 8;  // padded rows: ldmatrix rows land in distinct banks
+  constexpr int KS = D / 16, DN = D / 8, NJ = MMA_KEYS / 8;
+  __shared__ __align__(16) bf16 ks_[MMA_KEYS][LD];
+  __shared__ __align__(16) bf16 vs_[MMA_KEYS][LD];
+  const int G = H / Hkv;
+  const int hk = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  Tile tl;
+  if (!find_tile(cu_q, seq_k, num_seqs, MMA_ROWS / G, window, tl)) return;
+  const int seq = tl.seq, q0 = tl.q0, t_begin = tl.t_begin, first_pos = tl.first_pos;
+  const int nrows = tl.nt * G, k_start = tl.k_start, k_end = tl.k_end;
+  // This split's keys, whole 64-key tiles apart from the ends.
+  const int per = ((k_end - k_start + splits - 1) / splits + MMA_KEYS - 1) / MMA_KEYS * MMA_KEYS;
+  const int s_begin = k_start + split * per, s_end = min(k_end, s_begin + per);
+  const bool active = warp * 16 < nrows;
+  const uint32_t* table = tables + (size_t)seq * max_blocks;
+
+  // This thread's two rows of the warp's 16, and their Q fragments.
+  const int r0 = warp * 16 + lane / 4, r1 = r0 + 8;
+  const int pos0 = first_pos + r0 / G, pos1 = first_pos + r1 / G;
+  const bf16* q0p = r0 < nrows ? q + ((size_t)(q0 + t_begin + r0 / G) * H + hk * G + r0 % G) * D : nullptr;
+  const bf16* q1p = r1 < nrows ? q + ((size_t)(q0 + t_begin + r1 / G) * H + hk * G + r1 % G) * D : nullptr;
+  uint32_t qa[KS][4];
+#pragma unroll
+  for (int s = 0; s < KS; s++) {
+    const int c = s * 16 + (lane % 4) * 2;
+    qa[s][0] = q0p ? *reinterpret_cast<const uint32_t*>(q0p + c) : 0u;
+    qa[s][1] = q1p ? *reinterpret_cast<const uint32_t*>(q1p + c) : 0u;
+    qa[s][2] = q0p ? *reinterpret_cast<const uint32_t*>(q0p + c + 8) : 0u;
+    qa[s][3] = q1p ? *reinterpret_cast<const uint32_t*>(q1p + c + 8) : 0u;
+  }
+  float o[DN][4];
+#pragma unroll
+  for (int n = 0; n < DN; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const float log2e = 1.4426950408889634f;
+
+  for (int kb = s_begin; kb < s_end; kb += MMA_KEYS) {
+    __syncthreads();  // the previous tile is no longer read
+    // Stage the tile with cp.async (global to shared, no registers): look up every page
+    // first, then issue all of this thread's 16-byte copies back to back, so they are in
+    // flight together instead of one round trip each; keys past the range are zero-filled.
+    constexpr int LOADS = MMA_KEYS * D / 8 / MMA_THREADS;
+    size_t at[LOADS];
+#pragma unroll
+    for (int j = 0; j < LOADS; j++) {
+      const int i = tid + j * MMA_THREADS, k = kb + i / (D / 8);
+      at[j] = k < s_end ? (((size_t)table[k / block_size] * Hkv + hk) * block_size + k % block_size) * D +
+                              (i % (D / 8)) * 8
+                        : SIZE_MAX;
+    }
+#pragma unroll
+    for (int j = 0; j < LOADS; j++) {
+      const int i = tid + j * MMA_THREADS, key = i / (D / 8), c = (i % (D / 8)) * 8;
+      const bool in = at[j] != SIZE_MAX;
+      cp_async16(&ks_[key][c], kc + (in ? at[j] : 0), in);
+      cp_async16(&vs_[key][c], vc + (in ? at[j] : 0), in);
+    }
+    asm volatile("cp.async.wait_all;\n" ::);
+    __syncthreads();
+    if (!active) continue;
+    // S = Q K^T for this warp's 16 rows and the tile's 64 keys.
+    float s[NJ][4];
+#pragma unroll
+    for (int j = 0; j < NJ; j++) {
+      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+      for (int t = 0; t < KS; t += 2) {
+        uint32_t b[4];
+        ldmatrix_x4(b, &ks_[j * 8 + lane % 8][t * 16 + (lane / 8) * 8]);
+        mma_bf16(s[j], qa[t], b[0], b[1]);
+        mma_bf16(s[j], qa[t + 1], b[2], b[3]);
+      }
+    }
+    // Mask, scale, online softmax (each row's 64 scores sit in one quad of lanes).
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int row = h ? r1 : r0, pos = h ? pos1 : pos0;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < NJ; j++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const int key = kb + j * 8 + (lane % 4) * 2 + e;
+          float x = s[j][2 * h + e] * scale;
+          if (softcap > 0.f) x = softcap * tanhf(x / softcap);
+          const bool ok = row < nrows && key < s_end && key <= pos &&
+                          (window <= 0 || key > pos - window);
+          x = ok ? x * log2e : -INFINITY;
+          s[j][2 * h + e] = x;
+          mx = fmaxf(mx, x);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[h], mx);
+      const float corr = m_new == -INFINITY ? 1.f : exp2f(m[h] - m_new);
+      m[h] = m_new;
+      l[h] *= corr;
+#pragma unroll
+      for (int n = 0; n < DN; n++) {
+        o[n][2 * h] *= corr;
+        o[n][2 * h + 1] *= corr;
+      }
+#pragma unroll
+      for (int j = 0; j < NJ; j++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const float p = m_new == -INFINITY ? 0.f : exp2f(s[j][2 * h + e] - m_new);
+          s[j][2 * h + e] = p;
+          l[h] += p;
+        }
+    }
+    // O += P V: the S accumulators of two key groups are exactly an A fragment.
+#pragma unroll
+    for (int kk = 0; kk < MMA_KEYS / 16; kk++) {
+      uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                       pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                       pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int n = 0; n < DN; n += 2) {
+        uint32_t b[4];
+        const int mtx = lane / 8;
+        ldmatrix_x4_trans(b, &vs_[kk * 16 + (mtx % 2) * 8 + lane % 8][(n + mtx / 2) * 8]);
+        mma_bf16(o[n], a, b[0], b[1]);
+        mma_bf16(o[n + 1], a, b[2], b[3]);
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const int row = h ? r1 : r0;
+    if (row >= nrows) continue;
+    const size_t qrow = (size_t)(q0 + t_begin + row / G) * H + hk * G + row % G;
+    if (splits > 1) {
+      // Unnormalized, with the running max back in natural-log units for merge_splits.
+      const size_t at = qrow * splits + split;
+#pragma unroll
+      for (int n = 0; n < DN; n++) {
+        part_acc[at * D + n * 8 + (lane % 4) * 2] = o[n][2 * h];
+        part_acc[at * D + n * 8 + (lane % 4) * 2 + 1] = o[n][2 * h + 1];
+      }
+      if (lane % 4 == 0) {
+        part_ml[at * 2] = m[h] == -INFINITY ? -INFINITY : m[h] / log2e;
+        part_ml[at * 2 + 1] = l[h];
+      }
+      continue;
+    }
+    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    bf16* dst = out + qrow * D;
+#pragma unroll
+    for (int n = 0; n < DN; n++) {
+      *reinterpret_cast<__nv_bfloat162*>(dst + n * 8 + (lane % 4) * 2) =
+          __floats2bfloat162_rn(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+    }
+  }
+}
+
+#define ATTENTION_MMA(D)                                                                      \
+  extern "C" __global__ void __launch_bounds__(MMA_THREADS) paged_attention_mma_d##D##_bf16(          \
+      const bf16* q, const bf16* kc, const bf16* vc, const uint32_t* cu_q,                    \
+      const uint32_t* seq_k, const uint32_t* tables, int max_blocks, int num_seqs, int H,     \
+      int Hkv, int block_size, float scale, int window, float softcap, int splits, bf16* out, \
+      float* part_acc, float* part_ml) {                                                      \
+    attention_tile_mma<D>(q, kc, vc, cu_q, seq_k, tables, max_blocks, num_seqs, H, Hkv,      \
+                          block_size, scale, window, softcap, splits, out, part_acc,         \
+                          part_ml);                                                          \
+  }
+ATTENTION_MMA(32)
+ATTENTION_MMA(64)
+ATTENTION_MMA(128)
+

@@ -1,0 +1,182 @@
+#pragma once
+#include "elementwise.cuh"
+
+// ---- Matmuls of one or two rows (decode steps) ----
+// out[m, n] = sum_k in[m, k] w[n, k]: bound by reading w once, which cuBLAS does at ~1.15x the
+// copy floor for one row; here one warp per output column streams the column's weights with
+// 16-byte loads, 2 x GEMV_LOADS in flight per lane. The small kernels around a decode's matmuls are
+// folded in, so a layer is four of these plus rotary and attention:
+// the input row is built once per block in shared memory (bf16, as the unfused kernels round it):
+enum { GEMV_IN_BF16 = 0, GEMV_IN_RMS = 1 };
+//   IN_BF16: a bf16 [R, k] tensor; IN_RMS: RMSNorm (weights `norm`) of f32 residual rows
+//   x[rows ? rows[m] : m];
+// and the column's dot product goes out as
+enum { GEMV_OUT_BF16 = 0, GEMV_OUT_F32 = 1, GEMV_OUT_ADD = 2, GEMV_OUT_SILU = 3, GEMV_OUT_GELU = 4 };
+//   bf16 [R, n], f32 [R, n], added into the f32 residual stream [R, n] (the residual add), or
+//   for interleaved gate|up columns, act(gate) * up (SiLU or GELU-tanh) as bf16 [R, n / 2] (a warp takes both
+//   columns of a pair; each is rounded to bf16 first, as the unfused path stores them).
+#define GEMV_LOADS 4
+
+
+__device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
+  acc = fmaf(bf16_lo(a.x), bf16_lo(b.x), acc);
+  acc = fmaf(bf16_hi(a.x), bf16_hi(b.x), acc);
+  acc = fmaf(bf16_lo(a.y), bf16_lo(b.y), acc);
+  acc = fmaf(bf16_hi(a.y), bf16_hi(b.y), acc);
+  acc = fmaf(bf16_lo(a.z), bf16_lo(b.z), acc);
+  acc = fmaf(bf16_hi(a.z), bf16_hi(b.z), acc);
+  acc = fmaf(bf16_lo(a.w), bf16_lo(b.w), acc);
+  return fmaf(bf16_hi(a.w), bf16_hi(b.w), acc);
+}
+
+// Builds input row m of `r` rows in `xs` (k bf16); rows m >= r are zeros. Unrolled over
+// GEMV_PRO pieces of 8 values per thread, every load issued before the first use: a loop
+// that waited on each load would cost one L2 round trip per piece.
+template <int GEMV_PRO>
+__device__ __forceinline__ void gemv_input(int mode, int m, int r, const void* __restrict__ in,
+                                           const uint32_t* __restrict__ rows,
+                                           const bf16* __restrict__ norm, float eps, int k,
+                                           uint4* __restrict__ xs, float* red) {
+  const int k8 = k / 8, step = blockDim.x;
+  if (m >= r) {
+    for (int i = threadIdx.x; i < k8; i += step) xs[i] = make_uint4(0, 0, 0, 0);
+  } else if (mode == GEMV_IN_BF16) {
+    const uint4* src = (const uint4*)in + (size_t)m * k8;
+    for (int i0 = threadIdx.x; i0 < k8; i0 += GEMV_PRO * step) {
+      uint4 v[GEMV_PRO];
+#pragma unroll
+      for (int j = 0; j < GEMV_PRO; j++)
+        if (i0 + j * step < k8) v[j] = src[i0 + j * step];
+#pragma unroll
+      for (int j = 0; j < GEMV_PRO; j++)
+        if (i0 + j * step < k8) xs[i0 + j * step] = v[j];
+    }
+  } else {
+    const float4* x = (const float4*)in + (size_t)(rows ? rows[m] : m) * 2 * k8;
+    float ss = 0.f;
+    for (int i0 = threadIdx.x; i0 < k8; i0 += GEMV_PRO * step) {
+      float4 a[GEMV_PRO], b[GEMV_PRO];
+#pragma unroll
+      for (int j = 0; j < GEMV_PRO; j++)
+        if (i0 + j * step < k8) a[j] = x[2 * (i0 + j * step)], b[j] = x[2 * (i0 + j * step) + 1];
+#pragma unroll
+      for (int j = 0; j < GEMV_PRO; j++)
+        if (i0 + j * step < k8)
+          ss += a[j].x * a[j].x + a[j].y * a[j].y + a[j].z * a[j].z + a[j].w * a[j].w +
+                b[j].x * b[j].x + b[j].y * b[j].y + b[j].z * b[j].z + b[j].w * b[j].w;
+    }
+    const float inv = rsqrtf(block_sum(ss, red) / k + eps);
+    const uint4* w4 = (const uint4*)norm;
+    for (int i0 = threadIdx.x; i0 < k8; i0 += GEMV_PRO * step) {
+      float4 a[GEMV_PRO], b[GEMV_PRO];
+      uint4 w[GEMV_PRO];
+#pragma unroll
+      for (int j = 0; j < GEMV_PRO; j++)
+        if (i0 + j * step < k8)
+          a[j] = x[2 * (i0 + j * step)], b[j] = x[2 * (i0 + j * step) + 1], w[j] = w4[i0 + j * step];
+#pragma unroll
+      for (int j = 0; j < GEMV_PRO; j++) {
+        if (i0 + j * step >= k8) continue;
+        xs[i0 + j * step] = make_uint4(
+            pack_bf16(a[j].x * inv * bf16_lo(w[j].x), a[j].y * inv * bf16_hi(w[j].x)),
+            pack_bf16(a[j].z * inv * bf16_lo(w[j].y), a[j].w * inv * bf16_hi(w[j].y)),
+            pack_bf16(b[j].x * inv * bf16_lo(w[j].z), b[j].y * inv * bf16_hi(w[j].z)),
+            pack_bf16(b[j].z * inv * bf16_lo(w[j].w), b[j].w * inv * bf16_hi(w[j].w)));
+      }
+    }
+  }
+}
+
+// Loads one chunk of a column's weights: GEMV_LOADS 16-byte pieces per lane from `base` on.
+__device__ __forceinline__ void gemv_load(const uint4* wc, int base, int k8, uint4* v) {
+#pragma unroll
+  for (int u = 0; u < GEMV_LOADS; u++) {
+    const int i = base + 32 * u;
+    v[u] = i < k8 ? __ldcs(wc + i) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// R: rows the kernel is built for; `r` <= R of them are real. k % 8 == 0. PRO: the prologue's
+// unrolling, as far as registers allow (two blocks of 512 threads per multiprocessor).
+// Grid: any number of blocks of whole warps; dynamic shared memory R * k bf16.
+// A warp takes columns first, first + stride, ... and walks their chunks one after the other,
+// issuing each chunk's loads before it sums the one before (the first chunk's before the input
+// is built), so a lane always has two chunks in flight and the prologue hides behind a load.
+template <int R, int PRO>
+__device__ void gemv(const bf16* __restrict__ w, int n, int k, int r, int in_mode, const void* in,
+                     const uint32_t* rows, const bf16* norm, float eps, int out_mode, void* out) {
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  __shared__ float red[32];
+  bf16* xs = (bf16*)gemv_smem;
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int k8 = k / 8, per_chunk = 32 * GEMV_LOADS, chunks = (k8 + per_chunk - 1) / per_chunk;
+  const int first = blockIdx.x * warps + (threadIdx.x >> 5), stride = gridDim.x * warps;
+  // A warp's unit of columns: one, or a gate|up pair.
+  const bool gated = out_mode >= GEMV_OUT_SILU;
+  const int per_unit = gated ? 2 : 1, units = n / per_unit;
+  const int items = first < units ? ((units - 1 - first) / stride + 1) * per_unit * chunks : 0;
+  uint4 next[GEMV_LOADS];
+  if (items > 0) gemv_load((const uint4*)(w + (size_t)first * per_unit * k), lane, k8, next);
+  for (int m = 0; m < R; m++)
+    gemv_input<PRO>(in_mode, m, r, in, rows, norm, eps, k, (uint4*)(xs + m * k), red);
+  __syncthreads();
+  const uint4* x4 = (const uint4*)xs;
+  float acc[R], gate[R];
+#pragma unroll
+  for (int m = 0; m < R; m++) acc[m] = 0.f;
+  for (int it = 0, col = first * per_unit, c = 0; it < items; it++) {
+    uint4 v[GEMV_LOADS];
+#pragma unroll
+    for (int u = 0; u < GEMV_LOADS; u++) v[u] = next[u];
+    int ncol = col, nc = c + 1;
+    if (nc == chunks) {
+      nc = 0;
+      ncol = (col + 1) % per_unit ? col + 1 : (col / per_unit + stride) * per_unit;
+    }
+    if (it + 1 < items)
+      gemv_load((const uint4*)(w + (size_t)ncol * k), lane + nc * per_chunk, k8, next);
+    const int base = lane + c * per_chunk;
+#pragma unroll
+    for (int u = 0; u < GEMV_LOADS; u++) {
+      const int i = base + 32 * u;
+      if (i < k8) {
+#pragma unroll
+        for (int m = 0; m < R; m++) acc[m] = dot8(v[u], x4[m * k8 + i], acc[m]);
+      }
+    }
+    if (c == chunks - 1) {
+#pragma unroll
+      for (int m = 0; m < R; m++) {
+        const float sum = warp_sum(acc[m]);
+        acc[m] = 0.f;
+        if (gated && col % 2 == 0) {
+          gate[m] = sum;
+        } else if (lane == 0 && m < r) {
+          const size_t o = (size_t)m * n + col;
+          if (out_mode == GEMV_OUT_BF16) ((bf16*)out)[o] = __float2bfloat16(sum);
+          else if (out_mode == GEMV_OUT_F32) ((float*)out)[o] = sum;
+          else if (out_mode == GEMV_OUT_ADD) ((float*)out)[o] += sum;
+          else
+            ((bf16*)out)[(size_t)m * units + col / 2] = __float2bfloat16(
+                gate_times(out_mode == GEMV_OUT_GELU ? ACT_GELU_TANH : ACT_SILU,
+                           __bfloat162float(__float2bfloat16(gate[m])),
+                           __bfloat162float(__float2bfloat16(sum))));
+        }
+      }
+    }
+    col = ncol;
+    c = nc;
+  }
+}
+
+// Threads per block (`GEMV_THREADS` in kernels.rs) and two blocks per multiprocessor: the
+// bound caps registers at 64.
+#define GEMV(R, PRO)                                                                  \
+  extern "C" __global__ void __launch_bounds__(512, 2)                                 \
+      gemv_r##R##_bf16(const bf16* w, int n, int k, int r, int in_mode, const void* in, \
+                       const uint32_t* rows, const bf16* norm, float eps, int out_mode, \
+                       void* out) {                                                   \
+    gemv<R, PRO>(w, n, k, r, in_mode, in, rows, norm, eps, out_mode, out);            \
+  }
+GEMV(1, 2)
+GEMV(2, 1)

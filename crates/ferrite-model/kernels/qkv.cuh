@@ -1,0 +1,63 @@
+#pragma once
+#include "common.cuh"
+
+// Splits one token's fused QKV row, adds the bias, applies the per-head Q/K RMSNorm (Qwen3),
+// rotates Q and K, writes Q to `q_out [T, H, D]` and K/V into the cache at the token's slot.
+// Grid: T blocks; a warp per head; dynamic shared memory: D floats per warp.
+extern "C" __global__ void qkv_rope_write_bf16(
+    const bf16* qkv, const bf16* bias, const bf16* q_norm, const bf16* k_norm, float eps,
+    const uint32_t* positions, const float* cos_t, const float* sin_t, const uint32_t* slots,
+    bf16* q_out, bf16* k_cache, bf16* v_cache, int H, int Hkv, int D, int rope_dim, int neox,
+    int block_size) {
+  extern __shared__ float sh[];
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  size_t t = blockIdx.x;
+  const bf16* row = qkv + t * (size_t)(H + 2 * Hkv) * D;
+  int pos = positions[t], half = rope_dim / 2;
+  size_t slot = slots[t], blk = slot / block_size, off = slot % block_size;
+  float* v = sh + warp * D;
+  for (int h = warp; h < H + 2 * Hkv; h += nwarps) {
+    for (int d = lane; d < D; d += 32) {
+      float x = __bfloat162float(row[h * D + d]);
+      if (bias) x += __bfloat162float(bias[h * D + d]);
+      v[d] = x;
+    }
+    __syncwarp();
+    bool is_q = h < H, is_k = !is_q && h < H + Hkv;
+    const bf16* nw = is_q ? q_norm : (is_k ? k_norm : nullptr);
+    float scale = 1.f;
+    if (nw) {
+      float ss = 0.f;
+      for (int d = lane; d < D; d += 32) ss += v[d] * v[d];
+      scale = rsqrtf(warp_sum(ss) / D + eps);
+    }
+    for (int d = lane; d < D; d += 32) {
+      float r = v[d] * scale * (nw ? __bfloat162float(nw[d]) : 1.f);
+      if ((is_q || is_k) && d < rope_dim) {
+        int i, partner;
+        float sign;
+        if (neox) {
+          i = d % half;
+          partner = d < half ? d + half : d - half;
+          sign = d < half ? -1.f : 1.f;
+        } else {
+          i = d / 2;
+          partner = d ^ 1;
+          sign = (d & 1) ? 1.f : -1.f;
+        }
+        float p = v[partner] * scale * (nw ? __bfloat162float(nw[partner]) : 1.f);
+        r = r * cos_t[pos * half + i] + sign * p * sin_t[pos * half + i];
+      }
+      bf16 o = __float2bfloat16(r);
+      if (is_q) {
+        q_out[(t * H + h) * D + d] = o;
+      } else {
+        int hk = is_k ? h - H : h - H - Hkv;
+        size_t at = ((blk * Hkv + hk) * block_size + off) * D + d;
+        (is_k ? k_cache : v_cache)[at] = o;
+      }
+    }
+    __syncwarp();
+  }
+}
+

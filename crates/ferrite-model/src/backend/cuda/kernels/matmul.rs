@@ -1,0 +1,236 @@
+//! Matmuls: cuBLAS (cublasGemmEx) for steps of many rows, ferrite's fused small-row kernels
+//! for decodes of one or two requests, candle's quantized kernels for GGUF blocks kept as
+//! they are; each with the op before it (RMSNorm) and after it (residual add, gated
+//! activation) folded in where the kernel can.
+
+use super::{cfg, opt, ptr, Arg, Kernels};
+use crate::backend::cuda::linear::Linear;
+use crate::backend::Activation;
+use anyhow::{ensure, Context, Result};
+use candle_core::quantized::QTensor;
+use candle_core::{DType, Tensor};
+use std::collections::hash_map::Entry;
+
+/// Steps of up to this many rows (decodes of one or two requests) get the fused one-warp-per-
+/// column matmuls (`gemv_r*_bf16`); larger ones cuBLAS.
+pub const GEMV_MAX_ROWS: usize = 2;
+/// The `__launch_bounds__` of `gemv_r*_bf16`.
+const GEMV_THREADS: u32 = 512;
+/// Shared memory the fused matmuls may take for their input rows.
+pub(super) const GEMV_MAX_SHARED: usize = 160 * 1024;
+
+impl Kernels {
+    /// `x [R, k] @ w [n, k]^T` into `[R, n]` of `out_dtype` (bf16 or f32), bf16 operands
+    /// and f32 accumulation, one cublasGemmEx call. The LM head asks for f32: logits rounded
+    /// to bf16 would lose near-ties.
+    pub fn matmul_nt(&self, x: &Tensor, w: &Tensor, out_dtype: DType) -> Result<Tensor> {
+        let out = self.output((x.dim(0)?, w.dim(0)?), out_dtype)?;
+        self.gemm(x, w, &out, 0.0)?;
+        Ok(out)
+    }
+
+    /// `out = x @ w^T + beta * out`, `out` bf16 or f32 `[R, n]`.
+    fn gemm(&self, x: &Tensor, w: &Tensor, out: &Tensor, beta: f32) -> Result<()> {
+        use candle_core::cuda::cudarc::cublas::{result::gemm_ex, sys};
+        let (r, k) = x.dims2()?;
+        let (n, k2) = w.dims2()?;
+        ensure!(
+            k == k2 && out.dims2()? == (r, n),
+            "matmul of [{r}, {k}] by [{n}, {k2}]^T into {:?}",
+            out.dims()
+        );
+        let out_type = match out.dtype() {
+            DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+            _ => sys::cudaDataType::CUDA_R_32F,
+        };
+        if r == 0 {
+            return Ok(());
+        }
+        let alpha = 1f32;
+        let blas = self.dev.cublas_handle();
+        // Column-major view: out^T [n, r] = w [k, n]^T x^T [k, r].
+        // SAFETY: pointers come from live contiguous tensors of the shapes checked above.
+        unsafe {
+            gemm_ex(
+                *blas.handle(),
+                sys::cublasOperation_t::CUBLAS_OP_T,
+                sys::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                r as i32,
+                k as i32,
+                (&alpha as *const f32).cast(),
+                ptr(w)? as *const _,
+                sys::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                ptr(x)? as *const _,
+                sys::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                (&beta as *const f32).cast(),
+                ptr(out)? as *mut _,
+                out_type,
+                n as i32,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .context("cublasGemmEx")?;
+        Ok(())
+    }
+
+    /// `input @ w^T` into a new `[R, n]` tensor of `dtype` (bf16, or f32 for logits).
+    pub fn matmul(&self, input: MatIn, w: &Linear, dtype: DType) -> Result<Tensor> {
+        let w = match w {
+            Linear::Quant(q) => return Ok(self.quant_matmul(input, q)?.to_dtype(dtype)?),
+            Linear::Dense(w) => w,
+        };
+        let out = self.output((input.rows()?, w.dim(0)?), dtype)?;
+        let mode = match dtype {
+            DType::BF16 => GEMV_OUT_BF16,
+            _ => GEMV_OUT_F32,
+        };
+        if !self.gemv(&input, w, &out, mode)? {
+            self.gemm(&self.materialize(input)?, w, &out, 0.0)?;
+        }
+        Ok(out)
+    }
+
+    /// `silu(gate) * up` of `input @ w^T`, `[R, I]` bf16, for gate|up weights `[2I, k]` whose
+    /// rows alternate gate, up (see [`super::weights::interleave_gate_up`]).
+    /// `act(gate) * up` of `input @ w^T`, `[R, I]` bf16, for gate|up weights `[2I, k]` whose
+    /// rows alternate gate, up (see [`crate::backend::cuda::linear`]).
+    pub fn matmul_gated(&self, input: MatIn, w: &Linear, act: Activation) -> Result<Tensor> {
+        let out = self.output((input.rows()?, w.dims()?.0 / 2), DType::BF16)?;
+        let gate_up = match w {
+            Linear::Quant(q) => self.quant_matmul(input, q)?.to_dtype(DType::BF16)?,
+            Linear::Dense(w) => {
+                let mode = match act {
+                    Activation::Silu => GEMV_OUT_SILU,
+                    Activation::GeluTanh => GEMV_OUT_GELU,
+                };
+                if self.gemv(&input, w, &out, mode)? {
+                    return Ok(out);
+                }
+                let gate_up = self.output((input.rows()?, w.dim(0)?), DType::BF16)?;
+                self.gemm(&self.materialize(input)?, w, &gate_up, 0.0)?;
+                gate_up
+            }
+        };
+        self.gated_mul_into(&gate_up, &out, act)?;
+        Ok(out)
+    }
+
+    /// `x += input @ w^T` on the f32 residual stream `x [R, n]` (the residual add folded
+    /// into the matmul).
+    pub fn matmul_add(&self, input: MatIn, w: &Linear, x: &Tensor) -> Result<()> {
+        match w {
+            Linear::Quant(q) => self.add_into(x, &self.quant_matmul(input, q)?),
+            Linear::Dense(w) => {
+                if !self.gemv(&input, w, x, GEMV_OUT_ADD)? {
+                    self.gemm(&self.materialize(input)?, w, x, 1.0)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// candle's quantized CUDA matmul (its MMVQ kernels up to 8 rows, MMQ or dequantize +
+    /// matmul beyond) on the input rows in f32, `[R, n]` f32 out.
+    fn quant_matmul(&self, input: MatIn, q: &QTensor) -> Result<Tensor> {
+        let a = self.materialize(input)?.to_dtype(DType::F32)?;
+        Ok(a.apply_op1_no_bwd(q)?)
+    }
+    /// The fused small-row matmul into `out`, when the step is small enough; false otherwise.
+    fn gemv(&self, input: &MatIn, w: &Tensor, out: &Tensor, out_mode: i32) -> Result<bool> {
+        let r = input.rows()?;
+        let (n, k) = w.dims2()?;
+        let shared = GEMV_MAX_ROWS * k * 2;
+        if r == 0 || r > GEMV_MAX_ROWS || k % 8 != 0 || shared > GEMV_MAX_SHARED {
+            return Ok(false);
+        }
+        let (in_mode, src, rows, norm, eps) = match input {
+            MatIn::Bf16(a) => (GEMV_IN_BF16, *a, None, None, 0.0),
+            MatIn::Rms { x, rows, norm, eps } => (GEMV_IN_RMS, *x, *rows, Some(*norm), *eps),
+        };
+        let out_cols = if out_mode >= GEMV_OUT_SILU { n / 2 } else { n };
+        ensure!(
+            src.dim(1)? == k && out.dims2()? == (r, out_cols),
+            "matmul input {:?} for weights [{n}, {k}] into {:?}",
+            src.dims(),
+            out.dims()
+        );
+        let f = &self.gemv[r - 1];
+        let shared = (r * k * 2) as u32;
+        let per_sm = match self.gemv_occupancy.lock().unwrap().entry((r, k)) {
+            Entry::Occupied(e) => *e.get(),
+            Entry::Vacant(e) => *e.insert(
+                f.occupancy_max_active_blocks_per_multiprocessor(
+                    GEMV_THREADS,
+                    shared as usize,
+                    None,
+                )?
+                .max(1),
+            ),
+        };
+        let warps = GEMV_THREADS as usize / 32;
+        let blocks = n
+            .div_ceil(warps)
+            .min((per_sm * self.multiprocessors) as usize);
+        self.launch(
+            f,
+            cfg((blocks as u32, 1, 1), GEMV_THREADS, shared),
+            &[
+                Arg::P(ptr(w)?),
+                Arg::I(n as i32),
+                Arg::I(k as i32),
+                Arg::I(r as i32),
+                Arg::I(in_mode),
+                Arg::P(ptr(src)?),
+                opt(rows)?,
+                opt(norm)?,
+                Arg::F(eps),
+                Arg::I(out_mode),
+                Arg::P(ptr(out)?),
+            ],
+        )?;
+        Ok(true)
+    }
+
+    /// The bf16 rows a matmul reads, computed by the kernel that folds into the small-row path.
+    fn materialize(&self, input: MatIn) -> Result<Tensor> {
+        match input {
+            MatIn::Bf16(a) => Ok(a.clone()),
+            MatIn::Rms { x, rows, norm, eps } => self.rms_norm(x, rows, norm, eps),
+        }
+    }
+}
+
+/// What a matmul reads: bf16 rows, or the RMSNorm before it, folded into the matmul when the
+/// step is small (see [`GEMV_MAX_ROWS`]).
+pub enum MatIn<'a> {
+    Bf16(&'a Tensor),
+    /// RMSNorm (weights `norm`) of the f32 residual stream `x`; with `rows`, only those rows.
+    Rms {
+        x: &'a Tensor,
+        rows: Option<&'a Tensor>,
+        norm: &'a Tensor,
+        eps: f32,
+    },
+}
+
+impl MatIn<'_> {
+    fn rows(&self) -> Result<usize> {
+        Ok(match self {
+            MatIn::Bf16(a) => a.dim(0)?,
+            MatIn::Rms { x, rows, .. } => rows.map_or(x.dim(0), |r| r.dim(0))?,
+        })
+    }
+}
+
+// Input and output modes of `gemv_r*_bf16` (ferrite.cu).
+const GEMV_IN_BF16: i32 = 0;
+const GEMV_IN_RMS: i32 = 1;
+const GEMV_OUT_BF16: i32 = 0;
+const GEMV_OUT_F32: i32 = 1;
+const GEMV_OUT_ADD: i32 = 2;
+const GEMV_OUT_SILU: i32 = 3;
+const GEMV_OUT_GELU: i32 = 4;

@@ -1,0 +1,318 @@
+//! Launches of ferrite's own CUDA kernels (`kernels/ferrite.cu`), on candle tensors: each
+//! wrapper checks shapes, allocates its output on the device's stream and launches once.
+//! One file per op family: matmuls, attention (with the Q/K/V preparation), sampling, and
+//! the small kernels in between (here).
+
+pub mod attention;
+pub mod matmul;
+pub mod sample;
+
+use crate::backend::Activation;
+use anyhow::{bail, ensure, Context, Result};
+use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
+use candle_core::cuda::cudarc::driver::{
+    CudaFunction, CudaModule, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda::cudarc::nvrtc::Ptx;
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, DType, Shape, Storage, Tensor};
+use half::bf16;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// sm_80 and sm_90 machine code plus sm_90 PTX, built by `build.rs`.
+static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/ferrite.fatbin"));
+
+pub struct Kernels {
+    dev: CudaDevice,
+    _module: Arc<CudaModule>,
+    embed: CudaFunction,
+    rms_norm: CudaFunction,
+    add_rms_norm: CudaFunction,
+    gated_mul: CudaFunction,
+    add_f32: CudaFunction,
+    softcap: CudaFunction,
+    /// For 1 and 2 rows.
+    gemv: [CudaFunction; 2],
+    /// Blocks of `gemv[r - 1]` per multiprocessor with `k`-wide rows, by (r, k): asked of the
+    /// driver once per shape, not at every launch.
+    gemv_occupancy: Mutex<HashMap<(usize, usize), u32>>,
+    qkv_rope_write: CudaFunction,
+    /// Head size 256 on CUDA cores; 32, 64 and 128 on tensor cores.
+    attention: CudaFunction,
+    attention_mma: [CudaFunction; 3],
+    merge_splits: CudaFunction,
+    sample_rows: CudaFunction,
+    multiprocessors: u32,
+}
+
+/// Device address of a contiguous tensor's first element.
+pub fn ptr(t: &Tensor) -> Result<u64> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(s) = &*storage else {
+        bail!("tensor is not on a CUDA device")
+    };
+    let (start, _) = layout
+        .contiguous_offsets()
+        .context("kernel input must be contiguous")?;
+    let stream = s.device.cuda_stream();
+    let base = match t.dtype() {
+        DType::BF16 => s.as_cuda_slice::<bf16>()?.device_ptr(&stream).0,
+        DType::F32 => s.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+        DType::U32 => s.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
+        d => bail!("no kernel takes {d:?}"),
+    };
+    Ok(base + (start * t.dtype().size_in_bytes()) as u64)
+}
+
+fn cfg(grid: (u32, u32, u32), block: u32, shared: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: shared,
+    }
+}
+
+/// The kernels' code of an activation (`ACT_*` in elementwise.cuh).
+fn act_code(a: Activation) -> i32 {
+    match a {
+        Activation::Silu => 0,
+        Activation::GeluTanh => 1,
+    }
+}
+
+impl Kernels {
+    pub fn load(dev: &CudaDevice) -> Result<Self> {
+        let stream = dev.cuda_stream();
+        let module = stream
+            .context()
+            .load_module(Ptx::from_binary(FATBIN.to_vec()))
+            .context(
+                "loading ferrite's CUDA kernels (no sm_80/sm_90 code or PTX this driver takes)",
+            )?;
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .with_context(|| format!("kernel {name}"))
+        };
+        let gemv = [f("gemv_r1_bf16")?, f("gemv_r2_bf16")?];
+        for g in &gemv {
+            g.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                matmul::GEMV_MAX_SHARED as i32,
+            )?;
+        }
+        let multiprocessors = stream.context().attribute(
+            candle_core::cuda::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as u32;
+        Ok(Self {
+            dev: dev.clone(),
+            embed: f("embed_bf16")?,
+            rms_norm: f("rms_norm_bf16")?,
+            add_rms_norm: f("add_rms_norm_f32")?,
+            gated_mul: f("gated_mul_bf16")?,
+            add_f32: f("add_f32")?,
+            softcap: f("softcap_f32")?,
+            gemv,
+            gemv_occupancy: Mutex::default(),
+            qkv_rope_write: f("qkv_rope_write_bf16")?,
+            attention: f("paged_attention_d256_bf16")?,
+            attention_mma: [
+                f("paged_attention_mma_d32_bf16")?,
+                f("paged_attention_mma_d64_bf16")?,
+                f("paged_attention_mma_d128_bf16")?,
+            ],
+            merge_splits: f("merge_splits_bf16")?,
+            sample_rows: f("sample_rows_f32")?,
+            multiprocessors,
+            _module: module,
+        })
+    }
+
+    /// An uninitialized tensor of `shape`; every kernel writes all of its output.
+    fn output(&self, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
+        let shape = shape.into();
+        let n = shape.elem_count();
+        // SAFETY: the launching kernel writes every element before anything reads it.
+        let storage = unsafe {
+            match dtype {
+                DType::BF16 => {
+                    CudaStorage::wrap_cuda_slice(self.dev.alloc::<bf16>(n)?, self.dev.clone())
+                }
+                DType::F32 => {
+                    CudaStorage::wrap_cuda_slice(self.dev.alloc::<f32>(n)?, self.dev.clone())
+                }
+                DType::U32 => {
+                    CudaStorage::wrap_cuda_slice(self.dev.alloc::<u32>(n)?, self.dev.clone())
+                }
+                d => bail!("no kernel writes {d:?}"),
+            }
+        };
+        Ok(Tensor::from_storage(
+            Storage::Cuda(storage),
+            shape,
+            BackpropOp::none(),
+            false,
+        ))
+    }
+
+    fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        let stream = self.dev.cuda_stream();
+        let mut b = stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::P(p) => b.arg(p),
+                Arg::I(i) => b.arg(i),
+                Arg::F(x) => b.arg(x),
+                Arg::Z(z) => b.arg(z),
+            };
+        }
+        // SAFETY: argument lists match the kernels' signatures in ferrite.cu.
+        unsafe { b.launch(cfg) }.context("kernel launch")?;
+        Ok(())
+    }
+
+    /// `x += d`, both f32 of the same shape.
+    fn add_into(&self, x: &Tensor, d: &Tensor) -> Result<()> {
+        ensure!(
+            x.dims() == d.dims(),
+            "adding {:?} into {:?}",
+            d.dims(),
+            x.dims()
+        );
+        let n = x.elem_count();
+        if n > 0 {
+            self.launch(
+                &self.add_f32,
+                cfg((n.div_ceil(256) as u32, 1, 1), 256, 0),
+                &[Arg::P(ptr(x)?), Arg::P(ptr(d)?), Arg::Z(n)],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// `[T]` ids into `[vocab, hidden]` bf16 rows times `scale`, widened to an f32 `[T, hidden]`.
+    pub fn embed(&self, ids: &Tensor, table: &Tensor, scale: f32) -> Result<Tensor> {
+        let t = ids.dim(0)?;
+        let hidden = table.dim(1)?;
+        let x = self.output((t, hidden), DType::F32)?;
+        if t > 0 {
+            self.launch(
+                &self.embed,
+                cfg((t as u32, 1, 1), 256, 0),
+                &[
+                    Arg::P(ptr(ids)?),
+                    Arg::P(ptr(table)?),
+                    Arg::P(ptr(&x)?),
+                    Arg::I(hidden as i32),
+                    Arg::F(scale),
+                ],
+            )?;
+        }
+        Ok(x)
+    }
+
+    /// RMSNorm of the f32 residual stream into bf16; with `rows`, only those rows of `x`, in
+    /// that order.
+    pub fn rms_norm(
+        &self,
+        x: &Tensor,
+        rows: Option<&Tensor>,
+        weight: &Tensor,
+        eps: f32,
+    ) -> Result<Tensor> {
+        let (t, hidden) = x.dims2()?;
+        let n = rows.map_or(Ok(t), |r| r.dim(0))?;
+        let out = self.output((n, hidden), DType::BF16)?;
+        if n > 0 {
+            self.launch(
+                &self.rms_norm,
+                cfg((n as u32, 1, 1), 256, 0),
+                &[
+                    Arg::P(ptr(x)?),
+                    opt(rows)?,
+                    Arg::P(ptr(weight)?),
+                    Arg::P(ptr(&out)?),
+                    Arg::I(hidden as i32),
+                    Arg::F(eps),
+                ],
+            )?;
+        }
+        Ok(out)
+    }
+
+    /// `x += rms_norm(y) * w` on the f32 residual stream, `y` f32 of the same shape.
+    pub fn add_rms_norm(&self, x: &Tensor, y: &Tensor, w: &Tensor, eps: f32) -> Result<()> {
+        let (t, hidden) = x.dims2()?;
+        ensure!(
+            y.dims2()? == (t, hidden),
+            "adding {:?} into {:?}",
+            y.dims(),
+            x.dims()
+        );
+        if t > 0 {
+            self.launch(
+                &self.add_rms_norm,
+                cfg((t as u32, 1, 1), 256, 0),
+                &[
+                    Arg::P(ptr(x)?),
+                    Arg::P(ptr(y)?),
+                    Arg::P(ptr(w)?),
+                    Arg::I(hidden as i32),
+                    Arg::F(eps),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// `[T, 2I]` interleaved gate|up into `act(gate) * up`, `out [T, I]`.
+    fn gated_mul_into(&self, gate_up: &Tensor, out: &Tensor, act: Activation) -> Result<()> {
+        let (t, two_i) = gate_up.dims2()?;
+        ensure!(
+            out.dims2()? == (t, two_i / 2),
+            "gated mul of {:?}",
+            gate_up.dims()
+        );
+        let n = t * two_i / 2;
+        if n > 0 {
+            self.launch(
+                &self.gated_mul,
+                cfg((n.div_ceil(256) as u32, 1, 1), 256, 0),
+                &[
+                    Arg::P(ptr(gate_up)?),
+                    Arg::P(ptr(out)?),
+                    Arg::Z(n),
+                    Arg::I(act_code(act)),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// `x = cap * tanh(x / cap)` in place, f32.
+    pub fn softcap(&self, x: &Tensor, cap: f32) -> Result<()> {
+        let n = x.elem_count();
+        if n > 0 {
+            self.launch(
+                &self.softcap,
+                cfg((n.div_ceil(256) as u32, 1, 1), 256, 0),
+                &[Arg::P(ptr(x)?), Arg::Z(n), Arg::F(cap)],
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// A kernel argument: device pointer, int, float or size.
+enum Arg {
+    P(u64),
+    I(i32),
+    F(f32),
+    Z(usize),
+}
+
+/// An optional input: its address or a null pointer.
+fn opt(t: Option<&Tensor>) -> Result<Arg> {
+    Ok(Arg::P(t.map(ptr).transpose()?.unwrap_or(0)))
+}

@@ -1,0 +1,120 @@
+//! Start-up on a GPU: the family onto the device, one profiling step at the full token
+//! budget, the KV pool sized from the device's memory and reserved once, decode graphs.
+
+use super::graph::{GraphShape, MAX_GRAPH_BATCH};
+use super::{cuda, open_device, CudaBackend};
+use crate::checkpoint::{open_tokenizer, open_weights};
+use crate::config::ModelConfig;
+use crate::engine_args::{EngineArgs, LoadedEngine, WeightFormat};
+use crate::models::{self, Decoder};
+use crate::runner::{ModelRunner, StepModel};
+use crate::step::PackedStep;
+use crate::weights::WeightSource;
+use anyhow::Result;
+
+pub fn load(
+    args: &EngineArgs,
+    ordinal: usize,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<LoadedEngine> {
+    let device = open_device(ordinal)?;
+    let ctx = cuda(&device)?.cuda_stream().context().clone();
+    let gpu_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+    let (_, total) = ctx.mem_get_info()?;
+    let (src, mut weights) = open_weights(&args.model, args.load_format)?;
+    let max_model_len = args.max_model_len(&models::config(&src)?)?;
+    // `native` keeps a GGUF's blocks (candle's quantized matmuls), `f32` dequantizes to bf16
+    // (cuBLAS and ferrite's small-row matmuls: faster, see h200.md), `auto` takes bf16 when
+    // that needs at most half the GPU's memory.
+    let quantized = match (&weights, args.weight_format) {
+        (WeightSource::Gguf { file, .. }, WeightFormat::Auto) => {
+            2 * file.param_count() as u64 > total as u64 / 2
+        }
+        (WeightSource::Gguf { .. }, format) => format == WeightFormat::Native,
+        _ => false,
+    };
+    let name = format!("cuda:{ordinal} ({gpu_name})");
+    let backend = CudaBackend::new(device, quantized, name)?;
+    let mut model = models::load(backend, &src, &mut weights, max_model_len, &mut progress)?;
+    drop(weights);
+    let tokenizer = open_tokenizer(&args.model)?;
+    let config = model.config.clone();
+    let tokens = args.max_num_batched_tokens.min(max_model_len);
+    let mut activation_bytes = profile_step(&mut model, tokens, args.block_size)?;
+    // candle's quantized matmuls keep a workspace they may move between calls, which a
+    // captured graph would go on pointing at: quantized weights run eagerly.
+    let graphs = !args.enforce_eager && !quantized;
+    if graphs {
+        activation_bytes += graph_bytes(&config, args.max_num_seqs.min(MAX_GRAPH_BATCH));
+    }
+    let (plan, scheduler) = args.plan(
+        &config,
+        max_model_len,
+        total as u64,
+        model.weight_bytes() as u64,
+        activation_bytes,
+    )?;
+    // One block more than the scheduler hands out: decode graphs pad into it.
+    model.allocate_cache(plan.num_blocks + 1, args.block_size)?;
+    if graphs {
+        model.backend.enable_decode_graphs(GraphShape {
+            max_batch: args.max_num_seqs,
+            scratch_block: plan.num_blocks as u32,
+            block_size: args.block_size,
+            max_seq_len: max_model_len,
+            heads: (config.num_heads, config.num_kv_heads, config.head_dim),
+            kv_groups: model.layout.groups.len(),
+        })?;
+    }
+    Ok(LoadedEngine {
+        runner: ModelRunner::new(Box::new(model), args.block_size, args.seed),
+        tokenizer,
+        scheduler,
+        plan,
+        config,
+    })
+}
+
+/// Every intermediate tensor of one token's pass through a layer (and the step's inputs).
+fn bytes_per_token(c: &ModelConfig) -> usize {
+    let q_w = c.num_heads * c.head_dim;
+    4 * 2 * c.hidden_size
+        + 2 * (3 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+        + 2 * 2 * q_w
+        + 2 * 3 * c.intermediate_size
+        + 4 * 8
+}
+
+/// What the decode graphs keep allocated: each bucket's intermediates, f32 logits and
+/// attention partials, captured once and held for the life of the engine.
+fn graph_bytes(c: &ModelConfig, max_batch: usize) -> u64 {
+    let mut b = 1;
+    let mut total = 0;
+    while b <= max_batch.next_power_of_two() {
+        total += b * (bytes_per_token(c) + 8 * c.vocab_size) + (4 << 20);
+        b *= 2;
+    }
+    total as u64
+}
+
+/// Runs one step of `tokens` prompt tokens against a scratch cache (compiling nothing: the
+/// kernels ship as machine code, but cuBLAS picks its algorithms here) and returns the
+/// activation memory to reserve: the larger of what the step took from the device and a
+/// count of every intermediate tensor it allocates.
+fn profile_step(model: &mut Decoder<CudaBackend>, tokens: usize, block_size: usize) -> Result<u64> {
+    let c = model.config.clone();
+    model.allocate_cache(tokens.div_ceil(block_size), block_size)?;
+    let stream = cuda(model.backend.device())?.cuda_stream();
+    let ctx = stream.context().clone();
+    let (free_before, _) = ctx.mem_get_info()?;
+    // Every group writes the same blocks: the values are garbage, the memory is real.
+    let groups = model.layout.groups.len();
+    let step = PackedStep::profile(tokens, block_size, c.vocab_size, groups);
+    model.forward(&step)?;
+    stream.synchronize()?;
+    let (free_after, _) = ctx.mem_get_info()?;
+    const CUBLAS_WORKSPACE: usize = 64 << 20;
+    let counted = (tokens * bytes_per_token(&c) + c.vocab_size * 8 + CUBLAS_WORKSPACE) as u64;
+    model.allocate_cache(0, block_size)?;
+    Ok(counted.max(free_before.saturating_sub(free_after) as u64))
+}

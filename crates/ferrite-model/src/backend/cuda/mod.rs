@@ -1,0 +1,434 @@
+//! The CUDA backend (cargo feature `cuda`): bf16 weights on one GPU (or a GGUF's quantized
+//! blocks, through candle's kernels), ferrite's own kernels for attention, the K/V write,
+//! norms and activations, cuBLAS for the matmuls of many rows and ferrite's fused small-row
+//! matmuls for decodes of one or two; decode-only steps replayed from CUDA graphs. The
+//! residual stream stays in f32 and is updated by the matmuls' epilogues.
+
+pub mod graph;
+pub mod inputs;
+pub mod kernels;
+pub mod linear;
+pub mod loader;
+
+use super::{AttentionSpec, Backend, Epilogue, Forward, LinearIn, QkvPrep, Stack, Step};
+use crate::config::RopeStyle;
+use crate::rope::{RopeSpec, RopeTable};
+use crate::runner::RowDraw;
+use crate::step::PackedStep;
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::quantized::QTensor;
+use candle_core::{CudaDevice, DType, Device, Tensor};
+use graph::{DecodeGraphs, GraphShape};
+use inputs::{u32s, StepInputs};
+use kernels::attention::{AttentionShape, QkvParams};
+use kernels::matmul::MatIn;
+use kernels::sample::draw_params;
+use kernels::Kernels;
+use linear::Linear;
+use std::sync::Arc;
+
+/// Opens GPU `ordinal` for ferrite: one stream carries every launch and copy, so candle's
+/// per-tensor event tracking (an event record per tensor use) only costs host time.
+pub fn open_device(ordinal: usize) -> Result<Device> {
+    let device = Device::new_cuda(ordinal)
+        .map_err(|e| anyhow!("--device cuda:{ordinal}: no usable CUDA GPU ({e})"))?;
+    if let Device::Cuda(d) = &device {
+        // SAFETY: ferrite never uses a second stream, so stream order alone orders every use.
+        unsafe { d.disable_event_tracking() };
+    }
+    Ok(device)
+}
+
+/// An activation: f32 for the residual stream, bf16 for the rest; allocated by the op that
+/// writes it (inside a captured graph, from the graph's own memory).
+#[derive(Default)]
+pub struct Act(Option<Tensor>);
+
+impl Act {
+    pub fn get(&self) -> Result<&Tensor> {
+        self.0
+            .as_ref()
+            .context("activation read before it was written")
+    }
+}
+
+/// One layer's K and V pages, `[num_blocks, kv_heads, block_size, head_dim]` bf16.
+pub struct KvPages {
+    pub k: Tensor,
+    pub v: Tensor,
+    block_size: usize,
+}
+
+impl KvPages {
+    /// Random values (benchmarks time attention on real-looking data).
+    pub fn randomize(&mut self) -> Result<()> {
+        for t in [&mut self.k, &mut self.v] {
+            *t = Tensor::randn(0f32, 1.0, t.shape(), t.device())?.to_dtype(DType::BF16)?;
+        }
+        Ok(())
+    }
+}
+
+/// Rotary tables `[max_positions, dim / 2]` f32.
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+    dim: usize,
+    neox: bool,
+}
+
+pub struct CudaBackend {
+    device: Device,
+    /// Shared with the graph replays, which launch ops while the backend is borrowed.
+    kernels: Arc<Kernels>,
+    /// Keep GGUF blocks quantized where candle's kernels take them.
+    quantized: bool,
+    name: String,
+    /// The last step's logits `[rows, vocab]` f32 and drawn tokens, on the device.
+    logits: Option<Tensor>,
+    tokens: Option<Tensor>,
+    host_logits: Vec<f32>,
+    graphs: DecodeGraphs,
+}
+
+impl CudaBackend {
+    pub fn new(device: Device, quantized: bool, name: String) -> Result<Self> {
+        let kernels = Arc::new(Kernels::load(cuda(&device)?)?);
+        Ok(Self {
+            device,
+            kernels,
+            quantized,
+            name,
+            logits: None,
+            tokens: None,
+            host_logits: Vec::new(),
+            graphs: DecodeGraphs::default(),
+        })
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn kernels(&self) -> &Kernels {
+        &self.kernels
+    }
+
+    /// Replays decode-only steps of up to `shape.max_batch` requests from CUDA graphs,
+    /// padding rows writing into `shape.scratch_block`, a block the scheduler never hands out.
+    pub fn enable_decode_graphs(&mut self, shape: GraphShape) -> Result<()> {
+        self.graphs = DecodeGraphs::new(cuda(&self.device)?, shape)?;
+        Ok(())
+    }
+
+    /// The last step's logits on the device.
+    pub fn device_logits(&self) -> Result<&Tensor> {
+        self.logits.as_ref().context("no step has run")
+    }
+
+    /// The step from its bucket's graph; false when no graph serves it.
+    fn replay(
+        &mut self,
+        host: &PackedStep,
+        draws: &[RowDraw],
+        forward: &mut Forward<Self>,
+    ) -> Result<bool> {
+        let mut graphs = std::mem::take(&mut self.graphs);
+        let (kernels, device) = (self.kernels.clone(), self.device.clone());
+        // Taken, not cloned: a capture must not drop a tensor allocated outside it.
+        let mut launch = |inputs: &StepInputs| -> Result<Tensor> {
+            forward(self, &Step { host, inputs })?;
+            self.logits
+                .take()
+                .context("the forward pass made no logits")
+        };
+        let out = graphs.replay(&kernels, &device, host, draws, &mut launch);
+        let out = out.and_then(|g| {
+            g.map(|g| {
+                let b = host.num_seqs();
+                Ok((g.logits.narrow(0, 0, b)?, g.tokens.narrow(0, 0, b)?))
+            })
+            .transpose()
+        });
+        self.graphs = graphs;
+        Ok(match out? {
+            Some((logits, tokens)) => {
+                self.logits = Some(logits);
+                self.tokens = Some(tokens);
+                true
+            }
+            None => false,
+        })
+    }
+}
+
+fn cuda(d: &Device) -> Result<&CudaDevice> {
+    match d {
+        Device::Cuda(c) => Ok(c),
+        _ => bail!("not a CUDA device"),
+    }
+}
+
+/// What a matmul reads: the RMSNorm of the f32 residual stream folds into the matmul.
+fn mat_in<'a>(input: &'a LinearIn<'a, CudaBackend>) -> Result<MatIn<'a>> {
+    Ok(match input {
+        LinearIn::Plain(a) => MatIn::Bf16(a.get()?),
+        LinearIn::RmsNorm { x, norm, eps } => MatIn::Rms {
+            x: x.get()?,
+            rows: None,
+            norm,
+            eps: *eps,
+        },
+    })
+}
+
+fn shape(a: &AttentionSpec, pages: &KvPages) -> AttentionShape {
+    AttentionShape {
+        num_heads: a.num_heads,
+        num_kv_heads: a.num_kv_heads,
+        head_dim: a.head_dim,
+        block_size: pages.block_size,
+        scale: a.scale,
+        sliding_window: a.sliding_window.unwrap_or(0),
+        softcap: a.softcap.unwrap_or(0.0),
+    }
+}
+
+impl Backend for CudaBackend {
+    type Act = Act;
+    /// bf16.
+    type Vector = Tensor;
+    type Linear = Linear;
+    /// bf16 `[vocab, hidden]`.
+    type Embedding = Tensor;
+    type Rope = Rope;
+    type LayerCache = KvPages;
+    type StepInputs = StepInputs;
+    /// Every op allocates its output on the stream; inside a captured graph, what the graph
+    /// allocated must also be freed in it.
+    const REUSES_ACTIVATIONS: bool = false;
+
+    fn vector(&self, v: Vec<f32>) -> Result<Tensor> {
+        let n = v.len();
+        Ok(Tensor::from_vec(v, n, &self.device)?.to_dtype(DType::BF16)?)
+    }
+
+    fn linear(&self, parts: Vec<QTensor>, stack: Stack) -> Result<Linear> {
+        linear::upload(&parts, stack, self.quantized, &self.device)
+    }
+
+    fn embedding(&self, table: QTensor) -> Result<Tensor> {
+        linear::bf16(&table, &self.device)
+    }
+
+    fn random_linear(&self, rows: &[usize], cols: usize, _stack: Stack) -> Result<Linear> {
+        let total = rows.iter().sum();
+        Ok(Linear::Dense(linear::random(total, cols, &self.device)?))
+    }
+
+    fn random_embedding(&self, vocab: usize, hidden: usize) -> Result<Tensor> {
+        linear::random(vocab, hidden, &self.device)
+    }
+
+    fn rope(&self, spec: &RopeSpec, max_positions: usize) -> Result<Rope> {
+        let table = RopeTable::new(spec, max_positions);
+        let (cos, sin) = table.tables();
+        let half = spec.dim / 2;
+        Ok(Rope {
+            cos: Tensor::from_slice(cos, (max_positions, half), &self.device)?,
+            sin: Tensor::from_slice(sin, (max_positions, half), &self.device)?,
+            dim: spec.dim,
+            neox: spec.style == RopeStyle::Neox,
+        })
+    }
+
+    fn linear_bytes(&self, w: &Linear) -> usize {
+        w.bytes()
+    }
+
+    fn embedding_bytes(&self, e: &Tensor) -> usize {
+        e.elem_count() * e.dtype().size_in_bytes()
+    }
+
+    fn layer_cache(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<KvPages> {
+        let shape = (num_blocks, kv_heads, block_size, head_dim);
+        Ok(KvPages {
+            k: Tensor::zeros(shape, DType::BF16, &self.device)?,
+            v: Tensor::zeros(shape, DType::BF16, &self.device)?,
+            block_size,
+        })
+    }
+
+    fn step(
+        &mut self,
+        host: &PackedStep,
+        draws: Option<&[RowDraw]>,
+        mut forward: Forward<Self>,
+    ) -> Result<()> {
+        // Steps run on the engine's thread, not the loader's: the raw copies and graph
+        // launches of a replay need the context current here.
+        cuda(&self.device)?
+            .cuda_stream()
+            .context()
+            .bind_to_thread()?;
+        // Dropped here, before a capture could see them go.
+        (self.logits, self.tokens) = (None, None);
+        if self.replay(host, draws.unwrap_or(&[]), &mut forward)? {
+            return Ok(());
+        }
+        let inputs = StepInputs::upload(host, &self.device)?;
+        forward(
+            self,
+            &Step {
+                host,
+                inputs: &inputs,
+            },
+        )?;
+        if let Some(draws) = draws {
+            let params = u32s(&draw_params(draws, draws.len()), &self.device)?;
+            let tokens = self.kernels.sample_rows(self.device_logits()?, &params)?;
+            self.tokens = Some(tokens);
+        }
+        Ok(())
+    }
+
+    fn embed(
+        &mut self,
+        s: &Step<Self>,
+        table: &Tensor,
+        scale: Option<f32>,
+        out: &mut Act,
+    ) -> Result<()> {
+        out.0 = Some(
+            self.kernels
+                .embed(&s.inputs.ids, table, scale.unwrap_or(1.0))?,
+        );
+        Ok(())
+    }
+
+    fn matmul(&mut self, input: LinearIn<Self>, w: &Linear, out: Epilogue<Self>) -> Result<()> {
+        let k = &self.kernels;
+        let input = mat_in(&input)?;
+        match out {
+            Epilogue::Store(out) => out.0 = Some(k.matmul(input, w, DType::BF16)?),
+            Epilogue::AddInto(residual) => k.matmul_add(input, w, residual.get()?)?,
+            Epilogue::AddNormedInto {
+                residual,
+                norm,
+                eps,
+            } => {
+                let y = k.matmul(input, w, DType::F32)?;
+                k.add_rms_norm(residual.get()?, &y, norm, eps)?;
+            }
+            Epilogue::Gated(out, act) => out.0 = Some(k.matmul_gated(input, w, act)?),
+        }
+        Ok(())
+    }
+
+    fn prepare_qkv(
+        &mut self,
+        s: &Step<Self>,
+        qkv: &Act,
+        p: &QkvPrep<Self>,
+        a: &AttentionSpec,
+        cache: &mut KvPages,
+        q: &mut Act,
+    ) -> Result<()> {
+        let params = QkvParams {
+            bias: p.bias,
+            q_norm: p.q_norm,
+            k_norm: p.k_norm,
+            eps: p.eps,
+            rope_cos: &p.rope.cos,
+            rope_sin: &p.rope.sin,
+            rope_dim: p.rope.dim,
+            neox: p.rope.neox,
+        };
+        let out = self.kernels.qkv_rope_write(
+            qkv.get()?,
+            &s.inputs.positions,
+            &s.inputs.groups[a.kv_group].slots,
+            &cache.k,
+            &cache.v,
+            &shape(a, cache),
+            &params,
+        )?;
+        q.0 = Some(out);
+        Ok(())
+    }
+
+    fn attention(
+        &mut self,
+        s: &Step<Self>,
+        q: &Act,
+        cache: &KvPages,
+        a: &AttentionSpec,
+        out: &mut Act,
+    ) -> Result<()> {
+        let meta = s.inputs.meta(a.kv_group);
+        let o =
+            self.kernels
+                .paged_attention(q.get()?, &cache.k, &cache.v, &meta, &shape(a, cache))?;
+        out.0 = Some(o);
+        Ok(())
+    }
+
+    fn logits(
+        &mut self,
+        s: &Step<Self>,
+        x: &Act,
+        norm: &Tensor,
+        eps: f32,
+        head: &Linear,
+        softcap: Option<f32>,
+    ) -> Result<()> {
+        // Only the rows that need logits get the final norm and the head.
+        let input = MatIn::Rms {
+            x: x.get()?,
+            rows: Some(&s.inputs.rows),
+            norm,
+            eps,
+        };
+        let logits = self.kernels.matmul(input, head, DType::F32)?;
+        if let Some(cap) = softcap {
+            self.kernels.softcap(&logits, cap)?;
+        }
+        self.logits = Some(logits);
+        Ok(())
+    }
+
+    fn host_logits(&mut self) -> Result<&mut [f32]> {
+        self.host_logits = self.device_logits()?.flatten_all()?.to_vec1()?;
+        Ok(&mut self.host_logits)
+    }
+
+    fn draws_on_device(&self) -> bool {
+        true
+    }
+
+    fn drawn_tokens(&mut self) -> Result<Vec<u32>> {
+        Ok(self
+            .tokens
+            .take()
+            .context("the step drew no tokens")?
+            .to_vec1()?)
+    }
+
+    fn describe(&self) -> String {
+        let weights = if self.quantized {
+            "GGUF blocks through candle's quantized matmuls where they allow, the rest bf16"
+        } else {
+            "bf16 weights"
+        };
+        format!(
+            "backend {} ({weights}), kernels: ferrite CUDA + cuBLAS",
+            self.name
+        )
+    }
+}
