@@ -120,7 +120,7 @@ def test_tokenize_detokenize_roundtrip(server):
 @pytest.mark.parametrize("kw,param", [
     (dict(max_tokens=-5), "max_tokens"),
     (dict(temperature=-1.0), "temperature"),
-    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(response_format={"type": "json_schema"}), "response_format"),
     (dict(n=0), "n"),
     (dict(top_p=0.0), "top_p"),
     (dict(response_format={"type": 5}), "response_format"),

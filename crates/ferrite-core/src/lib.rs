@@ -2,6 +2,7 @@
 //! engine loop. Nothing here knows about tensors; the model runner sits behind [`engine::Executor`].
 
 pub mod block_pool;
+pub mod constraint;
 pub mod detokenizer;
 pub mod engine;
 pub mod kv_cache_manager;

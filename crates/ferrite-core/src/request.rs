@@ -1,5 +1,6 @@
 //! A request as the scheduler sees it: token ids, progress, and why it finished.
 
+use crate::constraint::Constraint;
 use crate::sampling::SamplingParams;
 use std::sync::Arc;
 
@@ -47,6 +48,8 @@ pub struct Request {
     pub max_output_tokens: usize,
     pub eos_token_ids: Arc<[u32]>,
     pub num_preemptions: usize,
+    /// Structured output: the grammar its tokens must follow.
+    pub constraint: Option<Constraint>,
 }
 
 impl Request {
@@ -67,6 +70,7 @@ impl Request {
             max_output_tokens,
             eos_token_ids,
             num_preemptions: 0,
+            constraint: None,
         }
     }
 

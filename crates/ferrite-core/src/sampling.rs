@@ -35,6 +35,10 @@ pub struct SamplingParams {
     pub skip_special_tokens: bool,
     /// Isolates this request's cached prefixes from other tenants' (vLLM's `cache_salt`).
     pub cache_salt: Option<String>,
+    /// Added to the logits of these tokens before sampling (OpenAI's `logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Only these tokens may be sampled (vLLM's `allowed_token_ids`).
+    pub allowed_token_ids: Option<Vec<u32>>,
 }
 
 impl Default for SamplingParams {
@@ -58,6 +62,8 @@ impl Default for SamplingParams {
             include_stop_str_in_output: false,
             skip_special_tokens: true,
             cache_salt: None,
+            logit_bias: Vec::new(),
+            allowed_token_ids: None,
         }
     }
 }
@@ -125,6 +131,22 @@ impl SamplingParams {
             if !(-2.0..=2.0).contains(&v) {
                 return Err(format!("`{name}` must be in [-2, 2], got {v}"));
             }
+        }
+        if let Some((t, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return Err(format!(
+                "`logit_bias` of token {t} must be in [-100, 100], got {b}"
+            ));
+        }
+        if self
+            .allowed_token_ids
+            .as_ref()
+            .is_some_and(|a| a.is_empty())
+        {
+            return Err("`allowed_token_ids` must not be empty".into());
         }
         if let Some(m) = self.max_tokens {
             if m < 1 {

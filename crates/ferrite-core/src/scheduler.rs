@@ -1,6 +1,7 @@
 //! V1-style scheduler: one token budget per step shared by decodes and prefill chunks,
 //! FCFS admission against free KV blocks, preemption by recompute when blocks run out.
 
+use crate::constraint::Constraint;
 use crate::kv_cache_manager::{BlockTables, KvCacheManager};
 use crate::kv_layout::{max_blocks, GroupWindow};
 use crate::prefix_hash::HashAlgo;
@@ -34,6 +35,9 @@ pub struct SampleSpec {
     pub banned_token_ids: Vec<u32>,
     /// Prompt and output so far, present only when penalties are set.
     pub penalty_context: Option<(Vec<u32>, Vec<u32>)>,
+    /// The request's grammar (structured output): the executor masks the row with it and
+    /// commits the drawn token to it.
+    pub constraint: Option<Constraint>,
 }
 
 /// Prompt logprobs to compute for some rows of a prefill chunk.
@@ -330,6 +334,7 @@ impl Scheduler {
                 penalty_context: p
                     .has_penalties()
                     .then(|| (req.prompt_token_ids.clone(), req.output_token_ids.clone())),
+                constraint: req.constraint.clone(),
             }
         });
         let prompt_logprobs = req.params.prompt_logprobs.and_then(|k| {

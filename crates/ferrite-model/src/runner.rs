@@ -4,9 +4,11 @@
 use crate::sampler::{argmax, log_sum_exp, logprob_and_rank, top_k_logprobs, Sampler};
 use crate::step::PackedStep;
 use anyhow::Result;
+use ferrite_core::constraint::Constraint;
 use ferrite_core::engine::{ExecError, Executor};
 use ferrite_core::output::{SampledToken, StepOutput, TokenLogprob};
 use ferrite_core::scheduler::{SampleSpec, SchedulerOutput};
+use std::collections::HashMap;
 
 /// A model with its KV cache on some device: what the runner drives each step.
 pub trait StepModel: Send {
@@ -58,11 +60,15 @@ pub struct ModelRunner {
     block_size: usize,
 }
 
-/// A sampled row that needs nothing a device draw lacks: no logprobs, bans or penalties.
+/// A sampled row that needs nothing a device draw lacks: no logprobs, bans, penalties,
+/// biases or grammar.
 fn drawable(spec: &SampleSpec) -> bool {
     spec.params.logprobs.is_none()
         && spec.banned_token_ids.is_empty()
         && spec.penalty_context.is_none()
+        && spec.constraint.is_none()
+        && spec.params.logit_bias.is_empty()
+        && spec.params.allowed_token_ids.is_none()
 }
 
 /// What a row of the logits matrix is for.
@@ -156,15 +162,48 @@ impl Executor for ModelRunner {
             }
         }
         let vocab = self.model.vocab_size();
-        let logits = self.model.forward(&step)?;
-        for (row, u) in logits.chunks_mut(vocab).zip(uses) {
+        // Grammar masks are computed on another thread while the model step runs: each
+        // depends only on the tokens committed before this step.
+        let constrained: Vec<(usize, Constraint)> = uses
+            .iter()
+            .enumerate()
+            .filter_map(|(row, u)| match u {
+                RowUse::Sample(i) => out.requests[*i]
+                    .sample
+                    .as_ref()
+                    .and_then(|s| s.constraint.clone())
+                    .map(|c| (row, c)),
+                RowUse::PromptLogprob(..) => None,
+            })
+            .collect();
+        let model = &mut self.model;
+        let (logits, masks) = std::thread::scope(|scope| {
+            let masks = (!constrained.is_empty()).then(|| {
+                scope.spawn(|| {
+                    constrained
+                        .iter()
+                        .map(|(row, c)| (*row, c.allowed()))
+                        .collect::<HashMap<usize, Vec<u32>>>()
+                })
+            });
+            let logits = model.forward(&step);
+            let masks = masks
+                .map(|h| h.join().expect("mask thread"))
+                .unwrap_or_default();
+            (logits, masks)
+        });
+        let logits = logits?;
+        for (n, (row, u)) in logits.chunks_mut(vocab).zip(uses).enumerate() {
             match u {
                 RowUse::Sample(i) => {
                     let r = &out.requests[i];
                     let spec = r.sample.as_ref().expect("sampled row has a spec");
-                    result
-                        .sampled
-                        .insert(r.req_id, self.sampler.sample(row, spec));
+                    let mask = masks.get(&n).map(Vec::as_slice);
+                    let sampled = self.sampler.sample(row, spec, mask);
+                    if let Some(c) = &spec.constraint {
+                        c.commit(sampled.token_id);
+                    }
+                    result.sampled.insert(r.req_id, sampled);
                 }
                 RowUse::PromptLogprob(i, target, k) => {
                     let lse = log_sum_exp(row);

@@ -1,6 +1,7 @@
 //! Turns a row of logits into a token: penalties, bans, greedy or temperature / top-k /
 //! top-p / min-p sampling, and logprobs of the model's raw distribution.
 
+use ferrite_core::constraint::is_allowed;
 use ferrite_core::output::{SampledToken, TokenLogprob};
 use ferrite_core::scheduler::SampleSpec;
 use rand::rngs::StdRng;
@@ -39,7 +40,13 @@ impl Sampler {
         }
     }
 
-    pub fn sample(&mut self, logits: &mut [f32], spec: &SampleSpec) -> SampledToken {
+    /// `mask`: the tokens a grammar allows (bit `t % 32` of word `t / 32`), if any.
+    pub fn sample(
+        &mut self,
+        logits: &mut [f32],
+        spec: &SampleSpec,
+        mask: Option<&[u32]>,
+    ) -> SampledToken {
         let p = &spec.params;
         // Logprobs describe the model's raw distribution, before bans and penalties.
         let raw = p.logprobs.map(|k| {
@@ -54,6 +61,23 @@ impl Sampler {
             if let Some(l) = logits.get_mut(b as usize) {
                 *l = f32::NEG_INFINITY;
             }
+        }
+        for &(t, bias) in &p.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += bias;
+            }
+        }
+        if let Some(allowed) = &p.allowed_token_ids {
+            let mut keep = vec![false; logits.len()];
+            for &t in allowed {
+                if let Some(k) = keep.get_mut(t as usize) {
+                    *k = true;
+                }
+            }
+            restrict(logits, |t| keep[t]);
+        }
+        if let Some(mask) = mask {
+            restrict(logits, |t| is_allowed(mask, t));
         }
         if let Some((prompt, output)) = &spec.penalty_context {
             apply_penalties(
@@ -296,6 +320,15 @@ mod tests {
         ) {
             let t = draw(&logits, 10f32.powf(exponent), top_k, top_p, min_p, u);
             proptest::prop_assert!((t as usize) < logits.len());
+        }
+    }
+}
+
+/// Sets every logit whose token `keep` refuses to -inf.
+fn restrict(logits: &mut [f32], keep: impl Fn(usize) -> bool) {
+    for (t, l) in logits.iter_mut().enumerate() {
+        if !keep(t) {
+            *l = f32::NEG_INFINITY;
         }
     }
 }

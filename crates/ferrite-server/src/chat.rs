@@ -6,6 +6,7 @@ use crate::prompt_work::{check_text_len, off_runtime};
 use crate::protocol::*;
 use crate::sse::{sse_response, ChunkSink, WrapChunk};
 use crate::state::{AppState, SharedState};
+use crate::structured;
 use crate::tools::{Prefix, ToolParser};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -195,12 +196,13 @@ pub async fn chat_completions(
     let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
     let vocab = state.tokenizer.tokenizer.get_vocab_size(true);
     let params = sampling_params(&req.common, vocab, max_tokens, top, None)?;
+    let grammar = structured::compile(&state, structured::spec(&req.common)?).await?;
     let req = Arc::new(req);
     let prompt = {
         let req = req.clone();
         off_runtime(&state, move |s| render_prompt(s, &req, with_tools)).await?
     };
-    let choices = start_choices(&state, vec![prompt], &params, n)?;
+    let choices = start_choices(&state, vec![prompt], &params, n, grammar.as_ref())?;
     let id = random_id("chatcmpl");
     let model = state.model_name.clone();
     if req.common.stream {

@@ -6,6 +6,7 @@ use crate::prompt_work::{check_choices, check_text_len, off_runtime};
 use crate::protocol::*;
 use crate::sse::{sse_response, ChunkSink, WrapChunk};
 use crate::state::{AppState, SharedState};
+use crate::structured;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use ferrite_core::output::TokenLogprob;
@@ -82,6 +83,7 @@ pub async fn completions(state: SharedState, req: CompletionRequest) -> Result<R
         .or(if req.echo { req.logprobs } else { None });
     let vocab = state.tokenizer.tokenizer.get_vocab_size(true);
     let params = sampling_params(&req.common, vocab, max_tokens, req.logprobs, prompt_lp)?;
+    let grammar = structured::compile(&state, structured::spec(&req.common)?).await?;
     let count = match &req.prompt {
         Prompt::Texts(t) => t.len(),
         Prompt::TokenLists(l) => l.len(),
@@ -90,7 +92,7 @@ pub async fn completions(state: SharedState, req: CompletionRequest) -> Result<R
     check_choices(count, n)?;
     let prompt = req.prompt.clone();
     let prompts = off_runtime(&state, move |s| prompts(s, prompt)).await?;
-    let choices = start_choices(&state, prompts, &params, n)?;
+    let choices = start_choices(&state, prompts, &params, n, grammar.as_ref())?;
     let id = random_id("cmpl");
     let model = state.model_name.clone();
     if req.common.stream {

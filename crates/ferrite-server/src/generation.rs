@@ -5,10 +5,12 @@ use crate::error::ApiError;
 use crate::metrics::RequestTimes;
 use crate::protocol::CommonParams;
 use crate::state::AppState;
+use ferrite_core::constraint::Constraint;
 use ferrite_core::engine::RequestStream;
 use ferrite_core::output::{RequestOutput, TokenLogprob};
 use ferrite_core::request::FinishReason;
 use ferrite_core::sampling::SamplingParams;
+use ferrite_grammar::Grammar;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 use tokio::sync::watch;
@@ -26,29 +28,17 @@ pub fn sampling_params(
     logprobs: Option<i64>,
     prompt_logprobs: Option<i64>,
 ) -> Result<SamplingParams, ApiError> {
-    if c.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
-        return Err(ApiError::bad_request("`logit_bias` is not supported").with_param("logit_bias"));
-    }
-    if let Some(rf) = &c.response_format {
-        let kind = rf.get("type").ok_or_else(|| {
-            ApiError::bad_request("`response_format` needs a `type`").with_param("response_format")
-        })?;
-        match kind.as_str() {
-            Some("text") => {}
-            None => {
-                return Err(ApiError::bad_request(format!(
-                    "`response_format.type` must be a string, got {kind}"
-                ))
-                .with_param("response_format"))
-            }
-            Some(other) => {
-                return Err(ApiError::bad_request(format!(
-                    "`response_format` of type `{other}` is not supported: ferrite does not \
-                     constrain output to JSON yet, so it refuses rather than pretend"
-                ))
-                .with_param("response_format"))
-            }
-        }
+    let logit_bias = logit_bias(c, vocab_size)?;
+    if let Some(bad) = c
+        .allowed_token_ids
+        .iter()
+        .flatten()
+        .find(|&&t| t as usize >= vocab_size)
+    {
+        return Err(ApiError::bad_request(format!(
+            "`allowed_token_ids` holds {bad}, outside the vocabulary of {vocab_size}"
+        ))
+        .with_param("allowed_token_ids"));
     }
     if let Some(bad) = c.stop_token_ids.iter().find(|&&t| t as usize >= vocab_size) {
         return Err(ApiError::bad_request(format!(
@@ -76,9 +66,37 @@ pub fn sampling_params(
         include_stop_str_in_output: c.include_stop_str_in_output,
         skip_special_tokens: c.skip_special_tokens.unwrap_or(true),
         cache_salt: c.cache_salt.clone(),
+        logit_bias,
+        allowed_token_ids: c.allowed_token_ids.clone(),
     };
     p.validate().map_err(ApiError::bad_request)?;
     Ok(p)
+}
+
+/// OpenAI's `logit_bias`: token ids (as strings) to a bias in [-100, 100].
+fn logit_bias(c: &CommonParams, vocab_size: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |m: String| ApiError::bad_request(m).with_param("logit_bias");
+    let Some(map) = &c.logit_bias else {
+        return Ok(Vec::new());
+    };
+    map.iter()
+        .map(|(k, v)| {
+            let t: u32 = k
+                .parse()
+                .map_err(|_| bad(format!("`logit_bias` keys are token ids, got `{k}`")))?;
+            if t as usize >= vocab_size {
+                return Err(bad(format!(
+                    "`logit_bias` names token {t}, outside the vocabulary of {vocab_size}"
+                )));
+            }
+            let b = v.as_f64().ok_or_else(|| {
+                bad(format!(
+                    "`logit_bias` of token {t} must be a number, got {v}"
+                ))
+            })?;
+            Ok((t, b as f32))
+        })
+        .collect()
 }
 
 pub fn check_n(n: Option<i64>) -> Result<usize, ApiError> {
@@ -106,6 +124,7 @@ pub fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiEr
 struct Deferred {
     leader_ready: watch::Receiver<bool>,
     params: SamplingParams,
+    constraint: Option<Constraint>,
 }
 
 /// One choice of a response: an engine request and its timeline.
@@ -131,6 +150,7 @@ pub fn start_choices(
     prompts: Vec<Vec<u32>>,
     params: &SamplingParams,
     n: usize,
+    grammar: Option<&Grammar>,
 ) -> Result<Vec<Choice>, ApiError> {
     let share = n > 1 && state.engine.info().prefix_caching;
     let mut choices = Vec::with_capacity(prompts.len() * n);
@@ -143,8 +163,13 @@ pub fn start_choices(
                 p.seed = Some(s.wrapping_add(choices.len() as u64));
             }
             let leader = i == 0 || !share;
+            // Each choice follows its own copy of the grammar.
+            let constraint = grammar.map(|g| g.fork().into_constraint());
             let (stream, deferred) = if leader {
-                (Some(state.engine.add_request(prompt.clone(), p)?), None)
+                let s = state
+                    .engine
+                    .add_constrained(prompt.clone(), p, constraint)?;
+                (Some(s), None)
             } else {
                 // Validated now, so a deferred start cannot be refused later.
                 p.validate().map_err(ApiError::bad_request)?;
@@ -153,6 +178,7 @@ pub fn start_choices(
                     Some(Deferred {
                         leader_ready: rx.clone(),
                         params: p,
+                        constraint,
                     }),
                 )
             };
@@ -179,7 +205,10 @@ impl Choice {
         if let Some(mut d) = self.deferred.take() {
             // A leader that fails drops its sender, which releases the siblings too.
             let _ = d.leader_ready.wait_for(|r| *r).await;
-            match state.engine.add_request(self.prompt.clone(), d.params) {
+            match state
+                .engine
+                .add_constrained(self.prompt.clone(), d.params, d.constraint)
+            {
                 Ok(s) => self.stream = Some(s),
                 Err(e) => return Some(Err(e.into())),
             }

@@ -9,6 +9,7 @@ pub mod prompt_work;
 pub mod protocol;
 pub mod sse;
 pub mod state;
+pub mod structured;
 pub mod tools;
 
 use axum::body::Bytes;

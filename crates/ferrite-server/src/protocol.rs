@@ -51,10 +51,18 @@ pub struct CommonParams {
     pub ignore_eos: bool,
     #[serde(default)]
     pub stop_token_ids: Vec<u32>,
+    pub allowed_token_ids: Option<Vec<u32>>,
     pub skip_special_tokens: Option<bool>,
     #[serde(default)]
     pub include_stop_str_in_output: bool,
     pub response_format: Option<Value>,
+    /// vLLM's structured output (`json`, `regex`, `choice`, `grammar`, `json_object`) and
+    /// its legacy fields.
+    pub structured_outputs: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
     /// Isolates cached prefixes between tenants (vLLM's extension).
     pub cache_salt: Option<String>,
 }

@@ -18,6 +18,8 @@ pub struct AppState {
     pub metrics: Metrics,
     pub tool_parser: Option<ToolParser>,
     pub enable_auto_tool_choice: bool,
+    /// Structured-output compiler for this vocabulary, or why there is none.
+    pub grammars: Result<ferrite_grammar::SharedGrammars, String>,
     /// Set on shutdown: /health answers 503 and new requests are refused.
     pub draining: AtomicBool,
     pub created: u64,

@@ -97,6 +97,18 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".into())
     });
+    let t0 = std::time::Instant::now();
+    let grammars =
+        ferrite_grammar::Grammars::new(&tok.tokenizer, started.vocab_size, &tok.eos_token_ids)
+            .map(Arc::new)
+            .map_err(|e| format!("{e:#}"));
+    match &grammars {
+        Ok(_) => tracing::info!(
+            "structured output (llguidance) ready in {:.2} s",
+            t0.elapsed().as_secs_f64()
+        ),
+        Err(e) => tracing::warn!("structured output unavailable: {e}"),
+    }
     let state = Arc::new(AppState {
         engine: started.engine.clone(),
         tokenizer: tok.clone(),
@@ -107,6 +119,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         metrics: Metrics::default(),
         tool_parser,
         enable_auto_tool_choice: args.enable_auto_tool_choice,
+        grammars,
         draining: AtomicBool::new(false),
         created: ferrite_server::protocol::now(),
     });

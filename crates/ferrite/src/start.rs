@@ -11,6 +11,8 @@ use std::sync::Arc;
 pub struct Started {
     pub engine: EngineHandle,
     pub tokenizer: Arc<ModelTokenizer>,
+    /// Rows of the logits: the vocabulary a grammar's masks cover.
+    pub vocab_size: usize,
 }
 
 pub fn start(flags: &EngineFlags) -> Result<Started> {
@@ -50,5 +52,9 @@ pub fn start(flags: &EngineFlags) -> Result<Started> {
         Arc::new(tokenizer.tokenizer.clone()),
         tokenizer.eos_token_ids.clone(),
     );
-    Ok(Started { engine, tokenizer })
+    Ok(Started {
+        engine,
+        tokenizer,
+        vocab_size: config.vocab_size,
+    })
 }

@@ -3,6 +3,7 @@
 
 use super::core::EngineCore;
 use super::{Command, EngineError, EngineStats, Executor};
+use crate::constraint::Constraint;
 use crate::output::RequestOutput;
 use crate::request::{Request, RequestId};
 use crate::sampling::SamplingParams;
@@ -119,6 +120,16 @@ impl EngineHandle {
         prompt_token_ids: Vec<u32>,
         params: SamplingParams,
     ) -> Result<RequestStream, EngineError> {
+        self.add_constrained(prompt_token_ids, params, None)
+    }
+
+    /// [`EngineHandle::add_request`] whose tokens follow `constraint` (structured output).
+    pub fn add_constrained(
+        &self,
+        prompt_token_ids: Vec<u32>,
+        params: SamplingParams,
+        constraint: Option<Constraint>,
+    ) -> Result<RequestStream, EngineError> {
         params.validate().map_err(EngineError::InvalidParams)?;
         if let Some(&bad) = prompt_token_ids
             .iter()
@@ -132,13 +143,14 @@ impl EngineHandle {
             .admission
             .check_admissible(prompt_token_ids.len(), &params)?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let req = Request::new(
+        let mut req = Request::new(
             id,
             prompt_token_ids,
             Arc::new(params),
             max_out,
             self.info.eos_token_ids.clone(),
         );
+        req.constraint = constraint;
         let (tx, rx) = tokio_mpsc::unbounded_channel();
         self.commands
             .send(Command::Add(req, tx))

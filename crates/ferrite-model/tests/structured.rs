@@ -1,0 +1,94 @@
+//! Structured output through the engine on the real model (CPU backend): a grammar's mask
+//! applied to every sampled row keeps the output inside the language, with sampling on,
+//! while unconstrained requests share the steps; several constrained requests at once.
+
+mod common;
+
+use common::*;
+use ferrite_core::sampling::SamplingParams;
+use ferrite_grammar::{Grammars, Spec};
+use serde_json::json;
+
+#[test]
+fn constrained_requests_follow_their_grammar_beside_free_ones() {
+    let (engine, tok) = engine(256, 64);
+    let vocab = tok.tokenizer.get_vocab_size(true);
+    let grammars = Grammars::new(&tok.tokenizer, vocab, &tok.eos_token_ids).unwrap();
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}
+        },
+        "required": ["name", "age", "tags"],
+        "additionalProperties": false
+    });
+    let prompt = tok.encode("A person, as JSON:", true).unwrap();
+    let specs = [
+        Spec::JsonSchema(schema.clone()),
+        Spec::Regex("[0-9]{2}:[0-9]{2}".into()),
+        Spec::Choice(vec!["left".into(), "right".into()]),
+    ];
+    let params = |seed| SamplingParams {
+        temperature: 1.0,
+        seed: Some(seed),
+        max_tokens: Some(120),
+        ..SamplingParams::default()
+    };
+    // Three seeds of each grammar, and free requests in the same steps.
+    let mut streams = Vec::new();
+    for (k, spec) in specs.iter().enumerate() {
+        for seed in 0..3 {
+            let g = grammars.compile(spec).unwrap().into_constraint();
+            let s = engine.add_constrained(prompt.clone(), params(seed), Some(g));
+            streams.push((k, s.unwrap()));
+        }
+    }
+    let free: Vec<_> = (0..3)
+        .map(|seed| engine.add_request(prompt.clone(), params(seed)).unwrap())
+        .collect();
+    for (k, s) in streams {
+        let outs = collect(s).unwrap();
+        let text = tok.decode(&tokens_of(&outs), true).unwrap();
+        let reason = outs.last().unwrap().finish_reason.unwrap();
+        println!("{:?}: {text:?} ({})", specs[k], reason.as_str());
+        assert_eq!(reason.as_str(), "stop", "{text:?}");
+        match k {
+            0 => {
+                let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+                let age = v["age"].as_i64().unwrap();
+                assert!((0..=120).contains(&age), "{text}");
+                assert!(v["name"].as_str().unwrap().chars().count() <= 12, "{text}");
+                assert!(v["tags"].as_array().unwrap().len() <= 3, "{text}");
+            }
+            1 => {
+                let b = text.as_bytes();
+                assert!(text.len() == 5 && b[2] == b':', "{text}");
+                assert!(
+                    text.chars().filter(|c| c.is_ascii_digit()).count() == 4,
+                    "{text}"
+                );
+            }
+            _ => assert!(text == "left" || text == "right", "{text}"),
+        }
+    }
+    // The free requests were not constrained: they run to their token budget.
+    for s in free {
+        let outs = collect(s).unwrap();
+        assert!(!tokens_of(&outs).is_empty());
+    }
+}
+
+#[test]
+fn a_schema_that_does_not_compile_is_an_error_naming_it() {
+    let tok = ferrite_model::checkpoint::open_tokenizer(&model_path()).unwrap();
+    let vocab = tok.tokenizer.get_vocab_size(true);
+    let grammars = Grammars::new(&tok.tokenizer, vocab, &tok.eos_token_ids).unwrap();
+    let err = grammars
+        .compile(&Spec::JsonSchema(json!({"type": "wizard"})))
+        .err()
+        .unwrap();
+    assert!(format!("{err:#}").contains("wizard"), "{err:#}");
+    assert!(grammars.compile(&Spec::Regex("(open".into())).is_err());
+}
