@@ -17,7 +17,6 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import requests
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -38,14 +37,13 @@ def cpu_name():
     return platform.processor() or "unknown"
 
 
-def start_server(model):
+def start_server(binary, model, extra):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = open(os.path.join(ROOT, "target", "bench-structured-serve.log"), "w")
-    proc = subprocess.Popen([os.path.join(ROOT, "target/release/ferrite"), "serve", model, "--port", str(port),
-                             "--served-model-name", "m", "--max-model-len", "2048",
-                             "--kv-cache-memory", str(400 << 20)], stdout=log, stderr=subprocess.STDOUT)
+    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "bench-structured-serve.log"), "w")
+    proc = subprocess.Popen([binary, "serve", model, "--port", str(port), "--served-model-name", "m",
+                             "--max-model-len", "2048", *extra.split()], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -57,30 +55,36 @@ def start_server(model):
     raise RuntimeError("server did not start")
 
 
-def one(client, constrained, i):
-    kw = dict(model="m", messages=[{"role": "user", "content": f"List {ITEMS} digits, request {i}."}],
-              temperature=0.7, seed=i, stream=True, stream_options={"include_usage": True})
+def one(url, constrained, i, free_tokens=2 * ITEMS + 1):
+    """One streamed chat request: (time to first token, time after it, completion tokens)."""
+    body = dict(model="m", messages=[{"role": "user", "content": f"List {ITEMS} digits, request {i}."}],
+                temperature=0.7, seed=i, stream=True, stream_options={"include_usage": True})
     if constrained:
-        kw["response_format"] = {"type": "json_schema", "json_schema": {"name": "digits", "schema": SCHEMA}}
-        kw["max_tokens"] = 400
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "digits", "schema": SCHEMA}}
+        body["max_tokens"] = 400
     else:
-        kw["max_tokens"] = 2 * ITEMS + 1
-        kw["extra_body"] = {"ignore_eos": True}
+        body["max_tokens"] = free_tokens
+        body["ignore_eos"] = True
     t0 = time.perf_counter()
     first, tokens = None, 0
-    for c in client.chat.completions.create(**kw):
-        if c.choices and c.choices[0].delta.content and first is None:
-            first = time.perf_counter()
-        if c.usage:
-            tokens = c.usage.completion_tokens
+    with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            c = json.loads(line[6:])
+            if c.get("choices") and c["choices"][0]["delta"].get("content") and first is None:
+                first = time.perf_counter()
+            if c.get("usage"):
+                tokens = c["usage"]["completion_tokens"]
     end = time.perf_counter()
     return first - t0, end - first, tokens
 
 
-def level(client, constrained, c, n):
+def level(url, constrained, c, n, free_tokens):
     t0 = time.perf_counter()
     with ThreadPoolExecutor(c) as pool:
-        res = list(pool.map(lambda i: one(client, constrained, i), range(n)))
+        res = list(pool.map(lambda i: one(url, constrained, i, free_tokens), range(n)))
     wall = time.perf_counter() - t0
     tokens = sum(r[2] for r in res)
     itl = statistics.mean(r[1] / max(r[2] - 1, 1) for r in res)
@@ -93,29 +97,34 @@ def main():
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--base-url")
     ap.add_argument("--model", default=os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--binary", default=os.path.join(ROOT, "target/release/ferrite"))
+    ap.add_argument("--serve-args", default="", help="extra `ferrite serve` flags (e.g. --device cuda)")
+    ap.add_argument("--machine", default=None, help="what to call the machine in the table (default: the CPU)")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks", "cpu-structured.md"))
     a = ap.parse_args()
     proc = None
     url = a.base_url
     if not url:
-        proc, url = start_server(a.model)
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+        proc, url = start_server(a.binary, a.model, a.serve_args)
     try:
-        one(client, True, 0)  # warm-up, and the schema compiled once
+        # Warm-up (the schema compiled once); its length sets the free requests' length.
+        free_tokens = one(url, True, 0)[2]
         rows = []
         for c in [int(x) for x in a.concurrency.split(",")]:
-            free = level(client, False, c, a.requests)
-            cons = level(client, True, c, a.requests)
+            free = level(url, False, c, a.requests, free_tokens)
+            cons = level(url, True, c, a.requests, free_tokens)
             rows.append((c, free, cons))
             print(c, free, cons, file=sys.stderr)
         # First use of a schema (never seen: compiled in the request) against a cached one.
         firsts, cached = [], []
         for k in range(5):
             s = dict(SCHEMA, description=f"variant {k} {time.time()}")
-            kw = dict(model="m", messages=[{"role": "user", "content": "digits"}], max_tokens=1,
-                      response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": s}})
-            t0 = time.perf_counter(); client.chat.completions.create(**kw); firsts.append(time.perf_counter() - t0)
-            t0 = time.perf_counter(); client.chat.completions.create(**kw); cached.append(time.perf_counter() - t0)
+            body = dict(model="m", messages=[{"role": "user", "content": "digits"}], max_tokens=1,
+                        response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": s}})
+            for out in (firsts, cached):
+                t0 = time.perf_counter()
+                requests.post(url + "/v1/chat/completions", json=body, timeout=600).raise_for_status()
+                out.append(time.perf_counter() - t0)
     finally:
         if proc:
             proc.terminate()
@@ -125,19 +134,19 @@ def main():
         f.write(f"""# Structured output: what a JSON-schema constraint costs
 
 Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `scripts/bench-structured.py` (commit {commit}),
-one `ferrite serve` on `{os.path.basename(a.model)}`, CPU: {cpu_name()}, {os.cpu_count()} cores; default flags.
+one `ferrite serve` on `{os.path.basename(a.model)}` ({a.machine or f"CPU: {cpu_name()}, {os.cpu_count()} cores"}); flags: {a.serve_args or "defaults"}.
 
 Workload: {a.requests} chat requests per level, closed loop at concurrency C, streamed,
 temperature 0.7. Constrained: `response_format` json_schema = an array of exactly {ITEMS} one-digit
-integers (a fixed-length output); free: the same prompts with `max_tokens` {2 * ITEMS + 1} and
-`ignore_eos`, so both decode about the same number of tokens. Constrained rows are masked by
+integers (a fixed-length output); free: the same prompts with `max_tokens` set to the
+constrained output's length and `ignore_eos`, so both decode the same number of tokens. Constrained rows are masked by
 llguidance (the mask computed on another thread during the model step) and sampled on the host.
 
-| C | free tokens/s | constrained tokens/s | ratio (target >= 0.95) | free ITL ms | constrained ITL ms | tokens per request (free / constrained) |
-|---:|---:|---:|---:|---:|---:|---:|
+| C | free tokens/s | constrained tokens/s | tokens/s ratio | free ITL ms | constrained ITL ms | decode speed ratio = free ITL / constrained ITL (target >= 0.95) | tokens per request (free / constrained) |
+|---:|---:|---:|---:|---:|---:|---:|---:|
 """)
         for c, free, cons in rows:
-            f.write(f"| {c} | {free[0]:.1f} | {cons[0]:.1f} | **{cons[0] / free[0]:.2f}x** | {free[1] * 1e3:.2f} | {cons[1] * 1e3:.2f} | {free[2]:.0f} / {cons[2]:.0f} |\n")
+            f.write(f"| {c} | {free[0]:.1f} | {cons[0]:.1f} | {cons[0] / free[0]:.2f}x | {free[1] * 1e3:.2f} | {cons[1] * 1e3:.2f} | **{free[1] / cons[1]:.2f}x** | {free[2]:.0f} / {cons[2]:.0f} |\n")
         f.write(f"""
 Time of a one-token request with a schema never seen before (compiled in the request) against
 the same schema again (compiled grammar reused): median {statistics.median(firsts) * 1e3:.1f} ms vs

@@ -1,7 +1,6 @@
 //! Turns a row of logits into a token: penalties, bans, greedy or temperature / top-k /
 //! top-p / min-p sampling, and logprobs of the model's raw distribution.
 
-use ferrite_core::constraint::is_allowed;
 use ferrite_core::output::{SampledToken, TokenLogprob};
 use ferrite_core::scheduler::SampleSpec;
 use rand::rngs::StdRng;
@@ -77,7 +76,7 @@ impl Sampler {
             restrict(logits, |t| keep[t]);
         }
         if let Some(mask) = mask {
-            restrict(logits, |t| is_allowed(mask, t));
+            apply_mask(logits, mask);
         }
         if let Some((prompt, output)) = &spec.penalty_context {
             apply_penalties(
@@ -329,6 +328,24 @@ fn restrict(logits: &mut [f32], keep: impl Fn(usize) -> bool) {
     for (t, l) in logits.iter_mut().enumerate() {
         if !keep(t) {
             *l = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// -inf for every token whose bit in `mask` is clear, 32 tokens per mask word (a grammar's
+/// mask is mostly whole words of zeros).
+fn apply_mask(logits: &mut [f32], mask: &[u32]) {
+    for (i, chunk) in logits.chunks_mut(32).enumerate() {
+        match mask.get(i).copied().unwrap_or(0) {
+            u32::MAX => {}
+            0 => chunk.fill(f32::NEG_INFINITY),
+            w => {
+                for (b, l) in chunk.iter_mut().enumerate() {
+                    if w >> b & 1 == 0 {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
         }
     }
 }
