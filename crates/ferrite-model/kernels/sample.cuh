@@ -30,7 +30,7 @@ __device__ void block_best(float& v, int& idx) {
 }
 
 // u32 parameters per row of `sample_rows_f32`.
-constexpr int DRAW_PARAMS = 6;
+constexpr int DRAW_PARAMS = 7;  // the last: the row has a grammar mask (mask_rows_f32)
 
 // SplitMix64 of (key, token): the row's noise for one token, a pure function of both, so a
 // seeded request draws the same token whatever else shares the step.
@@ -117,3 +117,20 @@ extern "C" __global__ void sample_rows_f32(const float* x, const uint32_t* param
   if (threadIdx.x == 0) out[blockIdx.x] = idx == 0x7fffffff ? 0u : (uint32_t)idx;
 }
 
+
+// Grammar masks (structured output): logits of the tokens whose bit in the row's mask
+// (`words` u32 per row, bit t % 32 of word t / 32) is clear become -inf, in rows whose draw
+// parameters say they are masked. Grid: one block per row.
+extern "C" __global__ void mask_rows_f32(float* x, const uint32_t* params, const uint32_t* masks,
+                                         int n, int words) {
+  const size_t r = blockIdx.x;
+  if (params[DRAW_PARAMS * r + DRAW_PARAMS - 1] == 0) return;
+  float* row = x + r * n;
+  const uint32_t* m = masks + r * words;
+  for (int w = threadIdx.x; w < words; w += blockDim.x) {
+    const uint32_t bits = m[w];
+    if (bits == 0xffffffffu) continue;
+    for (int b = 0; b < 32 && w * 32 + b < n; b++)
+      if (!((bits >> b) & 1u)) row[w * 32 + b] = -INFINITY;
+  }
+}

@@ -8,6 +8,7 @@ use ferrite_core::constraint::Constraint;
 use ferrite_core::engine::{ExecError, Executor};
 use ferrite_core::output::{SampledToken, StepOutput, TokenLogprob};
 use ferrite_core::scheduler::{SampleSpec, SchedulerOutput};
+use rayon::prelude::*;
 use std::collections::HashMap;
 
 /// A model with its KV cache on some device: what the runner drives each step.
@@ -28,7 +29,7 @@ pub trait StepModel: Send {
     }
 
     /// Runs the step and draws each logits row's token on the device.
-    fn forward_draw(&mut self, _step: &PackedStep, _draws: &[RowDraw]) -> Result<Vec<u32>> {
+    fn forward_draw(&mut self, _step: &PackedStep, _draws: DeviceDraws) -> Result<Vec<u32>> {
         anyhow::bail!("this backend samples on the host")
     }
 
@@ -36,6 +37,14 @@ pub trait StepModel: Send {
 
     /// Backend, threads and weight format, for the start-up log line.
     fn describe(&self) -> String;
+}
+
+/// The tokens of a step drawn on the device: how each row draws, and the grammar mask each
+/// row must keep to (`masks` empty, or one entry per row; bit `t % 32` of word `t / 32`).
+#[derive(Clone, Copy)]
+pub struct DeviceDraws<'a> {
+    pub rows: &'a [RowDraw],
+    pub masks: &'a [Option<Vec<u32>>],
 }
 
 /// How one logits row becomes a token on the device.
@@ -60,13 +69,12 @@ pub struct ModelRunner {
     block_size: usize,
 }
 
-/// A sampled row that needs nothing a device draw lacks: no logprobs, bans, penalties,
-/// biases or grammar.
+/// A sampled row that needs nothing a device draw lacks: no logprobs, bans, penalties or
+/// biases (a grammar the device applies as a mask).
 fn drawable(spec: &SampleSpec) -> bool {
     spec.params.logprobs.is_none()
         && spec.banned_token_ids.is_empty()
         && spec.penalty_context.is_none()
-        && spec.constraint.is_none()
         && spec.params.logit_bias.is_empty()
         && spec.params.allowed_token_ids.is_none()
 }
@@ -138,17 +146,34 @@ impl Executor for ModelRunner {
             })
             .collect();
         if let Some(specs) = specs.filter(|s| s.iter().all(|s| drawable(s))) {
-            let tokens = if specs.iter().all(|s| s.params.is_greedy()) {
+            let constrained = specs.iter().any(|s| s.constraint.is_some());
+            let tokens = if specs.iter().all(|s| s.params.is_greedy()) && !constrained {
                 Some(self.model.forward_argmax(&step)?)
             } else if self.model.draws_on_device() {
                 let draws: Vec<RowDraw> = specs.iter().map(|s| self.draw(s)).collect();
-                Some(self.model.forward_draw(&step, &draws)?)
+                // Before the step here: the device draws inside it. A mask takes microseconds.
+                let masks: Vec<Option<Vec<u32>>> = if constrained {
+                    specs
+                        .par_iter()
+                        .map(|s| s.constraint.as_ref().map(|c| c.allowed()))
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                let d = DeviceDraws {
+                    rows: &draws,
+                    masks: &masks,
+                };
+                Some(self.model.forward_draw(&step, d)?)
             } else {
                 None
             };
             if let Some(tokens) = tokens {
-                for (token_id, u) in tokens.into_iter().zip(uses) {
+                for ((token_id, u), spec) in tokens.into_iter().zip(uses).zip(&specs) {
                     if let RowUse::Sample(i) = u {
+                        if let Some(c) = &spec.constraint {
+                            c.commit(token_id);
+                        }
                         result.sampled.insert(
                             out.requests[i].req_id,
                             SampledToken {

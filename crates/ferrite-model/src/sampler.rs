@@ -267,6 +267,33 @@ fn draw(
     cand[keep - 1].0
 }
 
+/// Sets every logit whose token `keep` refuses to -inf.
+fn restrict(logits: &mut [f32], keep: impl Fn(usize) -> bool) {
+    for (t, l) in logits.iter_mut().enumerate() {
+        if !keep(t) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// -inf for every token whose bit in `mask` is clear, 32 tokens per mask word (a grammar's
+/// mask is mostly whole words of zeros).
+fn apply_mask(logits: &mut [f32], mask: &[u32]) {
+    for (i, chunk) in logits.chunks_mut(32).enumerate() {
+        match mask.get(i).copied().unwrap_or(0) {
+            u32::MAX => {}
+            0 => chunk.fill(f32::NEG_INFINITY),
+            w => {
+                for (b, l) in chunk.iter_mut().enumerate() {
+                    if w >> b & 1 == 0 {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::draw;
@@ -319,33 +346,6 @@ mod tests {
         ) {
             let t = draw(&logits, 10f32.powf(exponent), top_k, top_p, min_p, u);
             proptest::prop_assert!((t as usize) < logits.len());
-        }
-    }
-}
-
-/// Sets every logit whose token `keep` refuses to -inf.
-fn restrict(logits: &mut [f32], keep: impl Fn(usize) -> bool) {
-    for (t, l) in logits.iter_mut().enumerate() {
-        if !keep(t) {
-            *l = f32::NEG_INFINITY;
-        }
-    }
-}
-
-/// -inf for every token whose bit in `mask` is clear, 32 tokens per mask word (a grammar's
-/// mask is mostly whole words of zeros).
-fn apply_mask(logits: &mut [f32], mask: &[u32]) {
-    for (i, chunk) in logits.chunks_mut(32).enumerate() {
-        match mask.get(i).copied().unwrap_or(0) {
-            u32::MAX => {}
-            0 => chunk.fill(f32::NEG_INFINITY),
-            w => {
-                for (b, l) in chunk.iter_mut().enumerate() {
-                    if w >> b & 1 == 0 {
-                        *l = f32::NEG_INFINITY;
-                    }
-                }
-            }
         }
     }
 }

@@ -1050,10 +1050,18 @@ fn device_draws_follow_the_distribution() {
                 key: i * 0x2545_F491_4F6C_DD1D + 17,
             })
             .collect();
-        let params = draw_params(&draws, rows);
+        let params = draw_params(&draws, rows, &[]);
         let params = Tensor::from_vec(params.clone(), params.len(), &dev).unwrap();
-        let tokens: Vec<u32> = k.sample_rows(&logits, &params).unwrap().to_vec1().unwrap();
-        let again: Vec<u32> = k.sample_rows(&logits, &params).unwrap().to_vec1().unwrap();
+        let tokens: Vec<u32> = k
+            .sample_rows(&logits, &params, None)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let again: Vec<u32> = k
+            .sample_rows(&logits, &params, None)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         assert_eq!(tokens, again, "same keys, same tokens");
         // The CPU sampler's cut, on the sorted finite logits.
         let mut order: Vec<usize> = (0..n).filter(|&i| row[i].is_finite()).collect();
@@ -1099,10 +1107,55 @@ fn device_draws_follow_the_distribution() {
         }
     }
     let ties = Tensor::from_vec(vec![1f32, 3.0, 3.0, 0.0], (1, 4), &dev).unwrap();
-    let greedy = draw_params(&[RowDraw::Greedy], 1);
+    let greedy = draw_params(&[RowDraw::Greedy], 1, &[]);
     let greedy = Tensor::from_vec(greedy.clone(), greedy.len(), &dev).unwrap();
-    let t: Vec<u32> = k.sample_rows(&ties, &greedy).unwrap().to_vec1().unwrap();
+    let t: Vec<u32> = k
+        .sample_rows(&ties, &greedy, None)
+        .unwrap()
+        .to_vec1()
+        .unwrap();
     assert_eq!(t, vec![1]);
+    // Grammar masks: a masked row draws only tokens its mask allows (greedy: the best of
+    // them), an unmasked row beside it is untouched.
+    let two = Tensor::from_vec(row.repeat(4), (4, n), &dev).unwrap();
+    let only_1_and_3 = Some(vec![0b1010u32]);
+    let masks = [
+        only_1_and_3.clone(),
+        None,
+        only_1_and_3.clone(),
+        only_1_and_3,
+    ];
+    let draws = [
+        RowDraw::Greedy,
+        RowDraw::Greedy,
+        RowDraw::Sample {
+            temperature: 5.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            key: 3,
+        },
+        RowDraw::Sample {
+            temperature: 5.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            key: 4,
+        },
+    ];
+    let masked: Vec<bool> = masks.iter().map(Option::is_some).collect();
+    let params = draw_params(&draws, 4, &masked);
+    let params = Tensor::from_vec(params.clone(), params.len(), &dev).unwrap();
+    let flat = ferrite_model::backend::cuda::kernels::sample::flat_masks(&masks, 1).unwrap();
+    let flat = Tensor::from_vec(flat.clone(), flat.len(), &dev).unwrap();
+    let t: Vec<u32> = k
+        .sample_rows(&two, &params, Some(&flat))
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    println!("masked draws: {t:?}");
+    assert_eq!(&t[..2], &[1, 0]);
+    assert!(t[2..].iter().all(|x| *x == 1 || *x == 3), "{t:?}");
 }
 
 /// Every family of `models/` on the GPU against Hugging Face transformers (f32), on the tiny

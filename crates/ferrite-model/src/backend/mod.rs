@@ -8,7 +8,7 @@ pub mod cpu;
 pub mod cuda;
 
 use crate::rope::RopeSpec;
-use crate::runner::RowDraw;
+use crate::runner::DeviceDraws;
 use crate::step::PackedStep;
 use anyhow::{bail, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -161,7 +161,7 @@ pub trait Backend: Send + Sized {
     fn step(
         &mut self,
         host: &PackedStep,
-        draws: Option<&[RowDraw]>,
+        draws: Option<DeviceDraws>,
         forward: Forward<Self>,
     ) -> Result<()>;
     /// The embedding rows of the step's tokens, times `scale` if given.

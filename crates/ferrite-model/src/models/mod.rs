@@ -8,7 +8,7 @@ pub mod llama;
 
 use crate::backend::{Backend, Step};
 use crate::config::ModelConfig;
-use crate::runner::{RowDraw, StepModel};
+use crate::runner::{DeviceDraws, RowDraw, StepModel};
 use crate::step::PackedStep;
 use crate::weights::config_source::ConfigSource;
 use crate::weights::WeightSource;
@@ -220,7 +220,7 @@ impl<B: Backend> Decoder<B> {
         self.run(step, None)
     }
 
-    fn run(&mut self, step: &PackedStep, draws: Option<&[RowDraw]>) -> Result<()> {
+    fn run(&mut self, step: &PackedStep, draws: Option<DeviceDraws>) -> Result<()> {
         self.check(step)?;
         let (family, cache, ws) = (&self.family, &mut self.cache, &mut self.buffers);
         let mut forward = |b: &mut B, s: &Step<B>| {
@@ -248,7 +248,11 @@ impl<B: Backend> StepModel for Decoder<B> {
     fn forward_argmax(&mut self, step: &PackedStep) -> Result<Vec<u32>> {
         if self.draws_on_device() {
             let greedy = vec![RowDraw::Greedy; step.logits_indices.len()];
-            return self.forward_draw(step, &greedy);
+            let d = DeviceDraws {
+                rows: &greedy,
+                masks: &[],
+            };
+            return self.forward_draw(step, d);
         }
         let vocab = self.vocab_size();
         let logits = self.forward(step)?;
@@ -259,7 +263,7 @@ impl<B: Backend> StepModel for Decoder<B> {
         self.backend.draws_on_device()
     }
 
-    fn forward_draw(&mut self, step: &PackedStep, draws: &[RowDraw]) -> Result<Vec<u32>> {
+    fn forward_draw(&mut self, step: &PackedStep, draws: DeviceDraws) -> Result<Vec<u32>> {
         self.run(step, Some(draws))?;
         self.backend.drawn_tokens()
     }

@@ -187,7 +187,7 @@ impl Backend for CpuBackend {
     fn step(
         &mut self,
         host: &crate::step::PackedStep,
-        draws: Option<&[crate::runner::RowDraw]>,
+        draws: Option<crate::runner::DeviceDraws>,
         forward: super::Forward<Self>,
     ) -> Result<()> {
         if draws.is_some() {

@@ -8,9 +8,9 @@
 
 use super::inputs::{u32s, GroupInputs, StepInputs};
 use super::kernels::attention::attention_tiles;
-use super::kernels::sample::draw_params;
+use super::kernels::sample::{draw_params, flat_masks, mask_words};
 use super::kernels::{ptr, Kernels};
-use crate::runner::RowDraw;
+use crate::runner::DeviceDraws;
 use crate::step::{KvTables, PackedStep};
 use anyhow::{ensure, Context, Result};
 use candle_core::cuda::cudarc::cublas::sys::{cublasSetWorkspace_v2, cublasStatus_t};
@@ -32,6 +32,9 @@ pub struct DecodeGraph {
     inputs: StepInputs,
     /// `[bucket * DRAW_PARAMS]` u32 draw parameters of each row, filled before each launch.
     draws: Tensor,
+    /// `[bucket, words]` u32 grammar masks, filled before a launch with masked rows.
+    masks: Tensor,
+    words: usize,
     /// `[bucket, vocab]` f32, written by each launch.
     pub logits: Tensor,
     /// `[bucket]` u32 tokens drawn from `logits`.
@@ -138,7 +141,7 @@ impl DecodeGraphs {
         kernels: &Kernels,
         dev: &Device,
         step: &PackedStep,
-        draws: &[RowDraw],
+        draws: DeviceDraws,
         forward: Launch,
     ) -> Result<Option<&DecodeGraph>> {
         let Some(b) = decode_batch(step) else {
@@ -181,7 +184,11 @@ impl DecodeGraphs {
             copy_table(&stream, &gi.block_tables, kv, b, self.width)?;
         }
         copy_in(&stream, &g.inputs.seq_lens_k, &pad(&step.seq_lens_k, 1))?;
-        copy_in(&stream, &g.draws, &draw_params(draws, bucket))?;
+        let masked: Vec<bool> = draws.masks.iter().map(Option::is_some).collect();
+        copy_in(&stream, &g.draws, &draw_params(draws.rows, bucket, &masked))?;
+        if let Some(m) = flat_masks(draws.masks, g.words) {
+            copy_in(&stream, &g.masks, &m)?;
+        }
         g.graph.launch()?;
         Ok(Some(g))
     }
@@ -226,15 +233,20 @@ impl DecodeGraphs {
             max_seq_len: self.max_seq_len,
             splits: Some(kernels.splits(tiles * hkv, self.max_seq_len)),
         };
-        let draws = u32s(&draw_params(&[], bucket), dev)?;
+        let draws = u32s(&draw_params(&[], bucket, &[]), dev)?;
         // An eager run first, so every module is loaded outside the capture.
-        kernels.sample_rows(&forward(&inputs)?, &draws)?;
+        let logits = forward(&inputs)?;
+        let words = mask_words(logits.dim(1)?);
+        let masks = u32s(&vec![0; bucket * words], dev)?;
+        kernels.sample_rows(&logits, &draws, Some(&masks))?;
+        drop(logits);
         let stream = cuda.cuda_stream();
         stream.synchronize()?;
         stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
         // Only ferrite's kernels and cuBLAS in here: candle's launches copy their shapes from
         // host memory, which a replay would read after it is gone.
-        let captured = forward(&inputs).and_then(|l| Ok((kernels.sample_rows(&l, &draws)?, l)));
+        let captured =
+            forward(&inputs).and_then(|l| Ok((kernels.sample_rows(&l, &draws, Some(&masks))?, l)));
         // Always end the capture, so a failure leaves the stream usable.
         let graph = stream.end_capture(
             sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
@@ -246,6 +258,8 @@ impl DecodeGraphs {
             graph,
             inputs,
             draws,
+            masks,
+            words,
             logits,
             tokens,
         })

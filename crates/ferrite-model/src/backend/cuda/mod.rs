@@ -13,7 +13,7 @@ pub mod loader;
 use super::{AttentionSpec, Backend, Epilogue, Forward, LinearIn, QkvPrep, Stack, Step};
 use crate::config::RopeStyle;
 use crate::rope::{RopeSpec, RopeTable};
-use crate::runner::RowDraw;
+use crate::runner::DeviceDraws;
 use crate::step::PackedStep;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::quantized::QTensor;
@@ -22,7 +22,7 @@ use graph::{DecodeGraphs, GraphShape};
 use inputs::{u32s, StepInputs};
 use kernels::attention::{AttentionShape, QkvParams};
 use kernels::matmul::MatIn;
-use kernels::sample::draw_params;
+use kernels::sample::{draw_params, flat_masks, mask_words};
 use kernels::Kernels;
 use linear::Linear;
 use std::sync::Arc;
@@ -130,7 +130,7 @@ impl CudaBackend {
     fn replay(
         &mut self,
         host: &PackedStep,
-        draws: &[RowDraw],
+        draws: DeviceDraws,
         forward: &mut Forward<Self>,
     ) -> Result<bool> {
         let mut graphs = std::mem::take(&mut self.graphs);
@@ -268,7 +268,7 @@ impl Backend for CudaBackend {
     fn step(
         &mut self,
         host: &PackedStep,
-        draws: Option<&[RowDraw]>,
+        draws: Option<DeviceDraws>,
         mut forward: Forward<Self>,
     ) -> Result<()> {
         // Steps run on the engine's thread, not the loader's: the raw copies and graph
@@ -279,7 +279,11 @@ impl Backend for CudaBackend {
             .bind_to_thread()?;
         // Dropped here, before a capture could see them go.
         (self.logits, self.tokens) = (None, None);
-        if self.replay(host, draws.unwrap_or(&[]), &mut forward)? {
+        let none = DeviceDraws {
+            rows: &[],
+            masks: &[],
+        };
+        if self.replay(host, draws.unwrap_or(none), &mut forward)? {
             return Ok(());
         }
         let inputs = StepInputs::upload(host, &self.device)?;
@@ -290,9 +294,15 @@ impl Backend for CudaBackend {
                 inputs: &inputs,
             },
         )?;
-        if let Some(draws) = draws {
-            let params = u32s(&draw_params(draws, draws.len()), &self.device)?;
-            let tokens = self.kernels.sample_rows(self.device_logits()?, &params)?;
+        if let Some(d) = draws {
+            let masked: Vec<bool> = d.masks.iter().map(Option::is_some).collect();
+            let params = u32s(&draw_params(d.rows, d.rows.len(), &masked), &self.device)?;
+            let logits = self.device_logits()?;
+            let words = mask_words(logits.dim(1)?);
+            let masks = flat_masks(d.masks, words)
+                .map(|m| u32s(&m, &self.device))
+                .transpose()?;
+            let tokens = self.kernels.sample_rows(logits, &params, masks.as_ref())?;
             self.tokens = Some(tokens);
         }
         Ok(())

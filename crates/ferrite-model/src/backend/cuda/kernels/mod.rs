@@ -43,6 +43,7 @@ pub struct Kernels {
     attention_mma: [CudaFunction; 3],
     merge_splits: CudaFunction,
     sample_rows: CudaFunction,
+    mask_rows: CudaFunction,
     multiprocessors: u32,
 }
 
@@ -124,6 +125,7 @@ impl Kernels {
             ],
             merge_splits: f("merge_splits_bf16")?,
             sample_rows: f("sample_rows_f32")?,
+            mask_rows: f("mask_rows_f32")?,
             multiprocessors,
             _module: module,
         })

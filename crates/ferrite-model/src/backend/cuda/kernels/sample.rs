@@ -8,12 +8,34 @@ use candle_core::{DType, Tensor};
 impl Kernels {
     /// One token per row of f32 `[R, n]` logits, as `params` (`[R * DRAW_PARAMS]` u32, see
     /// [`draw_params`]) say: greedy, or drawn on the device from the row's own key.
-    pub fn sample_rows(&self, logits: &Tensor, params: &Tensor) -> Result<Tensor> {
+    /// With `masks` (`[R, words]` u32, see [`mask_words`]), the rows whose parameters say so
+    /// are first masked to their grammar's tokens, in place.
+    pub fn sample_rows(
+        &self,
+        logits: &Tensor,
+        params: &Tensor,
+        masks: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let (r, n) = logits.dims2()?;
         ensure!(
             params.dim(0)? >= DRAW_PARAMS * r,
             "draw parameters for {r} rows"
         );
+        if let (Some(m), true) = (masks, r > 0) {
+            let words = mask_words(n);
+            ensure!(m.dim(0)? >= r * words, "grammar masks for {r} rows");
+            self.launch(
+                &self.mask_rows,
+                cfg((r as u32, 1, 1), 256, 0),
+                &[
+                    Arg::P(ptr(logits)?),
+                    Arg::P(ptr(params)?),
+                    Arg::P(ptr(m)?),
+                    Arg::I(n as i32),
+                    Arg::I(words as i32),
+                ],
+            )?;
+        }
         let out = self.output(r, DType::U32)?;
         if r > 0 {
             self.launch(
@@ -32,12 +54,21 @@ impl Kernels {
 }
 
 /// u32 parameters per row of `sample_rows` (the kernel's `DRAW_PARAMS`).
-pub const DRAW_PARAMS: usize = 6;
+pub const DRAW_PARAMS: usize = 7;
 
-/// `sample_rows`' parameters: per row temperature, min-p and top-p as f32 bits, top-k and the
-/// 64-bit key; greedy rows are all zeros. Padded with greedy rows up to `rows`.
-pub fn draw_params(draws: &[RowDraw], rows: usize) -> Vec<u32> {
+/// u32 words of a grammar mask over `vocab` tokens.
+pub fn mask_words(vocab: usize) -> usize {
+    vocab.div_ceil(32)
+}
+
+/// `sample_rows`' parameters: per row temperature, min-p and top-p as f32 bits, top-k, the
+/// 64-bit key and whether the row is masked (`masked`, one flag per row or none); greedy
+/// rows are all zeros. Padded with greedy rows up to `rows`.
+pub fn draw_params(draws: &[RowDraw], rows: usize, masked: &[bool]) -> Vec<u32> {
     let mut p = vec![0u32; DRAW_PARAMS * rows.max(draws.len())];
+    for (out, &m) in p.chunks_mut(DRAW_PARAMS).zip(masked) {
+        out[DRAW_PARAMS - 1] = m as u32;
+    }
     for (d, out) in draws.iter().zip(p.chunks_mut(DRAW_PARAMS)) {
         if let RowDraw::Sample {
             temperature,
@@ -47,7 +78,7 @@ pub fn draw_params(draws: &[RowDraw], rows: usize) -> Vec<u32> {
             key,
         } = *d
         {
-            out.copy_from_slice(&[
+            out[..DRAW_PARAMS - 1].copy_from_slice(&[
                 temperature.to_bits(),
                 min_p.to_bits(),
                 top_p.to_bits(),
@@ -58,4 +89,20 @@ pub fn draw_params(draws: &[RowDraw], rows: usize) -> Vec<u32> {
         }
     }
     p
+}
+
+/// The rows' masks as one `[rows, words]` buffer (rows without a mask: zeros, never read);
+/// `None` when no row has one.
+pub fn flat_masks(masks: &[Option<Vec<u32>>], words: usize) -> Option<Vec<u32>> {
+    if masks.iter().all(Option::is_none) {
+        return None;
+    }
+    let mut out = vec![0u32; masks.len() * words];
+    for (m, dst) in masks.iter().zip(out.chunks_mut(words)) {
+        if let Some(m) = m {
+            let n = m.len().min(words);
+            dst[..n].copy_from_slice(&m[..n]);
+        }
+    }
+    Some(out)
 }
