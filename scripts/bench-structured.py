@@ -130,6 +130,11 @@ def main():
             proc.terminate()
             proc.wait()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    where = ("Constrained rows are masked by llguidance and drawn on the device: the masks are computed "
+             "(in parallel) before the step, uploaded, and applied by `mask_rows_f32` before `sample_rows_f32`, "
+             "in the decode graphs too." if "cuda" in a.serve_args else
+             "Constrained rows are masked by llguidance (the mask computed on another thread during the model "
+             "step) and sampled on the host.")
     with open(a.out, "w") as f:
         f.write(f"""# Structured output: what a JSON-schema constraint costs
 
@@ -139,8 +144,7 @@ one `ferrite serve` on `{os.path.basename(a.model)}` ({a.machine or f"CPU: {cpu_
 Workload: {a.requests} chat requests per level, closed loop at concurrency C, streamed,
 temperature 0.7. Constrained: `response_format` json_schema = an array of exactly {ITEMS} one-digit
 integers (a fixed-length output); free: the same prompts with `max_tokens` set to the
-constrained output's length and `ignore_eos`, so both decode the same number of tokens. Constrained rows are masked by
-llguidance (the mask computed on another thread during the model step) and sampled on the host.
+constrained output's length and `ignore_eos`, so both decode the same number of tokens. {where}
 
 | C | free tokens/s | constrained tokens/s | tokens/s ratio | free ITL ms | constrained ITL ms | decode speed ratio = free ITL / constrained ITL (target >= 0.95) | tokens per request (free / constrained) |
 |---:|---:|---:|---:|---:|---:|---:|---:|
