@@ -163,3 +163,78 @@ def test_logit_bias_and_allowed_token_ids(client, server):
     for bias, msg in [({"x": 1}, "token ids"), ({str(cat): 101}, "[-100, 100]"), ({"999999999": 1}, "outside the vocabulary")]:
         with pytest.raises(openai.BadRequestError, match=re.escape(msg)):
             client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, logit_bias=bias)
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                     "unit": {"enum": ["c", "f"]}},
+                    "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "now", "description": "The time",
+     "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}},
+]
+
+
+def check_calls(message, names):
+    assert message.tool_calls, message
+    for call in message.tool_calls:
+        assert call.function.name in names, call
+        args = json.loads(call.function.arguments)
+        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+        jsonschema.validate(args, schema)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_and_named_tool_choice_always_call(client, stream):
+    for seed in range(4):
+        for choice, names in [("required", {"get_weather", "now"}),
+                              ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"})]:
+            kw = dict(model=MODEL, messages=ask("Hello there!"), tools=TOOLS, tool_choice=choice,
+                      temperature=1.0, seed=seed, max_tokens=400)
+            if not stream:
+                c = client.chat.completions.create(**kw).choices[0]
+                assert c.finish_reason == "tool_calls", c
+                check_calls(c.message, names)
+                # A named function is called once; `required` makes at most 4 calls.
+                assert len(c.message.tool_calls) <= (1 if isinstance(choice, dict) else 4)
+                continue
+            calls, finish = {}, None
+            for chunk in client.chat.completions.create(stream=True, **kw):
+                if not chunk.choices:
+                    continue
+                d = chunk.choices[0]
+                finish = d.finish_reason or finish
+                for tc in d.delta.tool_calls or []:
+                    e = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                    e["name"] += (tc.function.name or "") if tc.function else ""
+                    e["arguments"] += (tc.function.arguments or "") if tc.function else ""
+            assert finish == "tool_calls" and calls, (finish, calls)
+            for e in calls.values():
+                assert e["name"] in names
+                json.loads(e["arguments"])
+
+
+def test_a_three_turn_tool_loop_with_null_content(client):
+    """What agents send back: the assistant's call with `content: null`, then the tool's result."""
+    messages = ask("What is the weather in Paris?")
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
+                                       temperature=0, max_tokens=400, parallel_tool_calls=False)
+    call = r.choices[0].message.tool_calls[0]
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"},
+    ]
+    r2 = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=30)
+    m2 = r2.choices[0].message
+    assert m2.content or m2.tool_calls
+    messages += [{"role": "assistant", "content": m2.content or ""}, {"role": "user", "content": "And tomorrow?"}]
+    r3 = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
+                                        temperature=0, max_tokens=400)
+    check_calls(r3.choices[0].message, {"get_weather", "now"})
+
+
+def test_forced_tools_and_a_response_format_conflict(client):
+    with pytest.raises(openai.BadRequestError, match="cannot be combined"):
+        client.chat.completions.create(model=MODEL, messages=ask("hi"), tools=TOOLS, tool_choice="required",
+                                       response_format={"type": "json_object"}, max_tokens=5)

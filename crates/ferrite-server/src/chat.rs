@@ -51,6 +51,22 @@ fn normalize_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
                         .with_param("messages"))
                 }
             }
+            // An assistant turn that only calls tools sends `content: null`; templates
+            // concatenate strings (vLLM renders it as empty too).
+            if obj.get("content").is_none_or(Value::is_null) {
+                obj.insert("content".into(), Value::String(String::new()));
+            }
+            // Templates read a call's arguments as a mapping; OpenAI sends a JSON string.
+            if let Some(Value::Array(calls)) = obj.get_mut("tool_calls") {
+                for c in calls {
+                    let args = c.pointer_mut("/function/arguments");
+                    if let Some(a) = args {
+                        if let Some(v) = a.as_str().and_then(|s| serde_json::from_str(s).ok()) {
+                            *a = v;
+                        }
+                    }
+                }
+            }
             if let Some(Value::Array(parts)) = obj.get("content") {
                 let mut text = String::new();
                 for p in parts {
@@ -71,6 +87,39 @@ fn normalize_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
             Ok(m)
         })
         .collect()
+}
+
+/// For a template without a tools section: the tools and how to call them, in the parser's
+/// format, prepended to the system turn (as llama.cpp does), with a log line saying so.
+fn tools_fallback(
+    messages: &mut Vec<Value>,
+    req: &ChatCompletionRequest,
+    parser: Option<ToolParser>,
+) {
+    let tools = req.tools.iter().flatten();
+    let list: Vec<String> = tools
+        .filter_map(|t| t.get("function").map(Value::to_string))
+        .collect();
+    let how = match parser {
+        Some(ToolParser::Llama3Json) => {
+            "To call a function, answer with only a JSON object {\"name\": <function name>, \"parameters\": <arguments object>}."
+        }
+        _ => {
+            "To call a function, answer with <tool_call>{\"name\": <function name>, \"arguments\": <arguments object>}</tool_call>, one block per call."
+        }
+    };
+    let text = format!(
+        "You can call these functions:\n<tools>\n{}\n</tools>\n{how}",
+        list.join("\n")
+    );
+    tracing::info!("the chat template has no tools section: tools sent in a system turn instead");
+    match messages.first_mut() {
+        Some(m) if m.get("role").and_then(Value::as_str) == Some("system") => {
+            let old = m.get("content").and_then(Value::as_str).unwrap_or_default();
+            m["content"] = Value::String(format!("{text}\n\n{old}"));
+        }
+        _ => messages.insert(0, serde_json::json!({"role": "system", "content": text})),
+    }
 }
 
 /// Which parser applies, after checking `tool_choice` against the server's flags.
@@ -124,7 +173,10 @@ pub fn render_prompt(
     let template = state.template.as_ref().ok_or_else(|| {
         ApiError::bad_request("the model has no chat template; pass --chat-template")
     })?;
-    let messages = normalize_messages(&req.messages)?;
+    let mut messages = normalize_messages(&req.messages)?;
+    if with_tools && !template.renders_tools() {
+        tools_fallback(&mut messages, req, state.tool_parser);
+    }
     let mut extra = serde_json::Map::new();
     if let Some(kw) = &req.chat_template_kwargs {
         extra.extend(kw.clone());
@@ -196,7 +248,25 @@ pub async fn chat_completions(
     let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
     let vocab = state.tokenizer.tokenizer.get_vocab_size(true);
     let params = sampling_params(&req.common, vocab, max_tokens, top, None)?;
-    let grammar = structured::compile(&state, structured::spec(&req.common)?).await?;
+    let forced = match (parser, &req.tool_choice) {
+        (Some(p), Some(choice)) => structured::tool_spec(
+            p,
+            req.tools.as_deref().unwrap_or(&[]),
+            choice,
+            req.parallel_tool_calls.unwrap_or(true),
+        ),
+        _ => None,
+    };
+    let spec = match (forced, structured::spec(&req.common)?) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::bad_request(
+                "a required or named `tool_choice` cannot be combined with a structured-output constraint",
+            )
+            .with_param("tool_choice"))
+        }
+        (f, s) => f.or(s),
+    };
+    let grammar = structured::compile(&state, spec).await?;
     let req = Arc::new(req);
     let prompt = {
         let req = req.clone();

@@ -87,6 +87,7 @@ pub struct ChatCompletionRequest {
     pub top_logprobs: Option<i64>,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
     pub add_generation_prompt: Option<bool>,
     #[serde(default)]
     pub continue_final_message: bool,

@@ -18,6 +18,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// Whether the template renders a `tools` variable at all.
+    renders_tools: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -31,6 +33,12 @@ fn raise_exception(msg: String) -> Result<Value, minijinja::Error> {
 }
 
 impl ChatTemplate {
+    /// Whether tools passed to [`ChatTemplate::render`] reach the prompt (many templates,
+    /// SmolLM2's among them, have no tools section).
+    pub fn renders_tools(&self) -> bool {
+        self.renders_tools
+    }
+
     pub fn new(source: &str, bos_token: String, eos_token: String) -> Result<Self> {
         let mut env = Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
@@ -41,6 +49,7 @@ impl ChatTemplate {
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| anyhow!("invalid chat template: {e}"))?;
         Ok(Self {
+            renders_tools: source.contains("tools"),
             env,
             bos_token,
             eos_token,
