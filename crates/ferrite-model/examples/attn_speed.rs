@@ -44,6 +44,7 @@ fn main() {
         scale: 0.125,
         sliding_window: None,
         softcap: None,
+        sinks: None,
     };
     let mut out = vec![0f32; rows * nh * d];
     let mut evict = vec![1u8; 100 << 20];

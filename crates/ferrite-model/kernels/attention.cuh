@@ -46,7 +46,7 @@ __device__ void attention_tile(const bf16* __restrict__ q, const bf16* __restric
                                const bf16* __restrict__ vc, const uint32_t* cu_q,
                                const uint32_t* seq_k, const uint32_t* tables, int max_blocks,
                                int num_seqs, int H, int Hkv, int block_size, float scale,
-                               int window, float softcap, int splits, bf16* out, float* part_acc,
+                               int window, float softcap, const bf16* sinks, int splits, bf16* out, float* part_acc,
                                float* part_ml) {
   constexpr int DPT = D >= 128 ? D / 128 : 1;       // dims per thread in P.V
   constexpr int RSTRIDE = D >= 128 ? 1 : 128 / D;  // threads sharing a dim split the rows
@@ -182,7 +182,9 @@ __device__ void attention_tile(const bf16* __restrict__ q, const bf16* __restric
     for (int j = 0; j < DPT; j++) {
       const int d = dim0 + j * 128;
       if (splits == 1) {
-        const float l = l_s[r];
+        // A sink is one more logit in the softmax, with no value behind it.
+        const float l =
+            l_s[r] + (sinks ? __expf(__bfloat162float(sinks[hk * G + r % G]) - m_s[r]) : 0.f);
         out[row * D + d] = __float2bfloat16(l > 0.f ? acc[i][j] / l : 0.f);
       } else {
         part_acc[(row * splits + split) * D + d] = acc[i][j];
@@ -199,16 +201,18 @@ __device__ void attention_tile(const bf16* __restrict__ q, const bf16* __restric
   extern "C" __global__ void __launch_bounds__(KCHUNK) paged_attention_d##D##_bf16(          \
       const bf16* q, const bf16* kc, const bf16* vc, const uint32_t* cu_q,                   \
       const uint32_t* seq_k, const uint32_t* tables, int max_blocks, int num_seqs, int H,    \
-      int Hkv, int block_size, float scale, int window, float softcap, int splits, bf16* out, \
-      float* part_acc, float* part_ml) {                                                     \
+      int Hkv, int block_size, float scale, int window, float softcap, const bf16* sinks,    \
+      int splits, bf16* out, float* part_acc, float* part_ml) {                              \
     attention_tile<D>(q, kc, vc, cu_q, seq_k, tables, max_blocks, num_seqs, H, Hkv,         \
-                      block_size, scale, window, softcap, splits, out, part_acc, part_ml);   \
+                      block_size, scale, window, softcap, sinks, splits, out, part_acc,      \
+                      part_ml);                                                              \
   }
 ATTENTION(256)
 
 // Combines the splits of each query row: grid T*H blocks, D threads.
 extern "C" __global__ void merge_splits_bf16(const float* part_acc, const float* part_ml,
-                                             bf16* out, int splits, int D) {
+                                             bf16* out, int splits, int D, const bf16* sinks,
+                                             int H) {
   const size_t row = blockIdx.x;
   float m = -INFINITY;
   for (int s = 0; s < splits; s++) m = fmaxf(m, part_ml[(row * splits + s) * 2]);
@@ -220,6 +224,7 @@ extern "C" __global__ void merge_splits_bf16(const float* part_acc, const float*
     l += part_ml[(row * splits + s) * 2 + 1] * w;
     acc += part_acc[(row * splits + s) * D + threadIdx.x] * w;
   }
+  if (sinks) l += __expf(__bfloat162float(sinks[row % H]) - m);
   out[row * D + threadIdx.x] = __float2bfloat16(l > 0.f ? acc / l : 0.f);
 }
 
@@ -269,7 +274,8 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __res
                                    const bf16* __restrict__ vc, const uint32_t* cu_q,
                                    const uint32_t* seq_k, const uint32_t* tables, int max_blocks,
                                    int num_seqs, int H, int Hkv, int block_size, float scale,
-                                   int window, float softcap, int splits, bf16* out,
+                                   int window, float softcap, const bf16* sinks, int splits,
+                                   bf16* out,
                                    float* part_acc, float* part_ml) {
   constexpr int LD = D + 8;  // padded rows: ldmatrix rows land in distinct banks
   constexpr int KS = D / 16, DN = D / 8, NJ = MMA_KEYS / 8;
@@ -423,7 +429,10 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __res
       }
       continue;
     }
-    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    // A sink is one more logit in the softmax (log2 units here), with no value behind it.
+    const float lh =
+        l[h] + (sinks ? exp2f(__bfloat162float(sinks[hk * G + row % G]) * log2e - m[h]) : 0.f);
+    const float inv = lh > 0.f ? 1.f / lh : 0.f;
     bf16* dst = out + qrow * D;
 #pragma unroll
     for (int n = 0; n < DN; n++) {
@@ -437,10 +446,10 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __res
   extern "C" __global__ void __launch_bounds__(MMA_THREADS) paged_attention_mma_d##D##_bf16(          \
       const bf16* q, const bf16* kc, const bf16* vc, const uint32_t* cu_q,                    \
       const uint32_t* seq_k, const uint32_t* tables, int max_blocks, int num_seqs, int H,     \
-      int Hkv, int block_size, float scale, int window, float softcap, int splits, bf16* out, \
-      float* part_acc, float* part_ml) {                                                      \
+      int Hkv, int block_size, float scale, int window, float softcap, const bf16* sinks,     \
+      int splits, bf16* out, float* part_acc, float* part_ml) {                               \
     attention_tile_mma<D>(q, kc, vc, cu_q, seq_k, tables, max_blocks, num_seqs, H, Hkv,      \
-                          block_size, scale, window, softcap, splits, out, part_acc,         \
+                          block_size, scale, window, softcap, sinks, splits, out, part_acc,  \
                           part_ml);                                                          \
   }
 ATTENTION_MMA(32)

@@ -16,6 +16,8 @@ struct Case {
     d: usize,
     window: Option<usize>,
     softcap: Option<f32>,
+    /// Per query head, a logit in the softmax with no value (attention sinks).
+    sinks: Option<Vec<f32>>,
 }
 
 /// Naive causal attention of one query row over contiguous keys, in f64.
@@ -42,9 +44,13 @@ fn reference(
                 .map_or(s, |cap| cap as f64 * (s / cap as f64).tanh())
         })
         .collect();
-    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let sink = c.sinks.as_ref().map(|s| s[h] as f64);
+    let m = scores
+        .iter()
+        .cloned()
+        .fold(sink.unwrap_or(f64::NEG_INFINITY), f64::max);
     let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-    let z: f64 = w.iter().sum();
+    let z: f64 = w.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - m).exp());
     (0..d)
         .map(|i| {
             (first..=pos)
@@ -139,6 +145,7 @@ fn run_case(rng: &mut StdRng, c: &Case, isa: Isa) -> f64 {
         scale: 1.0 / (c.d as f32).sqrt(),
         sliding_window: c.window,
         softcap: c.softcap,
+        sinks: c.sinks.as_deref(),
     };
     let mut out = vec![0f32; q.len()];
     paged_attention_isa(isa, &q, &cache.k, &cache.v, &meta, &params, &mut out);
@@ -193,7 +200,15 @@ fn paged_attention_matches_naive_reference() {
         for block_size in [1, 4, 16, 32] {
             for (heads, kv_heads) in [(4, 4), (8, 2), (9, 3), (6, 1)] {
                 for d in [32, 64, 128, 256] {
-                    for (window, softcap) in [(None, None), (Some(37), None), (None, Some(30.0))] {
+                    for (window, softcap, sinks) in [
+                        (None, None, false),
+                        (Some(37), None, false),
+                        (None, Some(30.0), false),
+                        (Some(37), None, true),
+                    ] {
+                        // Sinks around the scores' scale, so they weigh as much as keys do.
+                        let sinks = sinks
+                            .then(|| (0..heads).map(|_| rng.random_range(-2.0..3.0)).collect());
                         let c = Case {
                             block_size,
                             heads,
@@ -201,12 +216,14 @@ fn paged_attention_matches_naive_reference() {
                             d,
                             window,
                             softcap,
+                            sinks,
                         };
                         let err = run_case(&mut rng, &c, isa);
                         assert!(
                         err < 2e-5,
-                        "max abs error {err} ({} kernels, block {block_size}, {heads}/{kv_heads} heads, d {d}, window {window:?}, softcap {softcap:?})",
-                        isa.name()
+                        "max abs error {err} ({} kernels, block {block_size}, {heads}/{kv_heads} heads, d {d}, window {window:?}, softcap {softcap:?}, sinks {:?})",
+                        isa.name(),
+                        c.sinks.is_some()
                     );
                         worst = worst.max(err);
                         n += 1;

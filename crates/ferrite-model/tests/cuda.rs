@@ -91,6 +91,8 @@ struct Case {
     seqs: Vec<(usize, usize)>,
     window: usize,
     softcap: f32,
+    /// Attention sinks, one per query head (bf16 values).
+    sinks: Option<Vec<f32>>,
     /// Check every `stride`-th query token (the reference is slow on 8K prefills).
     stride: usize,
 }
@@ -104,6 +106,7 @@ fn reference_row(
     table: &[u32],
     pos: usize,
     kvh: usize,
+    head: usize,
     c: &Case,
 ) -> Vec<f64> {
     let (d, bs) = (c.d, c.block_size);
@@ -127,9 +130,13 @@ fn reference_row(
             }
         })
         .collect();
-    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let sink = c.sinks.as_ref().map(|s| s[head] as f64);
+    let m = scores
+        .iter()
+        .cloned()
+        .fold(sink.unwrap_or(f64::NEG_INFINITY), f64::max);
     let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-    let z: f64 = w.iter().sum();
+    let z: f64 = w.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - m).exp());
     (0..d)
         .map(|i| {
             (first..=pos)
@@ -198,7 +205,16 @@ fn run_attention_case(c: &Case, seed: u64) {
         sliding_window: c.window,
         softcap: c.softcap,
     };
-    let out = host(&k.paged_attention(&q, &kc, &vc, &meta, &shape).unwrap());
+    let sinks = c.sinks.as_ref().map(|v| {
+        Tensor::from_vec(v.clone(), v.len(), &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap()
+    });
+    let out = host(
+        &k.paged_attention(&q, &kc, &vc, &meta, &shape, sinks.as_ref())
+            .unwrap(),
+    );
     let (qh, kh, vh) = (host(&q), host(&kc), host(&vc));
     // (token row, request, position) of every checked query token.
     let mut rows = Vec::new();
@@ -220,6 +236,7 @@ fn run_attention_case(c: &Case, seed: u64) {
                     &tables[seq],
                     pos,
                     head / (h / hkv),
+                    head,
                     c,
                 );
                 let got = &out[(row * h + head) * d..][..d];
@@ -265,7 +282,40 @@ fn attention_ragged_steps() {
             })
             .collect()
     };
+    // Sinks around the scores' scale, rounded to bf16 as the kernels read them.
+    let sinks = |n: usize, seed: u64| -> Option<Vec<f32>> {
+        let mut r = StdRng::seed_from_u64(seed);
+        Some(
+            (0..n)
+                .map(|_| half::bf16::from_f32(r.random_range(-2.0..3.0)).to_f32())
+                .collect(),
+        )
+    };
     let cases = [
+        Case {
+            name: "sinks, gqa8 d64, window 128 (gpt-oss)",
+            heads: 64,
+            kv_heads: 8,
+            d: 64,
+            block_size: 16,
+            seqs: mixed(6, 1500),
+            window: 128,
+            softcap: 0.0,
+            sinks: sinks(64, 1),
+            stride: 5,
+        },
+        Case {
+            name: "sinks, d256 (CUDA cores)",
+            heads: 8,
+            kv_heads: 2,
+            d: 256,
+            block_size: 16,
+            seqs: mixed(6, 900),
+            window: 0,
+            softcap: 0.0,
+            sinks: sinks(8, 2),
+            stride: 3,
+        },
         Case {
             name: "mha d64 bs16",
             heads: 4,
@@ -275,6 +325,7 @@ fn attention_ragged_steps() {
             seqs: mixed(9, 700),
             window: 0,
             softcap: 0.0,
+            sinks: None,
             stride: 1,
         },
         Case {
@@ -286,6 +337,7 @@ fn attention_ragged_steps() {
             seqs: mixed(12, 3000),
             window: 0,
             softcap: 0.0,
+            sinks: None,
             stride: 3,
         },
         Case {
@@ -297,6 +349,7 @@ fn attention_ragged_steps() {
             seqs: mixed(8, 1500),
             window: 0,
             softcap: 0.0,
+            sinks: None,
             stride: 2,
         },
         Case {
@@ -308,6 +361,7 @@ fn attention_ragged_steps() {
             seqs: mixed(6, 2000),
             window: 0,
             softcap: 0.0,
+            sinks: None,
             stride: 3,
         },
         Case {
@@ -319,6 +373,7 @@ fn attention_ragged_steps() {
             seqs: mixed(5, 1200),
             window: 0,
             softcap: 0.0,
+            sinks: None,
             stride: 3,
         },
         Case {
@@ -330,6 +385,7 @@ fn attention_ragged_steps() {
             seqs: mixed(7, 1500),
             window: 256,
             softcap: 30.0,
+            sinks: None,
             stride: 2,
         },
     ];
@@ -350,6 +406,7 @@ fn attention_long_prefill_and_decodes() {
             seqs: vec![(8192, 8192), (1, 100), (1, 5000), (512, 9000)],
             window: 0,
             softcap: 0.0,
+            sinks: None,
             stride: 61,
         },
         Case {
@@ -361,6 +418,19 @@ fn attention_long_prefill_and_decodes() {
             seqs: vec![(1, 32768), (1, 32000), (1, 17), (1, 20000)],
             window: 0,
             softcap: 0.0,
+            sinks: None,
+            stride: 1,
+        },
+        Case {
+            name: "decodes at 20K with sinks (split keys, merged)",
+            heads: 64,
+            kv_heads: 8,
+            d: 64,
+            block_size: 16,
+            seqs: vec![(1, 20000), (1, 9000), (1, 33)],
+            window: 0,
+            softcap: 0.0,
+            sinks: Some((0..64).map(|i| (i % 7) as f32 - 2.0).collect()),
             stride: 1,
         },
         Case {
@@ -372,6 +442,7 @@ fn attention_long_prefill_and_decodes() {
             seqs: vec![(1, 32768)],
             window: 0,
             softcap: 0.0,
+            sinks: None,
             stride: 1,
         },
     ];

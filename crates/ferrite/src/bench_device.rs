@@ -450,7 +450,7 @@ fn attention_alone(
             softcap: 0.0,
         };
         let time = median(a.repeats, || {
-            kernels.paged_attention(&q, &kc, &vc, &meta, &ashape)?;
+            kernels.paged_attention(&q, &kc, &vc, &meta, &ashape, None)?;
             sync(&dev)
         })?;
         let bytes = (batch * ctx * 2 * c.num_kv_heads * c.head_dim * 2) as f64;

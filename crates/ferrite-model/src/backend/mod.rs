@@ -189,13 +189,15 @@ pub trait Backend: Send + Sized {
         cache: &mut Self::LayerCache,
         q: &mut Self::Act,
     ) -> Result<()>;
-    /// Paged varlen attention of every request of the step, causal, one call per layer.
+    /// Paged varlen attention of every request of the step, causal, one call per layer;
+    /// `sinks`: one logit per query head added to every row's softmax (gpt-oss).
     fn attention(
         &mut self,
         s: &Step<Self>,
         q: &Self::Act,
         cache: &Self::LayerCache,
         attn: &AttentionSpec,
+        sinks: Option<&Self::Vector>,
         out: &mut Self::Act,
     ) -> Result<()>;
     /// Logits of the step's `logits_indices` rows: the final norm of those rows only, the

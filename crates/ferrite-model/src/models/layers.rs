@@ -66,6 +66,8 @@ pub struct Attention<B: Backend> {
     /// Per-head RMSNorm of Q and K (Qwen3, Gemma 3), `[head_dim]`.
     pub q_norm: Option<B::Vector>,
     pub k_norm: Option<B::Vector>,
+    /// Attention sinks, `[num_heads]` (gpt-oss).
+    pub sinks: Option<B::Vector>,
     pub o: B::Linear,
     pub spec: AttentionSpec,
 }
@@ -105,7 +107,18 @@ impl<B: Backend> Attention<B> {
                 Ok(None)
             }
         };
+        let sinks = match w.opt_vector(&p("sinks"))? {
+            Some(v) if v.len() != spec.num_heads => {
+                anyhow::bail!(
+                    "{prefix}: {} attention sinks for {} heads",
+                    v.len(),
+                    spec.num_heads
+                )
+            }
+            v => v.map(|v| b.vector(v)).transpose()?,
+        };
         Ok(Self {
+            sinks,
             q_norm: qk_norm(w, "q_norm")?,
             k_norm: qk_norm(w, "k_norm")?,
             qkv: matrix(b, w, &qkv, hidden, Stack::Concat)?,
@@ -136,7 +149,14 @@ impl<B: Backend> Attention<B> {
             rope,
         };
         b.prepare_qkv(s, &ws.qkv, &prep, &self.spec, cache, &mut ws.q)?;
-        b.attention(s, &ws.q, cache, &self.spec, &mut ws.attn)
+        b.attention(
+            s,
+            &ws.q,
+            cache,
+            &self.spec,
+            self.sinks.as_ref(),
+            &mut ws.attn,
+        )
     }
 
     pub fn bytes(&self, b: &B) -> usize {

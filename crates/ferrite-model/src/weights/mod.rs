@@ -39,6 +39,9 @@ fn gguf_name(arch: &str, name: &str) -> Option<String> {
     }
     let rest = name.strip_prefix("model.layers.")?;
     let (layer, part) = rest.split_once('.')?;
+    if part == "self_attn.sinks" {
+        return Some(format!("blk.{layer}.attn_sinks.weight"));
+    }
     // Gemma's `post_attention_layernorm` follows attention; Llama's precedes the MLP.
     let gemma = arch.starts_with("gemma");
     let (stem, kind) = part.rsplit_once('.')?;

@@ -322,6 +322,7 @@ impl Backend for CpuBackend {
         q: &Mat,
         cache: &LayerCache,
         a: &AttentionSpec,
+        sinks: Option<&Vec<f32>>,
         out: &mut Mat,
     ) -> Result<()> {
         let step = s.host;
@@ -340,6 +341,7 @@ impl Backend for CpuBackend {
             scale: a.scale,
             sliding_window: a.sliding_window,
             softcap: a.softcap,
+            sinks: sinks.map(Vec::as_slice),
         };
         let o = out.shape(q.rows(), a.num_heads * a.head_dim);
         paged_attention(&q.data, &cache.k, &cache.v, &meta, &params, o);

@@ -379,12 +379,14 @@ impl Backend for CudaBackend {
         q: &Act,
         cache: &KvPages,
         a: &AttentionSpec,
+        sinks: Option<&Tensor>,
         out: &mut Act,
     ) -> Result<()> {
         let meta = s.inputs.meta(a.kv_group);
-        let o =
-            self.kernels
-                .paged_attention(q.get()?, &cache.k, &cache.v, &meta, &shape(a, cache))?;
+        let (k, v) = (&cache.k, &cache.v);
+        let o = self
+            .kernels
+            .paged_attention(q.get()?, k, v, &meta, &shape(a, cache), sinks)?;
         out.0 = Some(o);
         Ok(())
     }

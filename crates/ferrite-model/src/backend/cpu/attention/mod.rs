@@ -29,13 +29,16 @@ pub struct AttentionMeta<'a> {
     pub block_size: usize,
 }
 
-pub struct AttentionParams {
+pub struct AttentionParams<'a> {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub scale: f32,
     pub sliding_window: Option<usize>,
     pub softcap: Option<f32>,
+    /// Attention sinks: per query head, a logit in every row's softmax that no value follows
+    /// (gpt-oss); `[num_heads]`.
+    pub sinks: Option<&'a [f32]>,
 }
 
 /// Request that owns query row `t`, by binary search over `cu_seqlens_q`.
@@ -143,7 +146,16 @@ pub fn paged_attention_isa(
                 // SAFETY: a row's query heads of one KV head belong to this merge alone.
                 let o =
                     unsafe { out.range((t * p.num_heads + mg.kvh * group) * p.head_dim, width) };
-                merge_row(&items[mg.items.clone()], parts, i, group, p.head_dim, o);
+                let sinks = p.sinks.map(|s| &s[mg.kvh * group..][..group]);
+                merge_row(
+                    &items[mg.items.clone()],
+                    parts,
+                    i,
+                    group,
+                    p.head_dim,
+                    sinks,
+                    o,
+                );
             }
         });
     });
@@ -176,9 +188,18 @@ fn row_span<'a>(
 }
 
 /// Row `i` of a merge: `o = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M)` over the
-/// chunks' partials in order, for each of the `group` query heads. Chunks where the row
-/// saw no key are skipped, so the sum does not depend on the tile's other rows.
-fn merge_row(items: &[Item], parts: &[f32], i: usize, group: usize, d: usize, o: &mut [f32]) {
+/// chunks' partials in order, for each of the `group` query heads (with `sinks`, each head's
+/// sink adds `e^(sink - M)` to the denominator). Chunks where the row saw no key are
+/// skipped, so the sum does not depend on the tile's other rows.
+fn merge_row(
+    items: &[Item],
+    parts: &[f32],
+    i: usize,
+    group: usize,
+    d: usize,
+    sinks: Option<&[f32]>,
+    o: &mut [f32],
+) {
     for h in 0..group {
         let oh = &mut o[h * d..][..d];
         let partial = |it: &Item| {
@@ -187,10 +208,11 @@ fn merge_row(items: &[Item], parts: &[f32], i: usize, group: usize, d: usize, o:
             let (acc, ml) = part.split_at(n * group * d);
             (&acc[s * d..][..d], ml[s], ml[n * group + s])
         };
+        let sink = sinks.map(|s| s[h]);
         let mx = items
             .iter()
             .map(|it| partial(it).1)
-            .fold(f32::NEG_INFINITY, f32::max);
+            .fold(sink.unwrap_or(f32::NEG_INFINITY), f32::max);
         oh.fill(0.0);
         let mut l = 0.0f32;
         for it in items {
@@ -201,6 +223,9 @@ fn merge_row(items: &[Item], parts: &[f32], i: usize, group: usize, d: usize, o:
             let f = exp_nonpositive(m - mx);
             l += lc * f;
             oh.iter_mut().zip(acc).for_each(|(x, &a)| *x += a * f);
+        }
+        if let Some(s) = sink {
+            l += exp_nonpositive(s - mx);
         }
         let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
         oh.iter_mut().for_each(|x| *x *= inv);
@@ -225,7 +250,7 @@ struct LayerInputs<'a> {
     k_cache: &'a [f16],
     v_cache: &'a [f16],
     meta: &'a AttentionMeta<'a>,
-    p: &'a AttentionParams,
+    p: &'a AttentionParams<'a>,
 }
 
 /// The items (consecutive) whose partials make up the output of one tile and KV head.

@@ -100,6 +100,7 @@ impl Kernels {
     }
 
     /// Attention of every query row of the step over its request's paged K/V; `[T, H * D]`.
+    /// `sinks`: bf16 `[H]`, one more logit per head in every row's softmax.
     pub fn paged_attention(
         &self,
         q: &Tensor,
@@ -107,6 +108,7 @@ impl Kernels {
         v_cache: &Tensor,
         meta: &AttentionMeta,
         s: &AttentionShape,
+        sinks: Option<&Tensor>,
     ) -> Result<Tensor> {
         let (h, hkv, d) = (s.num_heads, s.num_kv_heads, s.head_dim);
         let group = h / hkv;
@@ -162,6 +164,7 @@ impl Kernels {
                 Arg::F(s.scale),
                 Arg::I(s.sliding_window as i32),
                 Arg::F(s.softcap),
+                opt(sinks)?,
                 Arg::I(splits as i32),
                 Arg::P(ptr(&out)?),
                 Arg::P(ptr(&acc)?),
@@ -178,6 +181,8 @@ impl Kernels {
                     Arg::P(ptr(&out)?),
                     Arg::I(splits as i32),
                     Arg::I(d as i32),
+                    opt(sinks)?,
+                    Arg::I(h as i32),
                 ],
             )?;
         }
