@@ -179,7 +179,18 @@ impl EngineHandle {
     }
 }
 
+/// Marks the engine dead when the engine thread ends, by return or by a panic that escapes
+/// the step's own catch: `/health` must not report a dead engine as serving.
+struct AliveGuard(Arc<Mutex<EngineStats>>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).alive = false;
+    }
+}
+
 fn run_loop<E: Executor>(core: &mut EngineCore<E>, rx: mpsc::Receiver<Command>) {
+    let _alive = AliveGuard(core.stats.clone());
     let handle = |core: &mut EngineCore<E>, cmd: Command| -> bool {
         match cmd {
             Command::Add(req, sink) => core.add(req, sink),
@@ -208,5 +219,25 @@ fn run_loop<E: Executor>(core: &mut EngineCore<E>, rx: mpsc::Receiver<Command>) 
         core.step();
     }
     core.fail_all(|| EngineError::Dead);
-    core.stats.lock().unwrap().alive = false;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_on_the_engine_thread_marks_the_engine_dead() {
+        let stats = Arc::new(Mutex::new(EngineStats {
+            alive: true,
+            ..EngineStats::default()
+        }));
+        let s = stats.clone();
+        let r = std::thread::spawn(move || {
+            let _alive = AliveGuard(s);
+            panic!("a bug outside the step");
+        })
+        .join();
+        assert!(r.is_err());
+        assert!(!stats.lock().unwrap().alive);
+    }
 }
