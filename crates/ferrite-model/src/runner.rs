@@ -169,11 +169,16 @@ impl Executor for ModelRunner {
                 None
             };
             if let Some(tokens) = tokens {
-                for ((token_id, u), spec) in tokens.into_iter().zip(uses).zip(&specs) {
-                    if let RowUse::Sample(i) = u {
-                        if let Some(c) = &spec.constraint {
-                            c.commit(token_id);
+                // Grammars advance in parallel: a commit costs about what a mask does.
+                if constrained {
+                    specs.par_iter().zip(&tokens).for_each(|(s, &t)| {
+                        if let Some(c) = &s.constraint {
+                            c.commit(t);
                         }
+                    });
+                }
+                for (token_id, u) in tokens.into_iter().zip(uses) {
+                    if let RowUse::Sample(i) = u {
                         result.sampled.insert(
                             out.requests[i].req_id,
                             SampledToken {
