@@ -126,6 +126,8 @@ def test_tokenize_detokenize_roundtrip(server):
     (dict(response_format={"type": 5}), "response_format"),
     (dict(extra_body={"stop_token_ids": [10 ** 9]}), "stop_token_ids"),
     (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages"),
+    (dict(extra_body={"bad_words": ["cat"]}), "bad_words"),
+    (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
 ])
 def test_bad_chat_requests_get_400(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:

@@ -245,6 +245,12 @@ pub async fn chat_completions(
         }
         (false, None) => None,
     };
+    if req.prompt_logprobs.is_some() {
+        return Err(ApiError::bad_request(
+            "`prompt_logprobs` is not supported on chat completions (use /v1/completions)",
+        )
+        .with_param("prompt_logprobs"));
+    }
     let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
     let vocab = state.tokenizer.tokenizer.get_vocab_size(true);
     let params = sampling_params(&req.common, vocab, max_tokens, top, None)?;

@@ -28,6 +28,15 @@ pub fn sampling_params(
     logprobs: Option<i64>,
     prompt_logprobs: Option<i64>,
 ) -> Result<SamplingParams, ApiError> {
+    if c.bad_words
+        .as_ref()
+        .is_some_and(|b| !(b.is_null() || b.as_array().is_some_and(|a| a.is_empty())))
+    {
+        return Err(ApiError::bad_request(
+            "`bad_words` is not supported: ferrite does not ban token sequences yet",
+        )
+        .with_param("bad_words"));
+    }
     let logit_bias = logit_bias(c, vocab_size)?;
     if let Some(bad) = c
         .allowed_token_ids

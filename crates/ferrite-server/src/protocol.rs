@@ -52,6 +52,8 @@ pub struct CommonParams {
     #[serde(default)]
     pub stop_token_ids: Vec<u32>,
     pub allowed_token_ids: Option<Vec<u32>>,
+    /// vLLM's `bad_words`: refused (400) until the sampler bans token sequences.
+    pub bad_words: Option<Value>,
     pub skip_special_tokens: Option<bool>,
     #[serde(default)]
     pub include_stop_str_in_output: bool,
@@ -88,6 +90,8 @@ pub struct ChatCompletionRequest {
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
+    /// Refused on chat (400): the prompt is the rendered template, not the client's text.
+    pub prompt_logprobs: Option<i64>,
     pub add_generation_prompt: Option<bool>,
     #[serde(default)]
     pub continue_final_message: bool,
