@@ -98,6 +98,25 @@ pub fn fixture_of(model: &str) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 
+/// The token ids, and the oracle's logits: `logits` (f32) or `logits_f16_kv`.
+pub fn tiny_oracle(family: &str, key: &str) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let p = repo_root().join(format!("tests/oracle/tiny/{family}/oracle.json"));
+    let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+    let logits = j[key]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect()
+        })
+        .collect();
+    (ids(&j["token_ids"]), logits)
+}
+
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array()
         .unwrap()

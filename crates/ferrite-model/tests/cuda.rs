@@ -1242,22 +1242,7 @@ fn families_agree_with_transformers() {
         ("gemma2", true),
         ("gemma3", true),
     ] {
-        let p = common::repo_root().join(format!("tests/oracle/tiny/{family}/oracle.json"));
-        let j: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
-        let tokens = common::ids(&j["token_ids"]);
-        let want: Vec<Vec<f64>> = j["logits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| {
-                r.as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_f64().unwrap())
-                    .collect()
-            })
-            .collect();
+        let (tokens, want) = common::tiny_oracle(family, "logits");
         let dir = common::repo_root().join(format!("tests/oracle/tiny/{family}"));
         let mut paths = vec![dir.clone()];
         if has_gguf {
@@ -1267,13 +1252,17 @@ fn families_agree_with_transformers() {
             let mut m = gpu_model(&path, false, 4096);
             let got = common::all_logits(&mut m, &tokens);
             let (mut worst, mut sum, mut n, mut agree) = (0f64, 0f64, 0usize, 0usize);
-            let scale = want.iter().flatten().map(|x| x.abs()).fold(0f64, f64::max);
+            let scale = want
+                .iter()
+                .flatten()
+                .map(|x| x.abs() as f64)
+                .fold(0f64, f64::max);
             for (g, w) in got.iter().zip(&want) {
                 let wa = (0..w.len()).max_by(|&a, &b| w[a].total_cmp(&w[b])).unwrap();
                 agree += (argmax(g) as usize == wa) as usize;
                 for (x, y) in g.iter().zip(w) {
-                    worst = worst.max((*x as f64 - y).abs());
-                    sum += (*x as f64 - y).abs();
+                    worst = worst.max((*x as f64 - *y as f64).abs());
+                    sum += (*x as f64 - *y as f64).abs();
                     n += 1;
                 }
             }

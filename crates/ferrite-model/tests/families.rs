@@ -13,25 +13,6 @@ use common::*;
 use ferrite_model::loader::{load_cpu_decoder, LoadFormat, WeightFormat};
 use ferrite_model::weights::gguf::GgufFile;
 
-/// The token ids, and the oracle's logits: `logits` (f32) or `logits_f16_kv`.
-fn oracle(family: &str, key: &str) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let p = repo_root().join(format!("tests/oracle/tiny/{family}/oracle.json"));
-    let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
-    let logits = j[key]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| {
-            r.as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap() as f32)
-                .collect()
-        })
-        .collect();
-    (ids(&j["token_ids"]), logits)
-}
-
 fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
@@ -44,8 +25,8 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 /// Logits within `1e-3` of transformers (f16 K/V) from the safetensors folder, and from the
 /// GGUF of the same weights where there is one.
 fn check(family: &str, has_gguf: bool) {
-    let (tokens, want) = oracle(family, "logits_f16_kv");
-    let (_, want_f32) = oracle(family, "logits");
+    let (tokens, want) = tiny_oracle(family, "logits_f16_kv");
+    let (_, want_f32) = tiny_oracle(family, "logits");
     let dir = repo_root().join(format!("tests/oracle/tiny/{family}"));
     let mut sources = vec![("safetensors", dir.clone())];
     if has_gguf {
