@@ -203,6 +203,7 @@ __device__ void attention_tile(const bf16* __restrict__ q, const bf16* __restric
       const uint32_t* seq_k, const uint32_t* tables, int max_blocks, int num_seqs, int H,    \
       int Hkv, int block_size, float scale, int window, float softcap, const bf16* sinks,    \
       int splits, bf16* out, float* part_acc, float* part_ml) {                              \
+    wait_for_previous_kernel();                                                              \
     attention_tile<D>(q, kc, vc, cu_q, seq_k, tables, max_blocks, num_seqs, H, Hkv,         \
                       block_size, scale, window, softcap, sinks, splits, out, part_acc,      \
                       part_ml);                                                              \
@@ -213,6 +214,7 @@ ATTENTION(256)
 extern "C" __global__ void merge_splits_bf16(const float* part_acc, const float* part_ml,
                                              bf16* out, int splits, int D, const bf16* sinks,
                                              int H) {
+  wait_for_previous_kernel();
   const size_t row = blockIdx.x;
   float m = -INFINITY;
   for (int s = 0; s < splits; s++) m = fmaxf(m, part_ml[(row * splits + s) * 2]);
@@ -448,6 +450,7 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __res
       const uint32_t* seq_k, const uint32_t* tables, int max_blocks, int num_seqs, int H,     \
       int Hkv, int block_size, float scale, int window, float softcap, const bf16* sinks,     \
       int splits, bf16* out, float* part_acc, float* part_ml) {                               \
+    wait_for_previous_kernel();                                                               \
     attention_tile_mma<D>(q, kc, vc, cu_q, seq_k, tables, max_blocks, num_seqs, H, Hkv,      \
                           block_size, scale, window, softcap, sinks, splits, out, part_acc,  \
                           part_ml);                                                          \

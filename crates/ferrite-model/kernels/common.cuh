@@ -5,6 +5,17 @@
 
 typedef __nv_bfloat16 bf16;
 
+// Programmatic dependent launch (sm_90): a kernel launched "chained" (`Kernels::launch_chained`)
+// may start while the kernel before it in the stream still runs, so its launch and whatever it
+// reads that no earlier kernel writes (weights) overlap that kernel's tail. It must call this
+// before reading or writing anything an earlier kernel touches; it returns once the earlier
+// kernel has finished and its writes are visible. A no-op on older GPUs (launched unchained).
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

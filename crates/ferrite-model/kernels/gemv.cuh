@@ -102,6 +102,7 @@ __device__ __forceinline__ void gemv_load(const uint4* wc, int base, int k8, uin
 // A warp takes columns first, first + stride, ... and walks their chunks one after the other,
 // issuing each chunk's loads before it sums the one before (the first chunk's before the input
 // is built), so a lane always has two chunks in flight and the prologue hides behind a load.
+// Launched chained: that first chunk is in flight while the kernel before still finishes.
 template <int R, int PRO>
 __device__ void gemv(const bf16* __restrict__ w, int n, int k, int r, int in_mode, const void* in,
                      const uint32_t* rows, const bf16* norm, float eps, int out_mode, void* out) {
@@ -117,6 +118,7 @@ __device__ void gemv(const bf16* __restrict__ w, int n, int k, int r, int in_mod
   const int items = first < units ? ((units - 1 - first) / stride + 1) * per_unit * chunks : 0;
   uint4 next[GEMV_LOADS];
   if (items > 0) gemv_load((const uint4*)(w + (size_t)first * per_unit * k), lane, k8, next);
+  wait_for_previous_kernel();
   for (int m = 0; m < R; m++)
     gemv_input<PRO>(in_mode, m, r, in, rows, norm, eps, k, (uint4*)(xs + m * k), red);
   __syncthreads();

@@ -3,7 +3,9 @@
 
 // Splits one token's fused QKV row, adds the bias, applies the per-head Q/K RMSNorm (Qwen3),
 // rotates Q and K, writes Q to `q_out [T, H, D]` and K/V into the cache at the token's slot.
-// Grid: T blocks; a warp per head; dynamic shared memory: D floats per warp.
+// Grid: (T, head groups); a warp per head, so a decode's few tokens still spread over many
+// warps (a block per token walking all heads was a chain of dependent loads per warp);
+// dynamic shared memory: D floats per warp.
 extern "C" __global__ void qkv_rope_write_bf16(
     const bf16* qkv, const bf16* bias, const bf16* q_norm, const bf16* k_norm, float eps,
     const uint32_t* positions, const float* cos_t, const float* sin_t, const uint32_t* slots,
@@ -11,12 +13,13 @@ extern "C" __global__ void qkv_rope_write_bf16(
     int block_size) {
   extern __shared__ float sh[];
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  wait_for_previous_kernel();
   size_t t = blockIdx.x;
   const bf16* row = qkv + t * (size_t)(H + 2 * Hkv) * D;
   int pos = positions[t], half = rope_dim / 2;
   size_t slot = slots[t], blk = slot / block_size, off = slot % block_size;
   float* v = sh + warp * D;
-  for (int h = warp; h < H + 2 * Hkv; h += nwarps) {
+  for (int h = blockIdx.y * nwarps + warp; h < H + 2 * Hkv; h += gridDim.y * nwarps) {
     for (int d = lane; d < D; d += 32) {
       float x = __bfloat162float(row[h * D + d]);
       if (bias) x += __bfloat162float(bias[h * D + d]);

@@ -9,7 +9,7 @@
 use super::inputs::{u32s, GroupInputs, StepInputs};
 use super::kernels::attention::attention_tiles;
 use super::kernels::sample::{draw_params, flat_masks, mask_words};
-use super::kernels::{ptr, Kernels};
+use super::kernels::{ptr, Arena, Kernels};
 use crate::runner::DeviceDraws;
 use crate::step::{KvTables, PackedStep};
 use anyhow::{ensure, Context, Result};
@@ -26,6 +26,9 @@ use std::sync::Arc;
 /// Largest decode batch replayed from a graph.
 pub const MAX_GRAPH_BATCH: usize = 256;
 
+/// Largest arena a graph carves its outputs from (an 8B model's batch of 2 needs ~14 MB).
+const MAX_ARENA_BYTES: usize = 64 << 20;
+
 pub struct DecodeGraph {
     // Declared first: the graph goes before the tensors it allocated.
     graph: CudaGraph,
@@ -39,6 +42,8 @@ pub struct DecodeGraph {
     pub logits: Tensor,
     /// `[bucket]` u32 tokens drawn from `logits`.
     pub tokens: Tensor,
+    /// What the graph's outputs were carved from, if they were.
+    _arena: Option<Arena>,
 }
 
 // SAFETY: CUDA graphs may move between threads as long as calls on one graph are serialized
@@ -234,19 +239,33 @@ impl DecodeGraphs {
             splits: Some(kernels.splits(tiles * hkv, self.max_seq_len)),
         };
         let draws = u32s(&draw_params(&[], bucket, &[]), dev)?;
-        // An eager run first, so every module is loaded outside the capture.
-        let logits = forward(&inputs)?;
-        let words = mask_words(logits.dim(1)?);
+        // An eager run first, so every module is loaded outside the capture; it also measures
+        // the outputs the graph will carve from an arena.
+        let (words, sizes) = kernels.count_outputs(|| {
+            let logits = forward(&inputs)?;
+            let words = mask_words(logits.dim(1)?);
+            let masks = u32s(&vec![0; bucket * words], dev)?;
+            kernels.sample_rows(&logits, &draws, Some(&masks))?;
+            Ok(words)
+        })?;
         let masks = u32s(&vec![0; bucket * words], dev)?;
-        kernels.sample_rows(&logits, &draws, Some(&masks))?;
-        drop(logits);
+        // Small steps (the ones that gain from chained launches) carve their outputs from an
+        // arena, larger ones let the graph allocate and free (memory reused inside the graph).
+        let arena = (sizes.bytes() <= MAX_ARENA_BYTES)
+            .then(|| Arena::new(sizes, kernels))
+            .transpose()?;
         let stream = cuda.cuda_stream();
         stream.synchronize()?;
         stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
         // Only ferrite's kernels and cuBLAS in here: candle's launches copy their shapes from
         // host memory, which a replay would read after it is gone.
-        let captured =
-            forward(&inputs).and_then(|l| Ok((kernels.sample_rows(&l, &draws, Some(&masks))?, l)));
+        let mut run = || {
+            forward(&inputs).and_then(|l| Ok((kernels.sample_rows(&l, &draws, Some(&masks))?, l)))
+        };
+        let captured = match &arena {
+            Some(a) => kernels.carve_outputs(a, run),
+            None => run(),
+        };
         // Always end the capture, so a failure leaves the stream usable.
         let graph = stream.end_capture(
             sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
@@ -262,6 +281,7 @@ impl DecodeGraphs {
             words,
             logits,
             tokens,
+            _arena: arena,
         })
     }
 }

@@ -71,9 +71,10 @@ impl Kernels {
         let q = self.output((t, h * d), DType::BF16)?;
         if t > 0 {
             const WARPS: u32 = 8;
-            self.launch(
+            let groups = ((h + 2 * hkv) as u32).div_ceil(WARPS);
+            self.launch_chained(
                 &self.qkv_rope_write,
-                cfg((t as u32, 1, 1), 32 * WARPS, WARPS * d as u32 * 4),
+                cfg((t as u32, groups, 1), 32 * WARPS, WARPS * d as u32 * 4),
                 &[
                     Arg::P(ptr(qkv)?),
                     opt(p.bias)?,
@@ -142,7 +143,7 @@ impl Kernels {
         } else {
             (out.clone(), out.clone())
         };
-        self.launch(
+        self.launch_chained(
             f,
             cfg(
                 (tiles as u32, hkv as u32, splits as u32),
@@ -172,7 +173,7 @@ impl Kernels {
             ],
         )?;
         if splits > 1 {
-            self.launch(
+            self.launch_chained(
                 &self.merge_splits,
                 cfg(((t * h) as u32, 1, 1), d as u32, 0),
                 &[

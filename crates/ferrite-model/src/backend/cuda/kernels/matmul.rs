@@ -175,7 +175,7 @@ impl Kernels {
         let blocks = n
             .div_ceil(warps)
             .min((per_sm * self.multiprocessors) as usize);
-        self.launch(
+        self.launch_chained(
             f,
             cfg((blocks as u32, 1, 1), GEMV_THREADS, shared),
             &[

@@ -45,6 +45,61 @@ pub struct Kernels {
     sample_rows: CudaFunction,
     mask_rows: CudaFunction,
     multiprocessors: u32,
+    /// Whether [`Kernels::launch_chained`] launches programmatically dependent (sm_90 and up,
+    /// unless `FERRITE_CUDA_CHAINED=0`).
+    chained: bool,
+    /// Where [`Kernels::output`] takes its tensors from.
+    outputs: Mutex<Outputs>,
+}
+
+/// How outputs are made: allocated on the stream (the default), allocated while their sizes
+/// are summed, or carved in order out of an [`Arena`].
+enum Outputs {
+    Allocate,
+    Count(OutputSizes),
+    Carve(Arena, [usize; 3]),
+}
+
+/// Elements a run of kernels allocated, by dtype (bf16, f32, u32), each output padded.
+#[derive(Clone, Copy, Default)]
+pub struct OutputSizes([usize; 3]);
+
+impl OutputSizes {
+    pub fn bytes(&self) -> usize {
+        2 * self.0[0] + 4 * (self.0[1] + self.0[2])
+    }
+}
+
+/// Fixed buffers a captured graph's outputs are carved from, kept as long as the graph: no
+/// allocation or free in the graph between two kernels, so consecutive kernels keep the
+/// programmatic edge of a chained launch (a memory node between them would serialize them).
+#[derive(Clone)]
+pub struct Arena {
+    bufs: [Tensor; 3],
+}
+
+impl Arena {
+    const DTYPES: [DType; 3] = [DType::BF16, DType::F32, DType::U32];
+
+    pub fn new(sizes: OutputSizes, kernels: &Kernels) -> Result<Self> {
+        let buf = |i: usize| kernels.allocate(sizes.0[i].max(1), Self::DTYPES[i]);
+        Ok(Self {
+            bufs: [buf(0)?, buf(1)?, buf(2)?],
+        })
+    }
+
+    fn index(dtype: DType) -> Result<usize> {
+        Self::DTYPES
+            .iter()
+            .position(|&d| d == dtype)
+            .with_context(|| format!("no kernel writes {dtype:?}"))
+    }
+
+    /// Every output starts 256 bytes aligned, as an allocation would, for the kernels'
+    /// 16-byte loads.
+    fn padded(n: usize) -> usize {
+        n.next_multiple_of(64)
+    }
 }
 
 /// Device address of a contiguous tensor's first element.
@@ -106,6 +161,10 @@ impl Kernels {
         let multiprocessors = stream.context().attribute(
             candle_core::cuda::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as u32;
+        let major = stream.context().attribute(
+            candle_core::cuda::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+        )?;
+        let chained = major >= 9 && std::env::var("FERRITE_CUDA_CHAINED").as_deref() != Ok("0");
         Ok(Self {
             dev: dev.clone(),
             embed: f("embed_bf16")?,
@@ -127,6 +186,8 @@ impl Kernels {
             sample_rows: f("sample_rows_f32")?,
             mask_rows: f("mask_rows_f32")?,
             multiprocessors,
+            chained,
+            outputs: Mutex::new(Outputs::Allocate),
             _module: module,
         })
     }
@@ -135,7 +196,24 @@ impl Kernels {
     fn output(&self, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
         let shape = shape.into();
         let n = shape.elem_count();
-        // SAFETY: the launching kernel writes every element before anything reads it.
+        match &mut *self.outputs.lock().unwrap() {
+            Outputs::Allocate => {}
+            Outputs::Count(sizes) => sizes.0[Arena::index(dtype)?] += Arena::padded(n),
+            Outputs::Carve(arena, used) => {
+                let i = Arena::index(dtype)?;
+                let view = arena.bufs[i].narrow(0, used[i], n)?.reshape(shape)?;
+                used[i] += Arena::padded(n);
+                return Ok(view);
+            }
+        }
+        self.allocate(shape, dtype)
+    }
+
+    /// A fresh tensor on the stream, uninitialized.
+    fn allocate(&self, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
+        let shape = shape.into();
+        let n = shape.elem_count();
+        // SAFETY: callers write every element before anything reads it.
         let storage = unsafe {
             match dtype {
                 DType::BF16 => {
@@ -171,6 +249,83 @@ impl Kernels {
         }
         // SAFETY: argument lists match the kernels' signatures in ferrite.cu.
         unsafe { b.launch(cfg) }.context("kernel launch")?;
+        Ok(())
+    }
+
+    /// Runs `f`, its outputs allocated as usual, and sums their sizes.
+    pub fn count_outputs<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<(T, OutputSizes)> {
+        *self.outputs.lock().unwrap() = Outputs::Count(OutputSizes::default());
+        let r = f();
+        let Outputs::Count(sizes) =
+            std::mem::replace(&mut *self.outputs.lock().unwrap(), Outputs::Allocate)
+        else {
+            unreachable!("set above")
+        };
+        Ok((r?, sizes))
+    }
+
+    /// Runs `f` with its outputs carved out of `arena` in order (a run making the same outputs
+    /// as the one `count_outputs` measured for it).
+    pub fn carve_outputs<T>(&self, arena: &Arena, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        *self.outputs.lock().unwrap() = Outputs::Carve(arena.clone(), [0; 3]);
+        let r = f();
+        *self.outputs.lock().unwrap() = Outputs::Allocate;
+        r
+    }
+
+    /// Launches a kernel that calls `wait_for_previous_kernel()` (common.cuh) before it touches
+    /// what earlier kernels wrote, as a programmatic dependent launch: it may start while the
+    /// kernel before it finishes, hiding its launch (and, for the matmuls, the first weight
+    /// loads) behind that kernel's tail. Inside graph capture this becomes a programmatic edge.
+    fn launch_chained(&self, f: &CudaFunction, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        use candle_core::cuda::cudarc::driver::sys;
+        if !self.chained {
+            return self.launch(f, cfg, args);
+        }
+        let mut values: Vec<[u8; 8]> = args
+            .iter()
+            .map(|a| {
+                let mut v = [0u8; 8];
+                match a {
+                    Arg::P(p) => v.copy_from_slice(&p.to_ne_bytes()),
+                    Arg::I(i) => v[..4].copy_from_slice(&i.to_ne_bytes()),
+                    Arg::F(x) => v[..4].copy_from_slice(&x.to_ne_bytes()),
+                    Arg::Z(z) => v.copy_from_slice(&(*z as u64).to_ne_bytes()),
+                }
+                v
+            })
+            .collect();
+        let mut params: Vec<*mut std::ffi::c_void> =
+            values.iter_mut().map(|v| v.as_mut_ptr().cast()).collect();
+        // SAFETY: a zeroed union is a valid value; the field set is the one `id` names.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.dev.cuda_stream().cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: every argument is passed by address as the kernel's parameter of the same
+        // size (pointers and size_t as 8 bytes, int and float as 4), matching ferrite.cu;
+        // `values`, `params` and `attr` outlive the call, which copies them.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .context("kernel launch")?;
         Ok(())
     }
 
