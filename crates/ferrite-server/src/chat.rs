@@ -4,10 +4,11 @@ use crate::error::ApiError;
 use crate::generation::{check_model, check_n, collect, sampling_params, start_choices, Choice};
 use crate::prompt_work::{check_text_len, off_runtime};
 use crate::protocol::*;
+use crate::reasoning::{Piece, ReasoningStream};
 use crate::sse::{sse_response, ChunkSink, WrapChunk};
 use crate::state::{AppState, SharedState};
 use crate::structured;
-use crate::tools::{Prefix, ToolParser};
+use crate::tools::{forced, CallStream, ToolEvent, ToolParser};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use ferrite_core::output::TokenLogprob;
@@ -100,14 +101,7 @@ fn tools_fallback(
     let list: Vec<String> = tools
         .filter_map(|t| t.get("function").map(Value::to_string))
         .collect();
-    let how = match parser {
-        Some(ToolParser::Llama3Json) => {
-            "To call a function, answer with only a JSON object {\"name\": <function name>, \"parameters\": <arguments object>}."
-        }
-        _ => {
-            "To call a function, answer with <tool_call>{\"name\": <function name>, \"arguments\": <arguments object>}</tool_call>, one block per call."
-        }
-    };
+    let how = parser.unwrap_or(ToolParser::Hermes).instructions();
     let text = format!(
         "You can call these functions:\n<tools>\n{}\n</tools>\n{how}",
         list.join("\n")
@@ -255,7 +249,7 @@ pub async fn chat_completions(
     let vocab = state.tokenizer.tokenizer.get_vocab_size(true);
     let params = sampling_params(&req.common, vocab, max_tokens, top, None)?;
     let forced = match (parser, &req.tool_choice) {
-        (Some(p), Some(choice)) => structured::tool_spec(
+        (Some(p), Some(choice)) => forced::spec(
             p,
             req.tools.as_deref().unwrap_or(&[]),
             choice,
@@ -272,6 +266,7 @@ pub async fn chat_completions(
         }
         (f, s) => f.or(s),
     };
+    let constrained = spec.is_some();
     let grammar = structured::compile(&state, spec).await?;
     let req = Arc::new(req);
     let prompt = {
@@ -286,11 +281,15 @@ pub async fn chat_completions(
         let want_lp = req.logprobs;
         let wrap: WrapChunk =
             Arc::new(move |choices, usage| chat_chunk(&id, &model, choices, usage));
+        let tools = Arc::new(req.tools.clone().unwrap_or_default());
         return Ok(sse_response(
             state.clone(),
             choices,
             include_usage,
-            move |state, choice, sink| stream_choice(state, choice, sink, parser, want_lp),
+            move |state, choice, sink| {
+                let reply = ReplyStream::new(&state, parser, &tools, constrained);
+                stream_choice(state, choice, sink, reply, want_lp)
+            },
             wrap,
         ));
     }
@@ -302,9 +301,16 @@ pub async fn chat_completions(
         let f = f?;
         prompt_tokens = f.prompt_tokens;
         completion_tokens += f.completion_tokens;
+        let (reasoning, text) = match state.reasoning_parser {
+            Some(r) => r.split(&f.text, constrained),
+            None => (None, f.text.clone()),
+        };
         let (content, tool_calls) = match parser {
-            Some(p) => p.parse(&f.text),
-            None => (Some(f.text.clone()), vec![]),
+            Some(p) => p.parse(&text, req.tools.as_deref().unwrap_or_default()),
+            None => (
+                (reasoning.is_none() || !text.is_empty()).then_some(text),
+                vec![],
+            ),
         };
         let finish = if tool_calls.is_empty() {
             f.finish_reason
@@ -316,6 +322,7 @@ pub async fn chat_completions(
             message: ChatMessageOut {
                 role: "assistant",
                 content,
+                reasoning_content: reasoning,
                 tool_calls,
             },
             logprobs: req.logprobs.then(|| token_logprobs(&state, &f.logprobs)),
@@ -345,13 +352,13 @@ fn chat_chunk(id: &str, model: &str, choices: Vec<Value>, usage: Option<Value>) 
     .unwrap()
 }
 
-/// Streams one choice: role first, content deltas (held while a tool call may be starting),
-/// then tool-call deltas that concatenate to the whole response's calls, then the finish.
+/// Streams one choice: role first, then content and tool-call deltas in the order the model
+/// wrote them (a call's id and name first, then its argument fragments), then the finish.
 async fn stream_choice(
     state: SharedState,
     mut choice: Choice,
     sink: ChunkSink,
-    parser: Option<ToolParser>,
+    mut reply: ReplyStream,
     want_logprobs: bool,
 ) -> Result<(usize, usize), ApiError> {
     let index = choice.index;
@@ -373,71 +380,168 @@ async fn stream_choice(
         None,
     ))
     .await?;
-    let mut text = String::new();
-    let mut sent = 0; // bytes of `text` already sent as content
-    let mut state_of_prefix = if parser.is_some() {
-        Prefix::Undecided
-    } else {
-        Prefix::Content
-    };
+    let mut called = false;
     while let Some(o) = choice.next(&state).await {
         let o = o?;
-        text += &o.text;
-        if let (Some(p), Prefix::Undecided) = (parser, state_of_prefix) {
-            state_of_prefix = p.prefix_state(&text);
-        }
-        let lp =
+        let events = reply.push(&o.text, o.finish_reason.is_some());
+        let mut lp =
             (want_logprobs && !o.logprobs.is_empty()).then(|| token_logprobs(&state, &o.logprobs));
+        let deltas = deltas(events);
+        called |= deltas.iter().any(|d| !d.tool_calls.is_empty());
+        if deltas.is_empty() && lp.is_some() {
+            sink.send_choice(chunk(ChatDelta::default(), lp.take(), None))
+                .await?;
+        }
+        for d in deltas {
+            sink.send_choice(chunk(d, lp.take(), None)).await?;
+        }
         if let Some(r) = o.finish_reason {
-            let mut finish = crate::generation::finish_reason(r);
-            let mut delta = ChatDelta::default();
-            match (parser, state_of_prefix) {
-                (Some(p), Prefix::Call | Prefix::Undecided) => {
-                    let (content, calls) = p.parse(&text);
-                    if calls.is_empty() {
-                        delta.content = content
-                            .map(|c| c[sent.min(c.len())..].to_string())
-                            .filter(|c| !c.is_empty());
-                    } else {
-                        finish = "tool_calls";
-                        delta.tool_calls = calls
-                            .into_iter()
-                            .enumerate()
-                            .map(|(i, c)| crate::protocol::ToolCallDelta {
-                                index: i,
-                                id: Some(c.id),
-                                kind: Some("function"),
-                                function: crate::protocol::FunctionDelta {
-                                    name: Some(c.function.name),
-                                    arguments: c.function.arguments,
-                                },
-                            })
-                            .collect();
-                    }
-                }
-                _ => {
-                    if text.len() > sent {
-                        delta.content = Some(text[sent..].to_string());
-                    }
-                }
-            }
-            if delta.content.is_some() || !delta.tool_calls.is_empty() || lp.is_some() {
-                sink.send_choice(chunk(delta, lp, None)).await?;
-            }
+            let finish = if called {
+                "tool_calls"
+            } else {
+                crate::generation::finish_reason(r)
+            };
             sink.send_choice(chunk(ChatDelta::default(), None, Some(finish)))
                 .await?;
             return Ok((o.num_prompt_tokens, o.num_output_tokens));
-        }
-        if state_of_prefix == Prefix::Content && (text.len() > sent || lp.is_some()) {
-            let delta = ChatDelta {
-                content: Some(text[sent..].to_string()),
-                ..Default::default()
-            };
-            sent = text.len();
-            sink.send_choice(chunk(delta, lp, None)).await?;
         }
     }
     Err(ApiError::internal(
         "the engine ended the request without finishing it",
     ))
+}
+
+/// One streamed reply through the reasoning parser, then the tool-call parser.
+struct ReplyStream {
+    reasoning: Option<ReasoningStream>,
+    calls: Option<CallStream>,
+}
+
+enum ReplyEvent {
+    Reasoning(String),
+    Tool(ToolEvent),
+}
+
+impl ReplyStream {
+    fn new(
+        state: &AppState,
+        parser: Option<ToolParser>,
+        tools: &[Value],
+        constrained: bool,
+    ) -> Self {
+        Self {
+            reasoning: state
+                .reasoning_parser
+                .map(|r| ReasoningStream::new(r, constrained)),
+            calls: parser.map(|p| CallStream::new(p, tools)),
+        }
+    }
+
+    /// The events of the next text; `last`: the output ends with it.
+    fn push(&mut self, text: &str, last: bool) -> Vec<ReplyEvent> {
+        let pieces = match &mut self.reasoning {
+            Some(r) => {
+                let mut p = r.push(text);
+                if last {
+                    p.extend(r.finish());
+                }
+                p
+            }
+            None => vec![Piece::Content(text.to_string())],
+        };
+        let mut out = Vec::new();
+        for p in pieces {
+            match p {
+                Piece::Reasoning(r) => out.push(ReplyEvent::Reasoning(r)),
+                Piece::Content(c) => match &mut self.calls {
+                    Some(calls) => out.extend(calls.push(&c).into_iter().map(ReplyEvent::Tool)),
+                    None => out.push(ReplyEvent::Tool(ToolEvent::Content(c))),
+                },
+            }
+        }
+        if let (true, Some(calls)) = (last, &mut self.calls) {
+            out.extend(calls.finish().into_iter().map(ReplyEvent::Tool));
+        }
+        out
+    }
+}
+
+/// Events as deltas: a delta per run of reasoning or of content, a tool-calls delta per run
+/// of call events (a call's start and its first fragments in one entry).
+fn deltas(events: Vec<ReplyEvent>) -> Vec<ChatDelta> {
+    let mut out: Vec<ChatDelta> = Vec::new();
+    for e in events {
+        let last = out.last_mut();
+        let e = match e {
+            ReplyEvent::Reasoning(r) => {
+                match last {
+                    Some(ChatDelta {
+                        reasoning_content: Some(c),
+                        ..
+                    }) => c.push_str(&r),
+                    _ => out.push(ChatDelta {
+                        reasoning_content: Some(r),
+                        ..Default::default()
+                    }),
+                }
+                continue;
+            }
+            ReplyEvent::Tool(e) => e,
+        };
+        match e {
+            ToolEvent::Content(t) if t.is_empty() => {}
+            ToolEvent::Content(t) => match last {
+                Some(ChatDelta {
+                    content: Some(c), ..
+                }) => c.push_str(&t),
+                _ => out.push(ChatDelta {
+                    content: Some(t),
+                    ..Default::default()
+                }),
+            },
+            ToolEvent::Start { index, id, name } => {
+                let entry = ToolCallDelta {
+                    index,
+                    id: Some(id),
+                    kind: Some("function"),
+                    function: FunctionDelta {
+                        name: Some(name),
+                        arguments: String::new(),
+                    },
+                };
+                match last {
+                    Some(d) if d.content.is_none() && d.reasoning_content.is_none() => {
+                        d.tool_calls.push(entry)
+                    }
+                    _ => out.push(ChatDelta {
+                        tool_calls: vec![entry],
+                        ..Default::default()
+                    }),
+                }
+            }
+            ToolEvent::Args { index, text } => match last {
+                Some(d) if d.tool_calls.last().is_some_and(|c| c.index == index) => {
+                    d.tool_calls.last_mut().unwrap().function.arguments += &text
+                }
+                Some(d) if !d.tool_calls.is_empty() => d.tool_calls.push(args_delta(index, text)),
+                _ => out.push(ChatDelta {
+                    tool_calls: vec![args_delta(index, text)],
+                    ..Default::default()
+                }),
+            },
+        }
+    }
+    out
+}
+
+fn args_delta(index: usize, arguments: String) -> ToolCallDelta {
+    ToolCallDelta {
+        index,
+        id: None,
+        kind: None,
+        function: FunctionDelta {
+            name: None,
+            arguments,
+        },
+    }
 }

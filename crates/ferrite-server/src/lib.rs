@@ -7,6 +7,7 @@ pub mod generation;
 pub mod metrics;
 pub mod prompt_work;
 pub mod protocol;
+pub mod reasoning;
 pub mod sse;
 pub mod state;
 pub mod structured;

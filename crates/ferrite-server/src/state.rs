@@ -1,6 +1,7 @@
 //! What every handler shares.
 
 use crate::metrics::Metrics;
+use crate::reasoning::ReasoningParser;
 use crate::tools::ToolParser;
 use ferrite_core::engine::EngineHandle;
 use ferrite_tokenizer::chat_template::ChatTemplate;
@@ -17,6 +18,7 @@ pub struct AppState {
     pub api_key: Option<String>,
     pub metrics: Metrics,
     pub tool_parser: Option<ToolParser>,
+    pub reasoning_parser: Option<ReasoningParser>,
     pub enable_auto_tool_choice: bool,
     /// Structured-output compiler for this vocabulary, or why there is none.
     pub grammars: Result<ferrite_grammar::SharedGrammars, String>,

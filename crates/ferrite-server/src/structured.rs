@@ -6,7 +6,6 @@ use crate::error::ApiError;
 use crate::prompt_work::off_runtime;
 use crate::protocol::CommonParams;
 use crate::state::SharedState;
-use crate::tools::ToolParser;
 use ferrite_grammar::{Grammar, Spec};
 use serde_json::Value;
 
@@ -172,73 +171,6 @@ pub fn spec(c: &CommonParams) -> Result<Option<Spec>, ApiError> {
             ))
         }
     }
-}
-
-/// Most calls a `required` tool choice may make in one reply: a small model offered more
-/// goes on calling until its token budget runs out.
-pub const MAX_FORCED_CALLS: usize = 4;
-
-/// The grammar that forces tool calls for `tool_choice` `required` (any of `tools`: one call,
-/// or with `parallel` up to [`MAX_FORCED_CALLS`]) or a named function (exactly one call of
-/// it): the parser's call format around JSON whose `name` and arguments follow the tools'
-/// schemas. `None` for `auto` and `none`.
-pub fn tool_spec(
-    parser: ToolParser,
-    tools: &[Value],
-    choice: &Value,
-    parallel: bool,
-) -> Option<Spec> {
-    let named = choice.pointer("/function/name").and_then(Value::as_str);
-    if named.is_none() && choice != "required" {
-        return None;
-    }
-    let args_key = match parser {
-        ToolParser::Hermes => "arguments",
-        ToolParser::Llama3Json => "parameters",
-    };
-    let calls: Vec<Value> = tools
-        .iter()
-        .filter_map(|t| {
-            let f = t.get("function")?;
-            let name = f.get("name")?.as_str()?;
-            if named.is_some_and(|n| n != name) {
-                return None;
-            }
-            let params = f
-                .get("parameters")
-                .cloned()
-                .unwrap_or(serde_json::json!({"type": "object"}));
-            Some(serde_json::json!({
-                "type": "object",
-                "properties": {"name": {"const": name}, args_key: params},
-                "required": ["name", args_key],
-                "additionalProperties": false,
-            }))
-        })
-        .collect();
-    let call = serde_json::json!({
-        "anyOf": calls,
-        "x-guidance": {"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "},
-    });
-    let one = match parser {
-        ToolParser::Hermes => format!("\"<tool_call>\\n\" %json {call} \"\\n</tool_call>\""),
-        ToolParser::Llama3Json => format!("%json {call}"),
-    };
-    let sep = match parser {
-        ToolParser::Hermes => "\"\\n\"",
-        ToolParser::Llama3Json => "\"; \"",
-    };
-    let more = match (named, parallel) {
-        (None, true) => MAX_FORCED_CALLS - 1,
-        _ => 0,
-    };
-    // call (sep call (sep call)?)? ...: a bounded number of calls, each optional after the first.
-    let mut rest = String::new();
-    for _ in 0..more {
-        rest = format!("({sep} call {rest})?");
-    }
-    let start = format!("start: call {rest}");
-    Some(Spec::Lark(format!("{start}\ncall: {one}\n")))
 }
 
 /// `spec` compiled against the model's vocabulary, off the runtime (a large schema takes

@@ -6,6 +6,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use ferrite_model::chat_template::ChatTemplate;
 use ferrite_server::metrics::Metrics;
+use ferrite_server::reasoning::ReasoningParser;
 use ferrite_server::state::AppState;
 use ferrite_server::tools::ToolParser;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,9 +32,14 @@ pub struct ServeArgs {
     /// Let the model decide when to call tools (needs --tool-call-parser).
     #[arg(long)]
     pub enable_auto_tool_choice: bool,
-    /// How tool calls are read from model output: hermes, llama3_json.
+    /// How tool calls are read from model output: hermes, llama3_json, mistral, pythonic
+    /// (also gemma3's tool_code blocks), qwen3_coder.
     #[arg(long)]
     pub tool_call_parser: Option<String>,
+    /// Where the model's thinking goes: deepseek_r1 or qwen3 put the text inside
+    /// `<think>...</think>` into `reasoning_content`.
+    #[arg(long)]
+    pub reasoning_parser: Option<String>,
     /// Origins browsers may call the API from (CORS), as vLLM takes them: a JSON list
     /// (`'["https://a.example"]'`) or comma-separated; `*` (the default) allows any.
     #[arg(long, default_value = "*")]
@@ -53,6 +59,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
             anyhow!(
                 "unknown --tool-call-parser `{name}` (known: {})",
                 ToolParser::NAMES
+            )
+        })?),
+        None => None,
+    };
+    let reasoning_parser = match &args.reasoning_parser {
+        Some(name) => Some(ReasoningParser::from_name(name).ok_or_else(|| {
+            anyhow!(
+                "unknown --reasoning-parser `{name}` (known: {})",
+                ReasoningParser::NAMES
             )
         })?),
         None => None,
@@ -118,6 +133,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         api_key: args.api_key.clone(),
         metrics: Metrics::default(),
         tool_parser,
+        reasoning_parser,
         enable_auto_tool_choice: args.enable_auto_tool_choice,
         grammars,
         draining: AtomicBool::new(false),
