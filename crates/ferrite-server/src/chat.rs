@@ -222,13 +222,53 @@ pub fn token_logprobs(state: &AppState, lps: &[TokenLogprob]) -> ChatLogprobs {
     }
 }
 
-pub async fn chat_completions(
-    state: SharedState,
+/// A chat request on its way: its choices queued in the engine, and how to read their text.
+pub(crate) struct Started {
+    pub choices: Vec<Choice>,
+    pub parser: Option<ToolParser>,
+    /// Whether a grammar constrains the reply from its first token.
+    pub constrained: bool,
+    pub req: Arc<ChatCompletionRequest>,
+}
+
+impl Started {
+    pub fn tools(&self) -> &[Value] {
+        self.req.tools.as_deref().unwrap_or_default()
+    }
+
+    /// A finished choice's text as (reasoning, content, tool calls).
+    pub fn reply(
+        &self,
+        state: &AppState,
+        text: &str,
+    ) -> (Option<String>, Option<String>, Vec<ToolCall>) {
+        let (reasoning, text) = match state.reasoning_parser {
+            Some(r) => r.split(text, self.constrained),
+            None => (None, text.to_string()),
+        };
+        let (content, calls) = match self.parser {
+            Some(p) => p.parse(&text, self.tools()),
+            None => (
+                (reasoning.is_none() || !text.is_empty()).then_some(text),
+                vec![],
+            ),
+        };
+        (reasoning, content, calls)
+    }
+
+    pub fn stream(&self, state: &AppState) -> ReplyStream {
+        ReplyStream::new(state, self.parser, self.tools(), self.constrained)
+    }
+}
+
+/// Validates a chat request, renders its prompt and starts its choices.
+pub(crate) async fn start(
+    state: &SharedState,
     req: ChatCompletionRequest,
-) -> Result<Response, ApiError> {
-    check_model(&state, &req.common.model)?;
+) -> Result<Started, ApiError> {
+    check_model(state, &req.common.model)?;
     let n = check_n(req.common.n)?;
-    let (parser, with_tools) = tool_mode(&state, &req)?;
+    let (parser, with_tools) = tool_mode(state, &req)?;
     let top = match (req.logprobs, req.top_logprobs) {
         (true, k) => Some(k.unwrap_or(0)),
         (false, Some(_)) => {
@@ -267,27 +307,42 @@ pub async fn chat_completions(
         (f, s) => f.or(s),
     };
     let constrained = spec.is_some();
-    let grammar = structured::compile(&state, spec).await?;
+    let grammar = structured::compile(state, spec).await?;
     let req = Arc::new(req);
     let prompt = {
         let req = req.clone();
-        off_runtime(&state, move |s| render_prompt(s, &req, with_tools)).await?
+        off_runtime(state, move |s| render_prompt(s, &req, with_tools)).await?
     };
-    let choices = start_choices(&state, vec![prompt], &params, n, grammar.as_ref())?;
+    let choices = start_choices(state, vec![prompt], &params, n, grammar.as_ref())?;
+    Ok(Started {
+        choices,
+        parser,
+        constrained,
+        req,
+    })
+}
+
+pub async fn chat_completions(
+    state: SharedState,
+    req: ChatCompletionRequest,
+) -> Result<Response, ApiError> {
+    let mut started = start(&state, req).await?;
     let id = random_id("chatcmpl");
     let model = state.model_name.clone();
+    let req = started.req.clone();
     if req.common.stream {
         let include_usage = req.common.include_usage();
         let want_lp = req.logprobs;
         let wrap: WrapChunk =
             Arc::new(move |choices, usage| chat_chunk(&id, &model, choices, usage));
-        let tools = Arc::new(req.tools.clone().unwrap_or_default());
+        let choices = std::mem::take(&mut started.choices);
+        let started = Arc::new(started);
         return Ok(sse_response(
             state.clone(),
             choices,
             include_usage,
             move |state, choice, sink| {
-                let reply = ReplyStream::new(&state, parser, &tools, constrained);
+                let reply = started.stream(&state);
                 stream_choice(state, choice, sink, reply, want_lp)
             },
             wrap,
@@ -295,23 +350,14 @@ pub async fn chat_completions(
     }
     let mut out = Vec::new();
     let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    let choices = std::mem::take(&mut started.choices);
     let finished =
         futures_util::future::join_all(choices.into_iter().map(|c| collect(&state, c))).await;
     for (index, f) in finished.into_iter().enumerate() {
         let f = f?;
         prompt_tokens = f.prompt_tokens;
         completion_tokens += f.completion_tokens;
-        let (reasoning, text) = match state.reasoning_parser {
-            Some(r) => r.split(&f.text, constrained),
-            None => (None, f.text.clone()),
-        };
-        let (content, tool_calls) = match parser {
-            Some(p) => p.parse(&text, req.tools.as_deref().unwrap_or_default()),
-            None => (
-                (reasoning.is_none() || !text.is_empty()).then_some(text),
-                vec![],
-            ),
-        };
+        let (reasoning, content, tool_calls) = started.reply(&state, &f.text);
         let finish = if tool_calls.is_empty() {
             f.finish_reason
         } else {
@@ -412,18 +458,18 @@ async fn stream_choice(
 }
 
 /// One streamed reply through the reasoning parser, then the tool-call parser.
-struct ReplyStream {
+pub(crate) struct ReplyStream {
     reasoning: Option<ReasoningStream>,
     calls: Option<CallStream>,
 }
 
-enum ReplyEvent {
+pub(crate) enum ReplyEvent {
     Reasoning(String),
     Tool(ToolEvent),
 }
 
 impl ReplyStream {
-    fn new(
+    pub fn new(
         state: &AppState,
         parser: Option<ToolParser>,
         tools: &[Value],
@@ -438,7 +484,7 @@ impl ReplyStream {
     }
 
     /// The events of the next text; `last`: the output ends with it.
-    fn push(&mut self, text: &str, last: bool) -> Vec<ReplyEvent> {
+    pub fn push(&mut self, text: &str, last: bool) -> Vec<ReplyEvent> {
         let pieces = match &mut self.reasoning {
             Some(r) => {
                 let mut p = r.push(text);

@@ -4,6 +4,7 @@ pub mod chat;
 pub mod completions;
 pub mod error;
 pub mod generation;
+pub mod messages;
 pub mod metrics;
 pub mod prompt_work;
 pub mod protocol;
@@ -83,6 +84,17 @@ pub fn router(state: SharedState) -> Router {
                 },
             ),
         )
+        .route(
+            "/v1/messages",
+            post(
+                |State(s): State<SharedState>, body: Result<Bytes, BytesRejection>| async move {
+                    match parse(&body) {
+                        Ok(req) => messages::messages(s, req).await,
+                        Err(e) => messages::error(e),
+                    }
+                },
+            ),
+        )
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
@@ -106,11 +118,13 @@ pub fn router(state: SharedState) -> Router {
 
 async fn auth(State(s): State<SharedState>, req: Request, next: Next) -> Response {
     if let Some(key) = &s.api_key {
-        let given = req
-            .headers()
+        // OpenAI clients send `Authorization: Bearer`, Anthropic's `x-api-key`.
+        let h = req.headers();
+        let given = h
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .or_else(|| h.get("x-api-key").and_then(|v| v.to_str().ok()));
         if given != Some(key.as_str()) {
             return ApiError::unauthorized().into_response();
         }

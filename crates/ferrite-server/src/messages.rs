@@ -1,0 +1,413 @@
+//! `POST /v1/messages`: Anthropic's Messages API (what Claude Code and the `anthropic` SDK
+//! speak), served by the chat pipeline: the request becomes a chat request (system, content
+//! blocks, `tool_use` / `tool_result`, tools and `tool_choice`), and the reply's reasoning,
+//! text and tool calls come back as `thinking`, `text` and `tool_use` blocks, whole or as
+//! Anthropic's stream of events. Errors are Anthropic's JSON.
+
+use crate::chat::{self, ReplyEvent, Started};
+use crate::error::ApiError;
+use crate::generation::collect;
+use crate::protocol::{random_id, ChatCompletionRequest};
+use crate::state::SharedState;
+use crate::tools::ToolEvent;
+use axum::http::StatusCode;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use ferrite_core::request::FinishReason;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use tokio::sync::mpsc;
+
+#[derive(Debug, Deserialize)]
+pub struct MessagesRequest {
+    pub model: Option<String>,
+    pub max_tokens: Option<i64>,
+    #[serde(default)]
+    pub messages: Vec<Value>,
+    pub system: Option<Value>,
+    pub stop_sequences: Option<Vec<String>>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    #[serde(default)]
+    pub stream: bool,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+}
+
+/// Anthropic's error body and status for an error of the chat pipeline.
+pub fn error(e: ApiError) -> Response {
+    let kind = match e.status.as_u16() {
+        400 | 405 | 415 | 422 => "invalid_request_error",
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        503 => "overloaded_error",
+        _ => "api_error",
+    };
+    let body = json!({"type": "error", "error": {"type": kind, "message": e.message}});
+    (e.status, Json(body)).into_response()
+}
+
+fn bad(message: impl Into<String>) -> ApiError {
+    ApiError::bad_request(message)
+}
+
+/// Text of a `system` or `tool_result` content: a string or text blocks.
+fn text_of(v: &Value, what: &str) -> Result<String, ApiError> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(blocks) => blocks
+            .iter()
+            .map(|b| match b.get("type").and_then(Value::as_str) {
+                Some("text") => Ok(b.get("text").and_then(Value::as_str).unwrap_or_default()),
+                t => Err(bad(format!(
+                    "{what}: blocks of type {t:?} are not supported (text only)"
+                ))),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(|t| t.join("\n")),
+        Value::Null => Ok(String::new()),
+        _ => Err(bad(format!("{what} must be a string or a list of blocks"))),
+    }
+}
+
+/// One Anthropic message as chat messages: tool results become `tool` turns, `tool_use`
+/// blocks the assistant's `tool_calls`.
+fn chat_messages(m: &Value, out: &mut Vec<Value>) -> Result<(), ApiError> {
+    let role = m.get("role").and_then(Value::as_str);
+    if !matches!(role, Some("user" | "assistant")) {
+        return Err(bad(format!(
+            "messages: role must be user or assistant, got {role:?}"
+        )));
+    }
+    let role = role.unwrap();
+    let blocks = match m.get("content") {
+        Some(Value::String(s)) => {
+            out.push(json!({"role": role, "content": s}));
+            return Ok(());
+        }
+        Some(Value::Array(b)) => b,
+        _ => {
+            return Err(bad(
+                "messages: content must be a string or a list of blocks",
+            ))
+        }
+    };
+    let (mut text, mut calls) = (String::new(), Vec::new());
+    for b in blocks {
+        match b.get("type").and_then(Value::as_str) {
+            Some("text") => {
+                text.push_str(b.get("text").and_then(Value::as_str).unwrap_or_default())
+            }
+            // Earlier thinking is not shown to the model again, as Anthropic's API does.
+            Some("thinking" | "redacted_thinking") if role == "assistant" => {}
+            Some("tool_use") if role == "assistant" => calls.push(json!({
+                "id": b.get("id").cloned().unwrap_or(Value::Null),
+                "type": "function",
+                "function": {
+                    "name": b.get("name").cloned().unwrap_or(Value::Null),
+                    "arguments": b.get("input").cloned().unwrap_or(json!({})).to_string(),
+                },
+            })),
+            Some("tool_result") if role == "user" => {
+                let mut content = text_of(b.get("content").unwrap_or(&Value::Null), "tool_result")?;
+                if b.get("is_error").and_then(Value::as_bool) == Some(true) {
+                    content = format!("Error: {content}");
+                }
+                out.push(json!({
+                    "role": "tool",
+                    "tool_call_id": b.get("tool_use_id").cloned().unwrap_or(Value::Null),
+                    "content": content,
+                }));
+            }
+            t => {
+                return Err(bad(format!(
+                    "messages: {role} content blocks of type {t:?} are not supported"
+                )))
+            }
+        }
+    }
+    if role == "assistant" {
+        out.push(json!({"role": "assistant", "content": text, "tool_calls": calls}));
+    } else if !text.is_empty() {
+        out.push(json!({"role": "user", "content": text}));
+    }
+    Ok(())
+}
+
+/// The chat request this Messages request asks for.
+fn to_chat(req: &MessagesRequest) -> Result<ChatCompletionRequest, ApiError> {
+    let max_tokens = req
+        .max_tokens
+        .ok_or_else(|| bad("`max_tokens` is required").with_param("max_tokens"))?;
+    let mut messages = Vec::new();
+    if let Some(system) = &req.system {
+        messages.push(json!({"role": "system", "content": text_of(system, "system")?}));
+    }
+    for m in &req.messages {
+        chat_messages(m, &mut messages)?;
+    }
+    let tools: Option<Vec<Value>> = req
+        .tools
+        .as_ref()
+        .map(|tools| {
+            tools
+                .iter()
+                .map(|t| {
+                    let name = t.get("name").and_then(Value::as_str);
+                    let schema = t.get("input_schema");
+                    match (name, schema) {
+                        (Some(name), Some(schema)) => Ok(json!({"type": "function", "function": {
+                            "name": name,
+                            "description": t.get("description").cloned().unwrap_or(json!("")),
+                            "parameters": schema,
+                        }})),
+                        _ => Err(bad(format!(
+                            "tools: only custom tools with a name and an input_schema are supported, got {}",
+                            t.get("type").or(t.get("name")).unwrap_or(&Value::Null)
+                        ))),
+                    }
+                })
+                .collect()
+        })
+        .transpose()?;
+    let mut parallel = None;
+    let tool_choice = match &req.tool_choice {
+        None => None,
+        Some(c) => {
+            if c.get("disable_parallel_tool_use").and_then(Value::as_bool) == Some(true) {
+                parallel = Some(false);
+            }
+            Some(match c.get("type").and_then(Value::as_str) {
+                Some("auto") => json!("auto"),
+                Some("any") => json!("required"),
+                Some("none") => json!("none"),
+                Some("tool") => json!({"type": "function", "function": {"name": c.get("name")}}),
+                t => return Err(bad(format!("tool_choice: unknown type {t:?}"))),
+            })
+        }
+    };
+    let chat = json!({
+        "model": req.model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stop": req.stop_sequences,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "tools": tools,
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": parallel,
+    });
+    serde_json::from_value(chat).map_err(|e| bad(format!("invalid request: {e}")))
+}
+
+fn stop_reason(called: bool, finish: Option<FinishReason>) -> &'static str {
+    match finish {
+        _ if called => "tool_use",
+        Some(FinishReason::Length) => "max_tokens",
+        _ => "end_turn",
+    }
+}
+
+fn usage(input: usize, output: usize) -> Value {
+    json!({"input_tokens": input, "output_tokens": output})
+}
+
+pub async fn messages(state: SharedState, req: MessagesRequest) -> Response {
+    match run(state, req).await {
+        Ok(r) => r,
+        Err(e) => error(e),
+    }
+}
+
+async fn run(state: SharedState, req: MessagesRequest) -> Result<Response, ApiError> {
+    let stream = req.stream;
+    let mut started = chat::start(&state, to_chat(&req)?).await?;
+    let choice = started.choices.pop().expect("one choice");
+    let id = random_id("msg");
+    if stream {
+        return Ok(stream_reply(state, started, choice, id));
+    }
+    let f = collect(&state, choice).await?;
+    let (reasoning, content, calls) = started.reply(&state, &f.text);
+    let mut blocks = Vec::new();
+    if let Some(r) = reasoning {
+        blocks.push(json!({"type": "thinking", "thinking": r, "signature": ""}));
+    }
+    if let Some(c) = content.filter(|c| !c.is_empty()) {
+        blocks.push(json!({"type": "text", "text": c}));
+    }
+    for c in &calls {
+        let input: Value = serde_json::from_str(&c.function.arguments).unwrap_or(json!({}));
+        blocks
+            .push(json!({"type": "tool_use", "id": c.id, "name": c.function.name, "input": input}));
+    }
+    let finish = match f.finish_reason {
+        "length" => Some(FinishReason::Length),
+        _ => None,
+    };
+    Ok(Json(json!({
+        "id": id,
+        "type": "message",
+        "role": "assistant",
+        "model": state.model_name,
+        "content": blocks,
+        "stop_reason": stop_reason(!calls.is_empty(), finish),
+        "stop_sequence": null,
+        "usage": usage(f.prompt_tokens, f.completion_tokens),
+    }))
+    .into_response())
+}
+
+/// The content block being streamed.
+#[derive(PartialEq)]
+enum Open {
+    None,
+    Thinking,
+    Text,
+    Tool(usize),
+}
+
+/// Anthropic's events, in order: `message_start`, per block `content_block_start`, deltas,
+/// `content_block_stop`, then `message_delta` (stop reason, usage) and `message_stop`.
+struct Events {
+    tx: mpsc::Sender<(&'static str, Value)>,
+    open: Open,
+    blocks: usize,
+}
+
+impl Events {
+    async fn send(&self, name: &'static str, data: Value) -> Result<(), ApiError> {
+        self.tx
+            .send((name, data))
+            .await
+            .map_err(|_| ApiError::bad_request("client disconnected"))
+    }
+
+    /// Makes `want` the open block, closing the one before; `start`: its opening block.
+    async fn switch(&mut self, want: Open, start: Value) -> Result<(), ApiError> {
+        if self.open == want {
+            return Ok(());
+        }
+        self.close().await?;
+        self.send(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": self.blocks, "content_block": start}),
+        )
+        .await?;
+        self.open = want;
+        Ok(())
+    }
+
+    async fn close(&mut self) -> Result<(), ApiError> {
+        if self.open != Open::None {
+            self.send(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": self.blocks}),
+            )
+            .await?;
+            self.blocks += 1;
+            self.open = Open::None;
+        }
+        Ok(())
+    }
+
+    async fn delta(&self, delta: Value) -> Result<(), ApiError> {
+        self.send(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": self.blocks, "delta": delta}),
+        )
+        .await
+    }
+
+    async fn event(&mut self, e: ReplyEvent) -> Result<bool, ApiError> {
+        match e {
+            ReplyEvent::Reasoning(r) => {
+                let start = json!({"type": "thinking", "thinking": "", "signature": ""});
+                self.switch(Open::Thinking, start).await?;
+                self.delta(json!({"type": "thinking_delta", "thinking": r}))
+                    .await?;
+            }
+            ReplyEvent::Tool(ToolEvent::Content(t)) => {
+                self.switch(Open::Text, json!({"type": "text", "text": ""}))
+                    .await?;
+                self.delta(json!({"type": "text_delta", "text": t})).await?;
+            }
+            ReplyEvent::Tool(ToolEvent::Start { index, id, name }) => {
+                let start = json!({"type": "tool_use", "id": id, "name": name, "input": {}});
+                self.switch(Open::Tool(index), start).await?;
+                return Ok(true);
+            }
+            ReplyEvent::Tool(ToolEvent::Args { text, .. }) => {
+                self.delta(json!({"type": "input_json_delta", "partial_json": text}))
+                    .await?;
+            }
+        }
+        Ok(false)
+    }
+}
+
+fn stream_reply(
+    state: SharedState,
+    started: Started,
+    mut choice: crate::generation::Choice,
+    id: String,
+) -> Response {
+    let (tx, rx) = mpsc::channel::<(&'static str, Value)>(64);
+    tokio::spawn(async move {
+        let mut ev = Events {
+            tx,
+            open: Open::None,
+            blocks: 0,
+        };
+        let run = async {
+            ev.send(
+                "message_start",
+                json!({"type": "message_start", "message": {
+                    "id": id, "type": "message", "role": "assistant", "model": state.model_name,
+                    "content": [], "stop_reason": null, "stop_sequence": null, "usage": usage(0, 0),
+                }}),
+            )
+            .await?;
+            let mut reply = started.stream(&state);
+            let mut called = false;
+            while let Some(o) = choice.next(&state).await {
+                let o = o?;
+                for e in reply.push(&o.text, o.finish_reason.is_some()) {
+                    called |= ev.event(e).await?;
+                }
+                if o.finish_reason.is_some() {
+                    ev.close().await?;
+                    ev.send("message_delta", json!({"type": "message_delta",
+                        "delta": {"stop_reason": stop_reason(called, o.finish_reason), "stop_sequence": null},
+                        "usage": usage(o.num_prompt_tokens, o.num_output_tokens)}))
+                    .await?;
+                    return ev
+                        .send("message_stop", json!({"type": "message_stop"}))
+                        .await;
+                }
+            }
+            Err(ApiError::internal(
+                "the engine ended the request without finishing it",
+            ))
+        };
+        if let Err(e) = run.await {
+            let body =
+                json!({"type": "error", "error": {"type": "api_error", "message": e.message}});
+            let _ = ev.tx.send(("error", body)).await;
+        }
+    });
+    let body = futures_util::stream::unfold(rx, |mut rx| async move {
+        let (name, data) = rx.recv().await?;
+        Some((
+            Ok::<_, Infallible>(Event::default().event(name).data(data.to_string())),
+            rx,
+        ))
+    });
+    (StatusCode::OK, Sse::new(body)).into_response()
+}
