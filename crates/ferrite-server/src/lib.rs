@@ -9,6 +9,7 @@ pub mod metrics;
 pub mod prompt_work;
 pub mod protocol;
 pub mod reasoning;
+pub mod responses;
 pub mod sse;
 pub mod state;
 pub mod structured;
@@ -92,6 +93,14 @@ pub fn router(state: SharedState) -> Router {
                         Ok(req) => messages::messages(s, req).await,
                         Err(e) => messages::error(e),
                     }
+                },
+            ),
+        )
+        .route(
+            "/v1/responses",
+            post(
+                |State(s): State<SharedState>, body: Result<Bytes, BytesRejection>| async move {
+                    responses::responses(s, parse(&body)?).await
                 },
             ),
         )

@@ -2,6 +2,7 @@
 
 use crate::metrics::Metrics;
 use crate::reasoning::ReasoningParser;
+use crate::responses::ResponseStore;
 use crate::tools::ToolParser;
 use ferrite_core::engine::EngineHandle;
 use ferrite_tokenizer::chat_template::ChatTemplate;
@@ -25,6 +26,8 @@ pub struct AppState {
     /// Set on shutdown: /health answers 503 and new requests are refused.
     pub draining: AtomicBool,
     pub created: u64,
+    /// Conversations of `/v1/responses`, for `previous_response_id`.
+    pub responses: ResponseStore,
 }
 
 pub type SharedState = Arc<AppState>;

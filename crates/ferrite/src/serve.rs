@@ -138,6 +138,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         grammars,
         draining: AtomicBool::new(false),
         created: ferrite_server::protocol::now(),
+        responses: Default::default(),
     });
     // Two runtime threads: HTTP and tokenization must not take the compute cores.
     let rt = tokio::runtime::Builder::new_multi_thread()
