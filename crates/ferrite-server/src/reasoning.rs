@@ -3,6 +3,8 @@
 //! parser then reads). Like the tool parser, one state machine serves streamed and whole
 //! responses, so both split the text at the same place however it was cut into deltas.
 
+use crate::tools::partial_suffix;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReasoningParser {
     /// DeepSeek-R1: the template opens `<think>` in the prompt, so the output starts inside the
@@ -148,14 +150,6 @@ impl ReasoningStream {
             }
         }
     }
-}
-
-/// The length of the longest suffix of `s` that is a proper prefix of `marker`.
-fn partial_suffix(s: &str, marker: &str) -> usize {
-    (1..marker.len().min(s.len() + 1))
-        .rev()
-        .find(|&k| s.is_char_boundary(s.len() - k) && marker.starts_with(&s[s.len() - k..]))
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -157,11 +157,18 @@ fn marker(rest: &str, m: &str) -> Start {
             body: at + m.len(),
         };
     }
-    let hold = (1..m.len().min(rest.len() + 1))
+    Start::None {
+        hold: partial_suffix(rest, m),
+    }
+}
+
+/// The length of the longest suffix of `s` that is a proper prefix of `marker`: text that
+/// may still become the marker and so is held back.
+pub(crate) fn partial_suffix(s: &str, marker: &str) -> usize {
+    (1..marker.len().min(s.len() + 1))
         .rev()
-        .find(|&k| rest.is_char_boundary(rest.len() - k) && m.starts_with(&rest[rest.len() - k..]))
-        .unwrap_or(0);
-    Start::None { hold }
+        .find(|&k| s.is_char_boundary(s.len() - k) && marker.starts_with(&s[s.len() - k..]))
+        .unwrap_or(0)
 }
 
 /// A call at the very start of the output: one of `tags` (the body after it), or `open` (the
