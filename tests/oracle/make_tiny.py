@@ -11,11 +11,12 @@ position, twice: in f32 throughout, and with K and V rounded to f16 where they e
 cache (after the rotary embedding), as ferrite's CPU cache holds them. The Rust test `crates/ferrite-model/tests/families.rs` reads only what this writes.
 
     python3 -m venv /tmp/oracle && /tmp/oracle/bin/pip install torch transformers gguf
-    /tmp/oracle/bin/python tests/oracle/make_tiny.py      # writes tests/oracle/tiny/
+    /tmp/oracle/bin/python tests/oracle/make_tiny.py [family ...]   # writes tests/oracle/tiny/
 """
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
 import torch
@@ -46,6 +47,15 @@ FAMILIES = {
     "gemma3": ("gemma3_text", dict(num_hidden_layers=6, sliding_window=16,
         query_pre_attn_scalar=32, tie_word_embeddings=True, rope_theta=1000000.0,
         rope_local_base_freq=10000.0, hidden_activation="gelu_pytorch_tanh"), "gemma3"),
+    # Mixtures of experts: 8 experts, 2 per token. llama.cpp writes Mixtral as `llama`.
+    "mixtral": ("mixtral", dict(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2),
+        "llama"),
+    "qwen2_moe": ("qwen2_moe", dict(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=96, norm_topk_prob=False),
+        "qwen2moe"),
+    # Layer 1 dense (`mlp_only_layers`): the routing of mixed stacks.
+    "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]), None),
 }
 
 GGUF_NAMES = {
@@ -55,7 +65,26 @@ GGUF_NAMES = {
     "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+
+def stack_experts(state):
+    """transformers' fused expert tensors (`experts.gate_up_proj` `[E, 2I, h]`, gate rows
+    first, and `experts.down_proj` `[E, h, I]`) as llama.cpp's `(layer, part) -> [E, rows, cols]`."""
+    out, rest = {}, {}
+    for name, t in state.items():
+        if ".experts." not in name:
+            rest[name] = t
+            continue
+        layer = int(name.split(".")[2])
+        if name.endswith("gate_up_proj"):
+            gate, up = t.chunk(2, dim=1)
+            out[(layer, "gate")], out[(layer, "up")] = gate, up
+        else:
+            out[(layer, "down")] = t
+    return out, rest
 
 
 def permute(w, heads):
@@ -109,6 +138,16 @@ def write_gguf(path, arch, c, state):
         w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
         w.add_uint32(f"{arch}.rope.scaling.original_context_length",
                      rope["original_max_position_embeddings"])
+    if getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None):
+        w.add_expert_count(getattr(c, "num_local_experts", None) or c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if getattr(c, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if getattr(c, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    experts, state = stack_experts(state)
+    for (layer, part), t in experts.items():
+        w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", t.float().numpy().astype(np.float16))
     gemma = arch.startswith("gemma")
     for name, t in state.items():
         t = t.float().numpy()
@@ -121,6 +160,8 @@ def write_gguf(path, arch, c, state):
         else:
             layer, rest = name[len("model.layers."):].split(".", 1)
             stem, kind = rest.rsplit(".", 1)
+            if stem == "mlp.shared_expert_gate":
+                t = t.reshape(-1)
             if stem == "post_attention_layernorm":
                 part = "post_attention_norm" if gemma else "ffn_norm"
             else:
@@ -164,12 +205,14 @@ def f16_kv_logits(model, tokens):
             h.remove()
 
 
-def main():
-    shutil.rmtree(OUT, ignore_errors=True)
-    os.makedirs(OUT)
+def main(only):
+    os.makedirs(OUT, exist_ok=True)
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(3, VOCAB, (POSITIONS,), generator=g).tolist()
     for seed, (name, (model_type, overrides, gguf_arch)) in enumerate(FAMILIES.items()):
+        if only and name not in only:
+            continue
+        shutil.rmtree(os.path.join(OUT, name), ignore_errors=True)
         torch.manual_seed(seed)
         c = AutoConfig.for_model(model_type, **{**BASE, **overrides})
         c._attn_implementation = "eager"
@@ -203,4 +246,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -7,3 +7,4 @@
 #include "attention.cuh"
 #include "sample.cuh"
 #include "gemv.cuh"
+#include "moe.cuh"

@@ -894,11 +894,21 @@ fn agreement_with_cpu(quantized: bool) -> Agreement {
 /// larger batch left behind) give the logits an eager run gives.
 #[test]
 fn decode_graphs_match_eager_steps() {
-    let path = test_model();
+    graphs_match_eager(std::path::Path::new(&test_model()));
+}
+
+/// The same for a mixture of experts (the tiny Qwen2-MoE: routing, grouped matmuls and the
+/// shared expert inside the graphs).
+#[test]
+fn decode_graphs_match_eager_steps_with_experts() {
+    graphs_match_eager(&common::repo_root().join("tests/oracle/tiny/qwen2_moe"));
+}
+
+fn graphs_match_eager(path: &std::path::Path) {
     let (bs, blocks, max_pos) = (16, 64, 512);
     let mut models: Vec<Decoder<CudaBackend>> = (0..2)
         .map(|_| {
-            let mut m = gpu_model(std::path::Path::new(&path), false, max_pos);
+            let mut m = gpu_model(path, false, max_pos);
             m.allocate_cache(blocks + 1, bs).unwrap();
             m
         })
@@ -1241,6 +1251,9 @@ fn families_agree_with_transformers() {
         ("qwen3", true),
         ("gemma2", true),
         ("gemma3", true),
+        ("mixtral", true),
+        ("qwen2_moe", true),
+        ("qwen3_moe", false),
     ] {
         let (tokens, want) = common::tiny_oracle(family, "logits");
         let dir = common::repo_root().join(format!("tests/oracle/tiny/{family}"));

@@ -93,6 +93,65 @@ pub struct QkvPrep<'a, B: Backend> {
     pub rope: &'a B::Rope,
 }
 
+/// How a mixture-of-experts layer routes its tokens.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeSpec {
+    pub num_experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// The top-k softmax weights rescaled to sum to 1 (Mixtral, Qwen3-MoE); else kept as
+    /// the softmax over all experts gives them (Qwen2-MoE).
+    pub norm_topk: bool,
+    pub act: Activation,
+}
+
+/// One expert's gated MLP as host matrices: gate and up `[inter, hidden]`, down
+/// `[hidden, inter]`.
+pub struct ExpertMatrices {
+    pub gate: QTensor,
+    pub up: QTensor,
+    pub down: QTensor,
+}
+
+/// A mixture-of-experts layer's host weights.
+pub struct MoeMatrices {
+    /// `[num_experts, hidden]`.
+    pub router: QTensor,
+    pub experts: Vec<ExpertMatrices>,
+    /// An expert every token takes (Qwen2-MoE, Qwen3.5), with `shared_gate` (`[1, hidden]`)
+    /// when its output is scaled by `sigmoid(shared_gate . x)`.
+    pub shared: Option<ExpertMatrices>,
+    pub shared_gate: Option<QTensor>,
+}
+
+/// Random expert matrices (`--load-format dummy`): `inter` wide, `hidden` deep.
+pub fn random_expert(inter: usize, hidden: usize) -> Result<ExpertMatrices> {
+    Ok(ExpertMatrices {
+        gate: random_matrix(inter, hidden)?,
+        up: random_matrix(inter, hidden)?,
+        down: random_matrix(hidden, inter)?,
+    })
+}
+
+/// A mixture-of-experts layer's weight bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MoeBytes {
+    pub total: usize,
+    /// What one token reads.
+    pub active: usize,
+}
+
+impl MoeBytes {
+    /// The bytes of `experts` (one size each), `top_k` of them active, and `always` read.
+    pub fn of(experts: &[usize], top_k: usize, always: usize) -> Self {
+        let each = experts.first().copied().unwrap_or(0);
+        Self {
+            total: experts.iter().sum::<usize>() + always,
+            active: each * top_k + always,
+        }
+    }
+}
+
 /// A step as the ops see it: the host's index arrays and the backend's copy of them.
 pub struct Step<'a, B: Backend> {
     pub host: &'a PackedStep,
@@ -123,6 +182,8 @@ pub trait Backend: Send + Sized {
     type Linear: Send + Sync;
     type Embedding: Send + Sync;
     type Rope: Send + Sync;
+    /// A mixture-of-experts layer: router, experts and shared expert.
+    type Moe: Send + Sync;
     /// One layer's K and V pages.
     type LayerCache: Send;
     /// A step's index arrays where the ops read them.
@@ -143,9 +204,32 @@ pub trait Backend: Send + Sized {
         self.embedding(random_matrix(vocab, hidden)?)
     }
     fn rope(&self, spec: &RopeSpec, max_positions: usize) -> Result<Self::Rope>;
+    fn moe(&self, m: MoeMatrices, spec: MoeSpec) -> Result<Self::Moe>;
+    /// Random experts `inter` wide (and a gated shared one `shared_inter` wide) over
+    /// `hidden`, for `--load-format dummy`.
+    fn random_moe(
+        &self,
+        spec: MoeSpec,
+        inter: usize,
+        shared_inter: Option<usize>,
+        hidden: usize,
+    ) -> Result<Self::Moe> {
+        let m = MoeMatrices {
+            router: random_matrix(spec.num_experts, hidden)?,
+            experts: (0..spec.num_experts)
+                .map(|_| random_expert(inter, hidden))
+                .collect::<Result<_>>()?,
+            shared: shared_inter.map(|i| random_expert(i, hidden)).transpose()?,
+            shared_gate: shared_inter.map(|_| random_matrix(1, hidden)).transpose()?,
+        };
+        self.moe(m, spec)
+    }
     /// Bytes a weight occupies on the device.
     fn linear_bytes(&self, w: &Self::Linear) -> usize;
     fn embedding_bytes(&self, e: &Self::Embedding) -> usize;
+    /// Bytes of a mixture-of-experts layer: all of it, and what one token reads (its top-k
+    /// experts, the shared one and the router).
+    fn moe_bytes(&self, m: &Self::Moe) -> MoeBytes;
     /// `num_blocks` pages of `block_size` tokens for a layer of `kv_heads` x `head_dim`.
     fn layer_cache(
         &self,
@@ -177,6 +261,16 @@ pub trait Backend: Send + Sized {
         input: LinearIn<Self>,
         w: &Self::Linear,
         out: Epilogue<Self>,
+    ) -> Result<()>;
+    /// `x += ` the mixture of `rms_norm(x)`'s rows: each row through its top-k experts by
+    /// the router's weights, plus the shared expert; a row's result never depends on which
+    /// other rows share its experts.
+    fn mixture(
+        &mut self,
+        x: &mut Self::Act,
+        norm: &Self::Vector,
+        eps: f32,
+        m: &Self::Moe,
     ) -> Result<()>;
     /// Splits `qkv` (`[T, (H + 2 Hkv) D]`) into Q (returned in `q`) and K/V written to
     /// `cache`, after `prep`.

@@ -207,7 +207,7 @@ impl<B: Backend> Family<B> for Gemma<B> {
     }
 
     fn weight_bytes(&self, b: &B) -> usize {
-        let layers = self.layers.iter().map(|l| (&l.attn, &l.mlp));
+        let layers = self.layers.iter().map(|l| l.attn.bytes(b) + l.mlp.bytes(b));
         weight_bytes(b, &self.embedding, &self.lm_head, layers)
     }
 }

@@ -1,10 +1,12 @@
 //! The Llama family: Llama 2/3 (with `rope_scaling`), SmolLM, Mistral (sliding window),
 //! Qwen2 (QKV bias) and Qwen3 (Q/K norm). Pre-norm blocks, SiLU-gated MLP; what a member
-//! adds is found in its weights (biases, Q/K norms) and its config.
+//! adds is found in its weights (biases, Q/K norms) and its config; Mixtral, Qwen2-MoE and
+//! Qwen3-MoE are the same blocks with experts in place of the MLP.
 
-use super::layers::{embedding, lm_head, norm, weight_bytes, Attention, Mlp, NormWeights};
+use super::layers::{embedding, lm_head, norm, weight_bytes, Attention, NormWeights};
+use super::moe::{Ffn, MoeConfig};
 use super::{Buffers, Family};
-use crate::backend::{Activation, AttentionSpec, Backend, Epilogue, LinearIn, Step};
+use crate::backend::{AttentionSpec, Backend, Epilogue, LinearIn, Step};
 use crate::config::{ModelConfig, RopeScaling};
 use crate::rope::RopeSpec;
 use crate::weights::config_source::ConfigSource;
@@ -15,7 +17,7 @@ use ferrite_core::kv_layout::KvLayout;
 pub fn config(src: &ConfigSource) -> Result<ModelConfig> {
     // llama.cpp permutes Llama's and Mistral's Q/K rows for adjacent-pair rotation; Qwen's
     // are kept as they are.
-    let permuted = matches!(src.architecture(), "llama" | "mistral");
+    let permuted = matches!(src.architecture(), "llama" | "mistral" | "mixtral");
     ModelConfig::common(src, permuted)
 }
 
@@ -23,7 +25,7 @@ struct Layer<B: Backend> {
     attn_norm: B::Vector,
     attn: Attention<B>,
     ffn_norm: B::Vector,
-    mlp: Mlp<B>,
+    ffn: Ffn<B>,
 }
 
 pub struct Llama<B: Backend> {
@@ -39,6 +41,7 @@ impl<B: Backend> Llama<B> {
     pub fn load(
         b: &B,
         config: ModelConfig,
+        moe: Option<MoeConfig>,
         layout: &KvLayout,
         w: &mut WeightSource,
         max_positions: usize,
@@ -71,7 +74,7 @@ impl<B: Backend> Llama<B> {
                     h,
                     plain,
                 )?,
-                mlp: Mlp::load(b, w, &p, h, c.intermediate_size)?,
+                ffn: Ffn::load(b, w, &p, i, h, c.intermediate_size, moe.as_ref())?,
             });
             progress(i + 1, c.num_layers);
         }
@@ -112,21 +115,16 @@ impl<B: Backend> Family<B> for Llama<B> {
                 .attend(b, s, input, &self.rope, eps, lc, &mut ws.tmp)?;
             let o_in = LinearIn::Plain(&ws.tmp.attn);
             b.matmul(o_in, &l.attn.o, Epilogue::AddInto(&mut ws.x))?;
-            let input = LinearIn::RmsNorm {
-                x: &ws.x,
-                norm: &l.ffn_norm,
-                eps,
-            };
-            let act = Epilogue::Gated(&mut ws.tmp.act, Activation::Silu);
-            b.matmul(input, &l.mlp.gate_up, act)?;
-            let down_in = LinearIn::Plain(&ws.tmp.act);
-            b.matmul(down_in, &l.mlp.down, Epilogue::AddInto(&mut ws.x))?;
+            l.ffn.forward(b, &mut ws.x, &l.ffn_norm, eps, &mut ws.tmp)?;
         }
         b.logits(s, &ws.x, &self.final_norm, eps, &self.lm_head, None)
     }
 
     fn weight_bytes(&self, b: &B) -> usize {
-        let layers = self.layers.iter().map(|l| (&l.attn, &l.mlp));
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| l.attn.bytes(b) + l.ffn.bytes(b).0);
         weight_bytes(b, &self.embedding, &self.lm_head, layers)
     }
 }

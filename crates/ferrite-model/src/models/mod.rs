@@ -5,6 +5,7 @@
 pub mod gemma;
 pub mod layers;
 pub mod llama;
+pub mod moe;
 
 use crate::backend::{Backend, Step};
 use crate::config::ModelConfig;
@@ -63,7 +64,7 @@ impl<B: Backend> Default for Buffers<B> {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
-    /// Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3.
+    /// Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3; Mixtral, Qwen2-MoE, Qwen3-MoE.
     Llama,
     /// Gemma 2 and Gemma 3 (text).
     Gemma,
@@ -74,6 +75,11 @@ const ARCHITECTURES: &[(&str, Kind)] = &[
     ("mistral", Kind::Llama),
     ("qwen2", Kind::Llama),
     ("qwen3", Kind::Llama),
+    ("mixtral", Kind::Llama),
+    ("qwen2_moe", Kind::Llama),
+    ("qwen2moe", Kind::Llama),
+    ("qwen3_moe", Kind::Llama),
+    ("qwen3moe", Kind::Llama),
     ("gemma2", Kind::Gemma),
     ("gemma3", Kind::Gemma),
     ("gemma3_text", Kind::Gemma),
@@ -117,6 +123,7 @@ pub fn load<B: Backend + 'static>(
         Kind::Llama => Box::new(llama::Llama::load(
             &backend,
             llama::config(src)?,
+            moe::MoeConfig::read(src)?,
             &layout,
             weights,
             max_positions,

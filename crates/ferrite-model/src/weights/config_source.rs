@@ -40,6 +40,14 @@ const GGUF_KEYS: &[(&str, &str)] = &[
     ("final_logit_softcapping", "final_logit_softcapping"),
     ("rope_dim", "rope.dimension_count"),
     ("vocab_size", "vocab_size"),
+    ("num_experts", "expert_count"),
+    ("num_experts_per_tok", "expert_used_count"),
+    ("moe_intermediate_size", "expert_feed_forward_length"),
+    (
+        "shared_expert_intermediate_size",
+        "expert_shared_feed_forward_length",
+    ),
+    ("norm_topk_prob", "expert_weights_norm"),
     // rope_scaling, flattened: `rope_scaling.factor` etc.
     ("rope_scaling.rope_type", "rope.scaling.type"),
     ("rope_scaling.factor", "rope.scaling.factor"),

@@ -3,6 +3,7 @@
 //! whatever the file.
 
 pub mod config_source;
+pub mod experts;
 pub mod gguf;
 pub mod hub;
 
@@ -26,7 +27,7 @@ pub enum WeightSource {
 }
 
 /// GGUF name of a Hugging Face tensor name (llama.cpp's converter's map).
-fn gguf_name(arch: &str, name: &str) -> Option<String> {
+pub(crate) fn gguf_name(arch: &str, name: &str) -> Option<String> {
     let top = match name {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
         "model.norm.weight" => Some("output_norm.weight"),
@@ -60,6 +61,12 @@ fn gguf_name(arch: &str, name: &str) -> Option<String> {
         "mlp.gate_proj" => "ffn_gate",
         "mlp.up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
+        // Mixture-of-experts routers (Mixtral's block is `block_sparse_moe`) and shared experts.
+        "mlp.gate" | "block_sparse_moe.gate" => "ffn_gate_inp",
+        "mlp.shared_expert.gate_proj" => "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj" => "ffn_up_shexp",
+        "mlp.shared_expert.down_proj" => "ffn_down_shexp",
+        "mlp.shared_expert_gate" => "ffn_gate_inp_shexp",
         _ => return None,
     };
     Some(format!("blk.{layer}.{g}.{kind}"))
@@ -101,7 +108,7 @@ impl WeightSource {
         matches!(self, Self::Dummy)
     }
 
-    fn location(&self) -> String {
+    pub(crate) fn location(&self) -> String {
         match self {
             Self::Gguf { file, .. } => file.path.display().to_string(),
             Self::Safetensors { dir, .. } => dir.display().to_string(),

@@ -7,10 +7,14 @@ pub mod attention;
 pub mod disjoint;
 pub mod kv_cache;
 pub mod linear;
+pub mod moe;
 pub mod ops;
 pub mod quant;
 
-use super::{AttentionSpec, Backend, Epilogue, LinearIn, QkvPrep, Stack, Step};
+use super::{
+    AttentionSpec, Backend, Epilogue, LinearIn, MoeBytes, MoeMatrices, MoeSpec, QkvPrep, Stack,
+    Step,
+};
 use crate::engine_args::WeightFormat;
 use crate::rope::{RopeSpec, RopeTable};
 use anyhow::{bail, Result};
@@ -71,6 +75,7 @@ pub struct CpuBackend {
     /// The rows that need logits.
     sel: Mat,
     logits: Vec<f32>,
+    moe: moe::Scratch,
 }
 
 impl CpuBackend {
@@ -94,6 +99,7 @@ impl CpuBackend {
             v: Vec::new(),
             sel: Mat::default(),
             logits: Vec::new(),
+            moe: moe::Scratch::default(),
         }
     }
 
@@ -129,6 +135,7 @@ impl Backend for CpuBackend {
     type Linear = Vec<Linear>;
     type Embedding = Embedding;
     type Rope = RopeTable;
+    type Moe = moe::Moe;
     type LayerCache = LayerCache;
     type StepInputs = ();
 
@@ -148,6 +155,14 @@ impl Backend for CpuBackend {
 
     fn rope(&self, spec: &RopeSpec, max_positions: usize) -> Result<RopeTable> {
         Ok(RopeTable::new(spec, max_positions))
+    }
+
+    fn moe(&self, m: MoeMatrices, spec: MoeSpec) -> Result<moe::Moe> {
+        moe::Moe::new(m, spec, self.format)
+    }
+
+    fn moe_bytes(&self, m: &moe::Moe) -> MoeBytes {
+        m.bytes()
     }
 
     fn linear_bytes(&self, w: &Vec<Linear>) -> usize {
@@ -259,6 +274,10 @@ impl Backend for CpuBackend {
         };
         self.proj = proj;
         result
+    }
+
+    fn mixture(&mut self, x: &mut Mat, norm: &Vec<f32>, eps: f32, m: &moe::Moe) -> Result<()> {
+        self.mixture_into(x, norm, eps, m)
     }
 
     fn prepare_qkv(

@@ -9,8 +9,12 @@ pub mod inputs;
 pub mod kernels;
 pub mod linear;
 pub mod loader;
+pub mod moe;
 
-use super::{AttentionSpec, Backend, Epilogue, Forward, LinearIn, QkvPrep, Stack, Step};
+use super::{
+    AttentionSpec, Backend, Epilogue, Forward, LinearIn, MoeBytes, MoeMatrices, MoeSpec, QkvPrep,
+    Stack, Step,
+};
 use crate::config::RopeStyle;
 use crate::rope::{RopeSpec, RopeTable};
 use crate::runner::DeviceDraws;
@@ -202,6 +206,7 @@ impl Backend for CudaBackend {
     /// bf16 `[vocab, hidden]`.
     type Embedding = Tensor;
     type Rope = Rope;
+    type Moe = moe::Moe;
     type LayerCache = KvPages;
     type StepInputs = StepInputs;
     /// Every op allocates its output on the stream; inside a captured graph, what the graph
@@ -240,6 +245,24 @@ impl Backend for CudaBackend {
             dim: spec.dim,
             neox: spec.style == RopeStyle::Neox,
         })
+    }
+
+    fn moe(&self, m: MoeMatrices, spec: MoeSpec) -> Result<moe::Moe> {
+        moe::Moe::new(m, spec, &self.device)
+    }
+
+    fn random_moe(
+        &self,
+        spec: MoeSpec,
+        inter: usize,
+        shared_inter: Option<usize>,
+        hidden: usize,
+    ) -> Result<moe::Moe> {
+        moe::Moe::random(spec, inter, shared_inter, hidden, &self.device)
+    }
+
+    fn moe_bytes(&self, m: &moe::Moe) -> MoeBytes {
+        m.bytes()
     }
 
     fn linear_bytes(&self, w: &Linear) -> usize {
@@ -339,6 +362,10 @@ impl Backend for CudaBackend {
             Epilogue::Gated(out, act) => out.0 = Some(k.matmul_gated(input, w, act)?),
         }
         Ok(())
+    }
+
+    fn mixture(&mut self, x: &mut Act, norm: &Tensor, eps: f32, m: &moe::Moe) -> Result<()> {
+        self.mixture_into(x, norm, eps, m)
     }
 
     fn prepare_qkv(

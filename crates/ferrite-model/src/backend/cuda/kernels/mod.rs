@@ -5,6 +5,7 @@
 
 pub mod attention;
 pub mod matmul;
+pub mod moe;
 pub mod sample;
 
 use crate::backend::Activation;
@@ -42,6 +43,11 @@ pub struct Kernels {
     attention: CudaFunction,
     attention_mma: [CudaFunction; 3],
     merge_splits: CudaFunction,
+    moe_route: CudaFunction,
+    moe_align: CudaFunction,
+    moe_gate_up: CudaFunction,
+    moe_down: CudaFunction,
+    moe_combine: CudaFunction,
     sample_rows: CudaFunction,
     mask_rows: CudaFunction,
     multiprocessors: u32,
@@ -183,6 +189,11 @@ impl Kernels {
                 f("paged_attention_mma_d128_bf16")?,
             ],
             merge_splits: f("merge_splits_bf16")?,
+            moe_route: f("moe_route_f32")?,
+            moe_align: f("moe_align")?,
+            moe_gate_up: f("moe_gate_up_bf16")?,
+            moe_down: f("moe_down_bf16")?,
+            moe_combine: f("moe_combine_f32")?,
             sample_rows: f("sample_rows_f32")?,
             mask_rows: f("mask_rows_f32")?,
             multiprocessors,
