@@ -13,6 +13,7 @@ cache (after the rotary embedding), as ferrite's CPU cache holds them. The Rust 
     python3 -m venv /tmp/oracle && /tmp/oracle/bin/pip install torch transformers gguf
     /tmp/oracle/bin/python tests/oracle/make_tiny.py [family ...]   # writes tests/oracle/tiny/
 """
+import copy
 import json
 import os
 import shutil
@@ -54,7 +55,8 @@ FAMILIES = {
         moe_intermediate_size=32, shared_expert_intermediate_size=96, norm_topk_prob=False),
         "qwen2moe"),
     # Layer 1 dense (`mlp_only_layers`): the routing of mixed stacks.
-    "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+    # 40 experts: the CUDA router holds more than one per lane.
+    "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=2, num_experts=40, num_experts_per_tok=6,
         moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]), None),
 }
 
@@ -225,6 +227,10 @@ def main(only):
         with torch.no_grad():
             logits = model(torch.tensor([tokens])).logits[0].float()
         logits_f16_kv = f16_kv_logits(model, tokens)
+        # transformers itself in bf16: how far a bf16 run strays (routing flips near ties).
+        with torch.no_grad():
+            bf16_run = copy.deepcopy(model).to(torch.bfloat16)(torch.tensor([tokens])).logits[0]
+        bf16_max = (bf16_run.float() - logits).abs().max().item()
         folder = os.path.join(OUT, name)
         # Saved last: casting the model to bf16 also rounds its rotary frequency buffers.
         model.to(torch.bfloat16).save_pretrained(folder)
@@ -241,6 +247,7 @@ def main(only):
                 "token_ids": tokens,
                 "logits": [[round(x, 5) for x in row] for row in logits.tolist()],
                 "logits_f16_kv": [[round(x, 5) for x in row] for row in logits_f16_kv.tolist()],
+                "transformers_bf16_max_dlogit": round(bf16_max, 5),
             }, fh)
         print(f"{name}: {model_type}, {sum(p.numel() for p in model.parameters())} weights")
 

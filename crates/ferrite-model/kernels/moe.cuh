@@ -1,16 +1,16 @@
 // ---- Mixture-of-experts layers ----
 // Each of a step's T rows takes k experts: assignment a = t * k + j is row t's j-th pick.
 // moe_route picks them from the router's logits, moe_align groups the assignments by expert
-// into tiles of MOE_TM rows (one expert per tile, padding rows marked MOE_NONE), the two
+// into tiles of TM rows (16 when experts get few rows each, 64 for long prefills) (one expert per tile, padding rows marked MOE_NONE), the two
 // grouped matmuls run every tile against its expert's weights on tensor cores, and
 // moe_combine adds each row's k results in j order. No atomics touch a value, and a row's
 // dot products never see another row, so a row's result does not depend on the rows it
-// shares an expert with.
+// shares an expert with. Each kernel is launched chained (common.cuh): it waits for the one
+// before it, its launch hidden behind that one's tail.
 #pragma once
 #include <mma.h>
-#include "elementwise.cuh"
+#include "gemv.cuh"
 
-#define MOE_TM 16
 #define MOE_BN 64
 #define MOE_KC 32
 #define MOE_NONE 0xffffffffu
@@ -24,6 +24,7 @@
 extern "C" __global__ void moe_route_f32(const float* logits, int T, int width, int E, int k,
                                          int norm, int gated, uint32_t* ids, float* weights,
                                          float* shared_w) {
+  wait_for_previous_kernel();
   const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (row >= T) return;
   const float* l = logits + (size_t)row * width;
@@ -66,20 +67,21 @@ extern "C" __global__ void moe_route_f32(const float* logits, int T, int width, 
 // Groups the n = T * k assignments by expert: expert e's take padded slots from its offset
 // on (each expert's run padded to whole tiles), order[slot] = assignment (MOE_NONE in padding),
 // tile_expert[tile] = its expert (MOE_NONE past the last). One block; shared memory 2E words.
-extern "C" __global__ void moe_align(const uint32_t* ids, int n, int E, int max_tiles,
+extern "C" __global__ void moe_align(const uint32_t* ids, int n, int E, int max_tiles, int tm,
                                      uint32_t* order, uint32_t* tile_expert) {
   extern __shared__ uint32_t moe_counts[];
   uint32_t* cursor = moe_counts + E;
+  wait_for_previous_kernel();
   for (int e = threadIdx.x; e < E; e += blockDim.x) moe_counts[e] = 0;
-  for (int p = threadIdx.x; p < max_tiles * MOE_TM; p += blockDim.x) order[p] = MOE_NONE;
+  for (int p = threadIdx.x; p < max_tiles * tm; p += blockDim.x) order[p] = MOE_NONE;
   __syncthreads();
   for (int a = threadIdx.x; a < n; a += blockDim.x) atomicAdd(&moe_counts[ids[a]], 1u);
   __syncthreads();
   if (threadIdx.x == 0) {
     int tile = 0;
     for (int e = 0; e < E; e++) {
-      cursor[e] = tile * MOE_TM;
-      for (int t = (moe_counts[e] + MOE_TM - 1) / MOE_TM; t > 0; t--) tile_expert[tile++] = e;
+      cursor[e] = tile * tm;
+      for (int t = (moe_counts[e] + tm - 1) / tm; t > 0; t--) tile_expert[tile++] = e;
     }
     for (; tile < max_tiles; tile++) tile_expert[tile] = MOE_NONE;
   }
@@ -87,77 +89,114 @@ extern "C" __global__ void moe_align(const uint32_t* ids, int n, int E, int max_
   for (int a = threadIdx.x; a < n; a += blockDim.x) order[atomicAdd(&cursor[ids[a]], 1u)] = a;
 }
 
-// One tile of a grouped matmul: acc[g] (16 x 16 per warp, warp w's columns c0 + 16 w ..) =
-// sum over K of A[rows] . B_g[cols], A rows gathered by `a_row` (MOE_NONE: zeros), B_g the
-// `nb` weight matrices [N, K] of the tile's expert. K % 8 == 0. 128 threads.
-template <int NB>
+// One tile of a grouped matmul, TM = 16 (each warp 16 columns: acc[g][0], columns c0 + 16 w)
+// or 64 (each warp 16 rows: acc[g][n], rows 16 w .., columns c0 + 16 n) = sum over K of A[rows] . B_g[cols], A's rows gathered by `a_row` (MOE_NONE:
+// zeros), B_g the NB weight matrices [N, K] of the tile's expert. K % 8 == 0. 128 threads.
+// The next chunk's loads are in flight while the tensor cores take the current one.
+template <int TM, int NB>
 __device__ __forceinline__ void moe_tile(
     const bf16* __restrict__ a, const uint32_t* a_row, const bf16* const* b, int N, int K,
-    int c0, nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float>* acc) {
+    int c0, nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> (*acc)[TM == 64 ? 4 : 1]) {
   using namespace nvcuda;
-  __shared__ __align__(32) bf16 as[MOE_TM * MOE_KC];
+  constexpr int K8 = MOE_KC / 8, A_LOADS = (TM * K8 + 127) / 128, B_LOADS = MOE_BN * K8 / 128;
+  constexpr int NF = TM == 64 ? 4 : 1;
+  __shared__ __align__(32) bf16 as[TM * MOE_KC];
   __shared__ __align__(32) bf16 bs[NB][MOE_BN * MOE_KC];
-  const int warp = threadIdx.x >> 5, k8 = MOE_KC / 8;
+  const int warp = threadIdx.x >> 5;
+  uint4 ra[A_LOADS], rb[NB][B_LOADS];
+  auto load = [&](int k0) {
 #pragma unroll
-  for (int g = 0; g < NB; g++) wmma::fill_fragment(acc[g], 0.f);
-  for (int k0 = 0; k0 < K; k0 += MOE_KC) {
-    for (int i = threadIdx.x; i < MOE_TM * k8; i += blockDim.x) {
-      const int r = i / k8, kk = k0 + (i % k8) * 8;
-      const uint32_t row = a_row[r];
-      ((uint4*)as)[i] = row != MOE_NONE && kk < K ? *(const uint4*)(a + (size_t)row * K + kk)
-                                                  : make_uint4(0, 0, 0, 0);
+    for (int j = 0; j < A_LOADS; j++) {
+      const int i = threadIdx.x + 128 * j, r = i / K8, kk = k0 + (i % K8) * 8;
+      const uint32_t row = r < TM ? a_row[r] : MOE_NONE;
+      ra[j] = row != MOE_NONE && kk < K ? *(const uint4*)(a + (size_t)row * K + kk)
+                                        : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int g = 0; g < NB; g++)
-      for (int i = threadIdx.x; i < MOE_BN * k8; i += blockDim.x) {
-        const int c = c0 + i / k8, kk = k0 + (i % k8) * 8;
-        ((uint4*)bs[g])[i] = c < N && kk < K ? *(const uint4*)(b[g] + (size_t)c * K + kk)
-                                             : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int j = 0; j < B_LOADS; j++) {
+        const int i = threadIdx.x + 128 * j, c = c0 + i / K8, kk = k0 + (i % K8) * 8;
+        rb[g][j] = c < N && kk < K ? __ldcs((const uint4*)(b[g] + (size_t)c * K + kk))
+                                   : make_uint4(0, 0, 0, 0);
       }
+  };
+#pragma unroll
+  for (int g = 0; g < NB; g++)
+#pragma unroll
+    for (int n = 0; n < NF; n++) wmma::fill_fragment(acc[g][n], 0.f);
+  load(0);
+  for (int k0 = 0; k0 < K; k0 += MOE_KC) {
+#pragma unroll
+    for (int j = 0; j < A_LOADS; j++)
+      if (threadIdx.x + 128 * j < TM * K8) ((uint4*)as)[threadIdx.x + 128 * j] = ra[j];
+#pragma unroll
+    for (int g = 0; g < NB; g++)
+#pragma unroll
+      for (int j = 0; j < B_LOADS; j++) ((uint4*)bs[g])[threadIdx.x + 128 * j] = rb[g][j];
     __syncthreads();
+    if (k0 + MOE_KC < K) load(k0 + MOE_KC);
 #pragma unroll
     for (int kk = 0; kk < MOE_KC; kk += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa;
-      wmma::load_matrix_sync(fa, as + kk, MOE_KC);
+      wmma::load_matrix_sync(fa, as + (TM == 64 ? warp * 16 * MOE_KC : 0) + kk, MOE_KC);
 #pragma unroll
-      for (int g = 0; g < NB; g++) {
-        // B[k][n] = w[n][k]: w's rows read as a column-major K x N matrix.
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> fb;
-        wmma::load_matrix_sync(fb, bs[g] + warp * 16 * MOE_KC + kk, MOE_KC);
-        wmma::mma_sync(acc[g], fa, fb, acc[g]);
-      }
+      for (int g = 0; g < NB; g++)
+#pragma unroll
+        for (int n = 0; n < NF; n++) {
+          // B[k][n] = w[n][k]: w's rows read as a column-major K x N matrix.
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> fb;
+          const int col = TM == 64 ? n * 16 : warp * 16;
+          wmma::load_matrix_sync(fb, bs[g] + col * MOE_KC + kk, MOE_KC);
+          wmma::mma_sync(acc[g][n], fa, fb, acc[g][n]);
+        }
     }
     __syncthreads();
   }
+}
+
+// Stores a warp's accumulators (as moe_tile lays them out) into cs [TM, MOE_BN].
+template <int TM>
+__device__ __forceinline__ void moe_store(
+    float* cs, nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float>* acc) {
+  const int warp = threadIdx.x >> 5;
+  if (TM == 16) {
+    nvcuda::wmma::store_matrix_sync(cs + warp * 16, acc[0], MOE_BN, nvcuda::wmma::mem_row_major);
+    return;
+  }
+#pragma unroll
+  for (int n = 0; n < 4; n++)
+    nvcuda::wmma::store_matrix_sync(cs + warp * 16 * MOE_BN + n * 16, acc[n], MOE_BN,
+                                    nvcuda::wmma::mem_row_major);
 }
 
 // act[a, c] = act(gate_e[c] . x[a / k]) * (up_e[c] . x[a / k]) for the assignments of tile
 // blockIdx.x, columns blockIdx.y * MOE_BN ..; x [T, H] bf16, w [E, 2I, H] (an expert's gate
 // rows, then its up rows), act [T * k, I] bf16. Gate and up are rounded to bf16 first, as
 // the dense path stores them. Grid: (max_tiles, I / MOE_BN rounded up), 128 threads.
-extern "C" __global__ void __launch_bounds__(128)
-    moe_gate_up_bf16(const bf16* x, const uint32_t* order, const uint32_t* tile_expert,
-                     const bf16* w, int H, int I, int k, int act, bf16* out) {
+template <int TM>
+__device__ void moe_gate_up(const bf16* x, const uint32_t* order, const uint32_t* tile_expert,
+                            const bf16* w, int H, int I, int k, int act, bf16* out) {
   using namespace nvcuda;
+  wait_for_previous_kernel();
   const uint32_t e = tile_expert[blockIdx.x];
   if (e == MOE_NONE) return;
-  __shared__ uint32_t slot[MOE_TM], token[MOE_TM];
-  __shared__ __align__(32) float cs[2][MOE_TM * MOE_BN];
-  if (threadIdx.x < MOE_TM) {
-    const uint32_t a = order[blockIdx.x * MOE_TM + threadIdx.x];
+  __shared__ uint32_t slot[TM], token[TM];
+  __shared__ __align__(32) float cs[2][TM * MOE_BN];
+  if (threadIdx.x < TM) {
+    const uint32_t a = order[blockIdx.x * TM + threadIdx.x];
     slot[threadIdx.x] = a;
     token[threadIdx.x] = a == MOE_NONE ? MOE_NONE : a / k;
   }
   __syncthreads();
-  const int c0 = blockIdx.y * MOE_BN, warp = threadIdx.x >> 5;
+  const int c0 = blockIdx.y * MOE_BN;
   const bf16* gate = w + (size_t)e * 2 * I * H;
   const bf16* b[2] = {gate, gate + (size_t)I * H};
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2];
-  moe_tile<2>(x, token, b, I, H, c0, acc);
-  for (int g = 0; g < 2; g++)
-    wmma::store_matrix_sync(cs[g] + warp * 16, acc[g], MOE_BN, wmma::mem_row_major);
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][TM == 64 ? 4 : 1];
+  moe_tile<TM, 2>(x, token, b, I, H, c0, acc);
+  for (int g = 0; g < 2; g++) moe_store<TM>(cs[g], acc[g]);
   __syncthreads();
-  for (int i = threadIdx.x; i < MOE_TM * MOE_BN; i += blockDim.x) {
+  for (int i = threadIdx.x; i < TM * MOE_BN; i += blockDim.x) {
     const int r = i / MOE_BN, c = c0 + i % MOE_BN;
     if (slot[r] == MOE_NONE || c >= I) continue;
     const float g = __bfloat162float(__float2bfloat16(cs[0][i]));
@@ -168,27 +207,94 @@ extern "C" __global__ void __launch_bounds__(128)
 
 // y[a, c] = weights[a] * (down_e[c] . act[a]) for the tile's assignments; w [E, H, I],
 // act [T * k, I] bf16, y [T * k, H] f32. Grid: (max_tiles, H / MOE_BN rounded up), 128 threads.
-extern "C" __global__ void __launch_bounds__(128)
-    moe_down_bf16(const bf16* act, const uint32_t* order, const uint32_t* tile_expert,
-                  const bf16* w, const float* weights, int H, int I, float* y) {
+template <int TM>
+__device__ void moe_down(const bf16* act, const uint32_t* order, const uint32_t* tile_expert,
+                         const bf16* w, const float* weights, int H, int I, float* y) {
   using namespace nvcuda;
+  wait_for_previous_kernel();
   const uint32_t e = tile_expert[blockIdx.x];
   if (e == MOE_NONE) return;
-  __shared__ uint32_t slot[MOE_TM];
-  __shared__ __align__(32) float cs[MOE_TM * MOE_BN];
-  if (threadIdx.x < MOE_TM) slot[threadIdx.x] = order[blockIdx.x * MOE_TM + threadIdx.x];
+  __shared__ uint32_t slot[TM];
+  __shared__ __align__(32) float cs[TM * MOE_BN];
+  if (threadIdx.x < TM) slot[threadIdx.x] = order[blockIdx.x * TM + threadIdx.x];
   __syncthreads();
-  const int c0 = blockIdx.y * MOE_BN, warp = threadIdx.x >> 5;
+  const int c0 = blockIdx.y * MOE_BN;
   const bf16* b[1] = {w + (size_t)e * H * I};
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[1];
-  moe_tile<1>(act, slot, b, H, I, c0, acc);
-  wmma::store_matrix_sync(cs + warp * 16, acc[0], MOE_BN, wmma::mem_row_major);
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[1][TM == 64 ? 4 : 1];
+  moe_tile<TM, 1>(act, slot, b, H, I, c0, acc);
+  moe_store<TM>(cs, acc[0]);
   __syncthreads();
-  for (int i = threadIdx.x; i < MOE_TM * MOE_BN; i += blockDim.x) {
+  for (int i = threadIdx.x; i < TM * MOE_BN; i += blockDim.x) {
     const int r = i / MOE_BN, c = c0 + i % MOE_BN;
     if (slot[r] == MOE_NONE || c >= H) continue;
     y[(size_t)slot[r] * H + c] = cs[i] * weights[slot[r]];
   }
+}
+
+#define MOE_TILED(TM)                                                                           \
+  extern "C" __global__ void __launch_bounds__(128) moe_gate_up_m##TM##_bf16(                  \
+      const bf16* x, const uint32_t* order, const uint32_t* tile_expert, const bf16* w, int H,  \
+      int I, int k, int act, bf16* out) {                                                       \
+    moe_gate_up<TM>(x, order, tile_expert, w, H, I, k, act, out);                               \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(128) moe_down_m##TM##_bf16(                     \
+      const bf16* act, const uint32_t* order, const uint32_t* tile_expert, const bf16* w,       \
+      const float* weights, int H, int I, float* y) {                                           \
+    moe_down<TM>(act, order, tile_expert, w, weights, H, I, y);                                 \
+  }
+MOE_TILED(16)
+MOE_TILED(64)
+
+// Steps of few assignments (decodes): one warp per (assignment, output column) streams the
+// column's weights with 16-byte loads, many in flight, the input row staged in shared memory
+// (dynamic, K bf16); no grouping by expert. GATED: act[a, c] = act(gate_e[c] . x[a / k]) *
+// (up_e[c] . x[a / k]) over w [E, 2N, K]; else y[a, c] = weights[a] * (w_e[c] . in[a]) over
+// w [E, N, K], f32. Grid: (T * k, N / 8 rounded up), 256 threads.
+template <bool GATED>
+__device__ void moe_gemv(const bf16* __restrict__ in, int in_div, const uint32_t* ids,
+                         const bf16* __restrict__ w, int N, int K, int act,
+                         const float* weights, void* out) {
+  extern __shared__ __align__(16) unsigned char moe_xs[];
+  const int a = blockIdx.x, lane = threadIdx.x & 31, k8 = K / 8;
+  const uint4* src = (const uint4*)(in + (size_t)(a / in_div) * K);
+  uint4* xs = (uint4*)moe_xs;
+  wait_for_previous_kernel();
+  for (int i = threadIdx.x; i < k8; i += blockDim.x) xs[i] = src[i];
+  __syncthreads();
+  const int c = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (c >= N) return;
+  const size_t e = ids[a];
+  const uint4* wg = (const uint4*)(w + (e * (GATED ? 2 : 1) * N + c) * K);
+  const uint4* wu = (const uint4*)(w + (e * 2 * N + N + c) * K);
+  float g = 0.f, u = 0.f;
+#pragma unroll 4
+  for (int i = lane; i < k8; i += 32) {
+    const uint4 x = xs[i];
+    g = dot8(__ldcs(wg + i), x, g);
+    if (GATED) u = dot8(__ldcs(wu + i), x, u);
+  }
+  g = warp_sum(g);
+  if (GATED) u = warp_sum(u);
+  if (lane != 0) return;
+  if (GATED) {
+    const float gb = __bfloat162float(__float2bfloat16(g));
+    const float ub = __bfloat162float(__float2bfloat16(u));
+    ((bf16*)out)[(size_t)a * N + c] = __float2bfloat16(gate_times(act, gb, ub));
+  } else {
+    ((float*)out)[(size_t)a * N + c] = g * weights[a];
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    moe_gemv_gate_up_bf16(const bf16* x, int k, const uint32_t* ids, const bf16* w, int I, int H,
+                          int act, bf16* out) {
+  moe_gemv<true>(x, k, ids, w, I, H, act, nullptr, out);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    moe_gemv_down_bf16(const bf16* act, const uint32_t* ids, const bf16* w, const float* weights,
+                       int H, int I, float* y) {
+  moe_gemv<false>(act, 1, ids, w, H, I, 0, weights, y);
 }
 
 // x[t, :] += sum_j y[t * k + j, :] (j in order) + shared_w[t] * ys[t, :] (when ys is given).
@@ -196,6 +302,7 @@ extern "C" __global__ void __launch_bounds__(128)
 extern "C" __global__ void moe_combine_f32(float* x, const float* y, const float* ys,
                                            const float* shared_w, int H, int k) {
   const size_t t = blockIdx.x;
+  wait_for_previous_kernel();
   for (int c = threadIdx.x; c < H; c += blockDim.x) {
     float acc = 0.f;
     for (int j = 0; j < k; j++) acc += y[(t * k + j) * H + c];

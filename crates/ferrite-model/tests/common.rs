@@ -117,6 +117,13 @@ pub fn tiny_oracle(family: &str, key: &str) -> (Vec<u32>, Vec<Vec<f32>>) {
     (ids(&j["token_ids"]), logits)
 }
 
+/// A number of the tiny oracle's (0 where it has none).
+pub fn tiny_oracle_value(family: &str, key: &str) -> f64 {
+    let p = repo_root().join(format!("tests/oracle/tiny/{family}/oracle.json"));
+    let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+    j[key].as_f64().unwrap_or(0.0)
+}
+
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array()
         .unwrap()

@@ -897,11 +897,13 @@ fn decode_graphs_match_eager_steps() {
     graphs_match_eager(std::path::Path::new(&test_model()));
 }
 
-/// The same for a mixture of experts (the tiny Qwen2-MoE: routing, grouped matmuls and the
-/// shared expert inside the graphs).
+/// The same for mixtures of experts (the tiny Qwen2-MoE and Qwen3-MoE: routing over 8 and
+/// 40 experts, the small-step expert matmuls and the shared expert inside the graphs).
 #[test]
 fn decode_graphs_match_eager_steps_with_experts() {
-    graphs_match_eager(&common::repo_root().join("tests/oracle/tiny/qwen2_moe"));
+    for family in ["qwen2_moe", "qwen3_moe"] {
+        graphs_match_eager(&common::repo_root().join(format!("tests/oracle/tiny/{family}")));
+    }
 }
 
 fn graphs_match_eager(path: &std::path::Path) {
@@ -1287,8 +1289,11 @@ fn families_agree_with_transformers() {
             assert_eq!(got.len(), rows);
             // bf16 weights and activations (2^-9 relative per value) through a few layers:
             // a few hundredths of the logits' range, and the top-1 where it is not a near-tie.
+            // A mixture of experts flips a near-tied expert at a position or two, as
+            // transformers itself run in bf16 does: up to 1.5x what that run strays.
+            let flips = 1.5 * common::tiny_oracle_value(family, "transformers_bf16_max_dlogit");
             assert!(
-                worst < 0.05 * scale.max(1.0),
+                worst < (0.05 * scale.max(1.0)).max(flips),
                 "{family}: max |dlogit| {worst}"
             );
             assert!(

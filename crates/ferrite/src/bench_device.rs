@@ -165,6 +165,10 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
         &mut |_, _| {},
     )?;
     let wbytes = model.weight_bytes() as f64;
+    // A mixture of experts reads its routed experts only where a step's rows go.
+    let experts = model.expert_bytes();
+    let dense_bytes = wbytes - experts.routed as f64;
+    let read_by = |tokens: usize| dense_bytes + experts.read_by(tokens) - experts.always as f64;
     let max_batch = a.batch.iter().copied().max().unwrap_or(1);
     let blocks = (max_batch * a.context.div_ceil(BLOCK)).max(a.prompt_tokens.div_ceil(BLOCK));
     // The last block is the decode graphs' scratch block.
@@ -180,6 +184,15 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
         wbytes / 1e9,
         wbytes / copy_bw * 1e3
     );
+    if experts.num_experts > 0 {
+        println!(
+            "experts: {} per layer, {} per token, {:.2} GB of them; a decode step's floor counts the weights of the experts its rows are expected to hit (uniform routing): {:.2} GB at batch 1",
+            experts.num_experts,
+            experts.top_k,
+            experts.routed as f64 / 1e9,
+            read_by(1) / 1e9
+        );
+    }
     println!("| decode batch | context | launch | step ms | host enqueue ms | tokens/s | floor ms (weights + KV read) | step / floor |");
     println!("|---:|---:|---|---:|---:|---:|---:|---:|");
     for graphs in [false, true] {
@@ -210,7 +223,7 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
                 hosts.sort_by(f64::total_cmp);
                 Some(hosts[hosts.len() / 2])
             };
-            let floor = (wbytes + (b * a.context * kv_row) as f64) / copy_bw;
+            let floor = (read_by(b) + (b * a.context * kv_row) as f64) / copy_bw;
             println!(
                 "| {b} | {} | {} | {:.3} | {} | {:.0} | {:.3} | {:.2} |",
                 a.context,
@@ -223,10 +236,48 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
             );
         }
     }
+    if experts.num_experts == 0 {
+        dense_matmuls(cuda, &config, &a, wbytes, copy_bw)?;
+    } else {
+        println!("(the dense-layer matmul tables are skipped: this model's MLPs are experts)");
+    }
+    // Prefill: one request, the whole prompt in one step.
+    let p = a.prompt_tokens;
+    let s = step(1, p, p);
+    let t = median(a.repeats.min(5), || model.forward_argmax(&s).map(|_| ()))?;
+    // Each token multiplies by its top-k experts only.
+    let active = dense_bytes
+        + experts.routed as f64 * experts.top_k as f64 / experts.num_experts.max(1) as f64;
+    let matmul_params = active / 2.0 - (config.vocab_size * config.hidden_size) as f64;
+    let attn_flops = 4.0
+        * (p as f64 * p as f64 / 2.0)
+        * (config.num_heads * config.head_dim * config.num_layers) as f64;
+    let flops = 2.0 * matmul_params * p as f64 + attn_flops;
+    println!(
+        "prefill {p} tokens: {:.1} ms, {:.0} tokens/s, {:.0} TFLOP/s = {:.0}% of the measured matmul rate",
+        t * 1e3,
+        p as f64 / t,
+        flops / t / 1e12,
+        100.0 * flops / t / matmul_rate
+    );
+    attention_alone(cuda, &config, &a, copy_bw)?;
+    Ok(())
+}
+
+/// The matmuls of a dense model's decode step alone, one and a few rows, through cuBLAS,
+/// the small-row kernels and with the ops around them folded in.
+fn dense_matmuls(
+    cuda: &candle_core::CudaDevice,
+    config: &ModelConfig,
+    a: &DeviceBenchArgs,
+    wbytes: f64,
+    copy_bw: f64,
+) -> Result<()> {
+    let dev = Device::Cuda(cuda.clone());
     // The matmuls of a decode step alone (every layer's four and the LM head, one row each):
     // what cuBLAS makes of reading the weights once.
     let kernels = Kernels::load(cuda)?;
-    let layers = layer_weights(&config, &dev)?;
+    let layers = layer_weights(config, &dev)?;
     let lm_head = Linear::Dense(linear::random(config.vocab_size, config.hidden_size, &dev)?);
     let final_norm = Tensor::ones(config.hidden_size, DType::BF16, &dev)?;
     for rows in [1usize, 32] {
@@ -379,23 +430,6 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
             );
         }
     }
-    // Prefill: one request, the whole prompt in one step.
-    let p = a.prompt_tokens;
-    let s = step(1, p, p);
-    let t = median(a.repeats.min(5), || model.forward_argmax(&s).map(|_| ()))?;
-    let matmul_params = wbytes / 2.0 - (config.vocab_size * config.hidden_size) as f64;
-    let attn_flops = 4.0
-        * (p as f64 * p as f64 / 2.0)
-        * (config.num_heads * config.head_dim * config.num_layers) as f64;
-    let flops = 2.0 * matmul_params * p as f64 + attn_flops;
-    println!(
-        "prefill {p} tokens: {:.1} ms, {:.0} tokens/s, {:.0} TFLOP/s = {:.0}% of the measured matmul rate",
-        t * 1e3,
-        p as f64 / t,
-        flops / t / 1e12,
-        100.0 * flops / t / matmul_rate
-    );
-    attention_alone(cuda, &config, &a, copy_bw)?;
     Ok(())
 }
 

@@ -133,21 +133,41 @@ pub fn random_expert(inter: usize, hidden: usize) -> Result<ExpertMatrices> {
     })
 }
 
-/// A mixture-of-experts layer's weight bytes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Weight bytes of mixture-of-experts layers (summed over layers with `+`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct MoeBytes {
-    pub total: usize,
-    /// What one token reads.
-    pub active: usize,
+    /// Every routed expert's matrices.
+    pub routed: usize,
+    /// What every token reads: routers and shared experts.
+    pub always: usize,
+    pub num_experts: usize,
+    pub top_k: usize,
 }
 
 impl MoeBytes {
-    /// The bytes of `experts` (one size each), `top_k` of them active, and `always` read.
-    pub fn of(experts: &[usize], top_k: usize, always: usize) -> Self {
-        let each = experts.first().copied().unwrap_or(0);
+    pub fn total(&self) -> usize {
+        self.routed + self.always
+    }
+
+    /// Bytes a step of `tokens` rows reads, expected with each row's `top_k` experts drawn
+    /// uniformly: each expert is hit with probability `1 - (1 - k / E)^tokens`.
+    pub fn read_by(&self, tokens: usize) -> f64 {
+        if self.num_experts == 0 {
+            return self.always as f64;
+        }
+        let miss = 1.0 - self.top_k as f64 / self.num_experts as f64;
+        self.always as f64 + self.routed as f64 * (1.0 - miss.powi(tokens as i32))
+    }
+}
+
+impl std::ops::Add for MoeBytes {
+    type Output = Self;
+    fn add(self, o: Self) -> Self {
         Self {
-            total: experts.iter().sum::<usize>() + always,
-            active: each * top_k + always,
+            routed: self.routed + o.routed,
+            always: self.always + o.always,
+            num_experts: self.num_experts.max(o.num_experts),
+            top_k: self.top_k.max(o.top_k),
         }
     }
 }
@@ -227,8 +247,7 @@ pub trait Backend: Send + Sized {
     /// Bytes a weight occupies on the device.
     fn linear_bytes(&self, w: &Self::Linear) -> usize;
     fn embedding_bytes(&self, e: &Self::Embedding) -> usize;
-    /// Bytes of a mixture-of-experts layer: all of it, and what one token reads (its top-k
-    /// experts, the shared one and the router).
+    /// Bytes of a mixture-of-experts layer.
     fn moe_bytes(&self, m: &Self::Moe) -> MoeBytes;
     /// `num_blocks` pages of `block_size` tokens for a layer of `kv_heads` x `head_dim`.
     fn layer_cache(

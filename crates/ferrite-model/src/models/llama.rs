@@ -6,7 +6,7 @@
 use super::layers::{embedding, lm_head, norm, weight_bytes, Attention, NormWeights};
 use super::moe::{Ffn, MoeConfig};
 use super::{Buffers, Family};
-use crate::backend::{AttentionSpec, Backend, Epilogue, LinearIn, Step};
+use crate::backend::{AttentionSpec, Backend, Epilogue, LinearIn, MoeBytes, Step};
 use crate::config::{ModelConfig, RopeScaling};
 use crate::rope::RopeSpec;
 use crate::weights::config_source::ConfigSource;
@@ -121,10 +121,12 @@ impl<B: Backend> Family<B> for Llama<B> {
     }
 
     fn weight_bytes(&self, b: &B) -> usize {
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| l.attn.bytes(b) + l.ffn.bytes(b).0);
+        let layers = self.layers.iter().map(|l| l.attn.bytes(b) + l.ffn.bytes(b));
         weight_bytes(b, &self.embedding, &self.lm_head, layers)
+    }
+
+    fn expert_bytes(&self, b: &B) -> MoeBytes {
+        let layers = self.layers.iter().map(|l| l.ffn.expert_bytes(b));
+        layers.fold(MoeBytes::default(), |a, l| a + l)
     }
 }

@@ -7,7 +7,7 @@ pub mod layers;
 pub mod llama;
 pub mod moe;
 
-use crate::backend::{Backend, Step};
+use crate::backend::{Backend, MoeBytes, Step};
 use crate::config::ModelConfig;
 use crate::runner::{DeviceDraws, RowDraw, StepModel};
 use crate::step::PackedStep;
@@ -29,6 +29,11 @@ pub trait Family<B: Backend>: Send + Sync {
 
     /// Bytes the weights occupy on the device.
     fn weight_bytes(&self, b: &B) -> usize;
+
+    /// The mixture-of-experts layers' share of the weights (none for a dense family).
+    fn expert_bytes(&self, _b: &B) -> MoeBytes {
+        MoeBytes::default()
+    }
 }
 
 /// Activations of one step, reused across steps.
@@ -201,6 +206,10 @@ impl<B: Backend> Decoder<B> {
 
     pub fn weight_bytes(&self) -> usize {
         self.family.weight_bytes(&self.backend)
+    }
+
+    pub fn expert_bytes(&self) -> MoeBytes {
+        self.family.expert_bytes(&self.backend)
     }
 
     /// Positions and token ids within what the model serves.

@@ -5,7 +5,7 @@
 use super::layers::Mlp;
 use super::Scratch;
 use crate::backend::{
-    Activation, Backend, Epilogue, ExpertMatrices, LinearIn, MoeMatrices, MoeSpec,
+    Activation, Backend, Epilogue, ExpertMatrices, LinearIn, MoeBytes, MoeMatrices, MoeSpec,
 };
 use crate::weights::config_source::ConfigSource;
 use crate::weights::experts::ExpertPart;
@@ -125,14 +125,18 @@ impl<B: Backend> Ffn<B> {
         }
     }
 
-    /// Bytes of the whole block and what one token reads of it.
-    pub fn bytes(&self, b: &B) -> (usize, usize) {
+    pub fn bytes(&self, b: &B) -> usize {
         match self {
-            Self::Dense(mlp) => (mlp.bytes(b), mlp.bytes(b)),
-            Self::Moe(m) => {
-                let n = b.moe_bytes(m);
-                (n.total, n.active)
-            }
+            Self::Dense(mlp) => mlp.bytes(b),
+            Self::Moe(m) => b.moe_bytes(m).total(),
+        }
+    }
+
+    /// The experts' share of [`Ffn::bytes`].
+    pub fn expert_bytes(&self, b: &B) -> MoeBytes {
+        match self {
+            Self::Dense(_) => MoeBytes::default(),
+            Self::Moe(m) => b.moe_bytes(m),
         }
     }
 }

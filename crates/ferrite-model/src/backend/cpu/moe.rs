@@ -71,9 +71,12 @@ impl Moe {
     }
 
     pub fn bytes(&self) -> MoeBytes {
-        let experts: Vec<usize> = self.experts.iter().map(Expert::bytes).collect();
-        let always = self.router.bytes() + self.shared.as_ref().map_or(0, Expert::bytes);
-        MoeBytes::of(&experts, self.spec.top_k, always)
+        MoeBytes {
+            routed: self.experts.iter().map(Expert::bytes).sum(),
+            always: self.router.bytes() + self.shared.as_ref().map_or(0, Expert::bytes),
+            num_experts: self.spec.num_experts,
+            top_k: self.spec.top_k,
+        }
     }
 }
 

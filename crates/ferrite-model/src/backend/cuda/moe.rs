@@ -1,9 +1,10 @@
 //! Mixture-of-experts layers on the GPU: every expert's weights in two bf16 tensors (GGUF
 //! blocks are widened: candle has no grouped quantized matmul), the router through the
-//! ordinary matmuls, then ferrite's routing, grouping and grouped matmul kernels
-//! ([`super::kernels::moe`]); the shared expert is an ordinary gated MLP.
+//! ordinary matmuls, then ferrite's routing, grouping and grouped matmul kernels ([`super::kernels::moe`]); the
+//! shared expert is an ordinary gated MLP.
 
 use super::kernels::matmul::MatIn;
+use super::kernels::moe::GEMV_MAX_ASSIGNMENTS;
 use super::linear::{self, Linear};
 use super::{Act, CudaBackend};
 use crate::backend::{ExpertMatrices, MoeBytes, MoeMatrices, MoeSpec, Stack};
@@ -74,7 +75,7 @@ impl Moe {
     ) -> Result<Self> {
         let e = spec.num_experts;
         let gated = shared_inter.is_some();
-        let router = linear::random(e + gated as usize, hidden, dev)?;
+        let router = Linear::Dense(linear::random(e + gated as usize, hidden, dev)?);
         let shared = shared_inter
             .map(|i| -> Result<_> {
                 Ok((
@@ -84,7 +85,7 @@ impl Moe {
             })
             .transpose()?;
         Ok(Self {
-            router: Linear::Dense(router),
+            router,
             gate_up: linear::random(e * 2 * inter, hidden, dev)?.reshape((e, 2 * inter, hidden))?,
             down: linear::random(e * hidden, inter, dev)?.reshape((e, hidden, inter))?,
             shared,
@@ -94,17 +95,16 @@ impl Moe {
     }
 
     pub fn bytes(&self) -> MoeBytes {
-        let e = self.spec.num_experts;
-        let each = (self.gate_up.elem_count() + self.down.elem_count()) * 2 / e.max(1);
         let shared = self
             .shared
             .as_ref()
             .map_or(0, |(g, d)| g.bytes() + d.bytes());
-        MoeBytes::of(
-            &vec![each; e],
-            self.spec.top_k,
-            self.router.bytes() + shared,
-        )
+        MoeBytes {
+            routed: (self.gate_up.elem_count() + self.down.elem_count()) * 2,
+            always: self.router.bytes() + shared,
+            num_experts: self.spec.num_experts,
+            top_k: self.spec.top_k,
+        }
     }
 }
 
@@ -133,9 +133,13 @@ impl CudaBackend {
             m.shared.is_some(),
             m.gated_shared,
         )?;
-        let groups = k.moe_align(&routes, s.num_experts)?;
-        let act = k.moe_gate_up(&xn, &groups, &routes, &m.gate_up, s.act)?;
-        let y = k.moe_down(&act, &groups, &routes, &m.down)?;
+        let small = x.dim(0)? * s.top_k <= GEMV_MAX_ASSIGNMENTS;
+        let groups = match small {
+            true => None,
+            false => Some(k.moe_align(&routes, s.num_experts)?),
+        };
+        let act = k.moe_gate_up(&xn, groups.as_ref(), &routes, &m.gate_up, s.act)?;
+        let y = k.moe_down(&act, groups.as_ref(), &routes, &m.down)?;
         let ys = match &m.shared {
             Some((gate_up, down)) => {
                 let a = k.matmul_gated(MatIn::Bf16(&xn), gate_up, s.act)?;
