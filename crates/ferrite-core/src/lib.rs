@@ -12,4 +12,5 @@ pub mod prefix_hash;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;
+pub mod state_pool;
 pub mod stop;

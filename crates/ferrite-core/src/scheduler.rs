@@ -1,5 +1,6 @@
 //! V1-style scheduler: one token budget per step shared by decodes and prefill chunks,
-//! FCFS admission against free KV blocks, preemption by recompute when blocks run out.
+//! FCFS admission against free KV blocks (and, for models with recurrent layers, a free state
+//! slot), preemption by recompute when blocks run out.
 
 use crate::constraint::Constraint;
 use crate::kv_cache_manager::{BlockTables, KvCacheManager};
@@ -7,6 +8,7 @@ use crate::kv_layout::{max_blocks, GroupWindow};
 use crate::prefix_hash::HashAlgo;
 use crate::request::{FinishReason, Request, RequestId, RequestStatus};
 use crate::sampling::SamplingParams;
+use crate::state_pool::{StatePool, StateSlot};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
@@ -22,6 +24,9 @@ pub struct SchedulerConfig {
     /// The KV groups' windows (see [`crate::kv_layout::KvLayout`]); `[None]` for a model
     /// whose every layer reads the whole context.
     pub kv_groups: Vec<GroupWindow>,
+    /// Recurrent-state slots (see [`crate::state_pool`]): one per running request of a model
+    /// with linear-attention layers; 0 for a model that keeps none.
+    pub state_slots: usize,
 }
 
 /// What the sampler needs for a row that produces a token this step.
@@ -59,6 +64,9 @@ pub struct ScheduledRequest {
     pub start_pos: usize,
     /// One per KV group.
     pub block_tables: BlockTables,
+    /// The request's recurrent-state slot (models with linear-attention layers); its state
+    /// starts over when `start_pos` is 0.
+    pub state_slot: Option<StateSlot>,
     /// Present when the step reaches the last known token, so a new token is sampled.
     pub sample: Option<SampleSpec>,
     pub prompt_logprobs: Option<PromptLogprobSpec>,
@@ -117,6 +125,7 @@ pub enum AdmissionError {
 pub struct Scheduler {
     config: SchedulerConfig,
     kv: KvCacheManager,
+    states: StatePool,
     requests: HashMap<RequestId, Request>,
     waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
@@ -135,6 +144,7 @@ impl Scheduler {
             config.prefix_caching,
         );
         Self {
+            states: StatePool::new(config.state_slots),
             config,
             kv,
             requests: HashMap::new(),
@@ -279,6 +289,9 @@ impl Scheduler {
                 if budget == 0 || self.running.len() >= self.config.max_num_seqs {
                     break;
                 }
+                if !self.states.is_empty() && self.states.num_free() == 0 {
+                    break;
+                }
                 let req = &self.requests[&id];
                 // A new (or preempted) request starts from its longest cached prefix.
                 let hit = self.kv.find_cached_prefix(req);
@@ -291,6 +304,9 @@ impl Scheduler {
                     break; // FCFS: the head of the queue waits for blocks, nobody overtakes it
                 }
                 self.waiting.pop_front();
+                if !self.states.is_empty() {
+                    self.states.acquire(id).expect("a slot is free");
+                }
                 let req = self.requests.get_mut(&id).unwrap();
                 self.kv.note_prefix_lookup(req.num_tokens(), computed);
                 req.num_computed_tokens = computed;
@@ -357,6 +373,7 @@ impl Scheduler {
             token_ids,
             start_pos: start,
             block_tables: self.kv.block_tables(id).to_vec(),
+            state_slot: self.states.slot(id),
             sample,
             prompt_logprobs,
         }
@@ -364,6 +381,7 @@ impl Scheduler {
 
     fn preempt(&mut self, id: RequestId) {
         self.kv.free(id);
+        self.states.release(id);
         let req = self.requests.get_mut(&id).unwrap();
         req.status = RequestStatus::Preempted;
         req.num_computed_tokens = 0;
@@ -410,6 +428,7 @@ impl Scheduler {
         let mut req = self.requests.remove(&id)?;
         req.status = RequestStatus::Finished(reason);
         self.kv.forget(id);
+        self.states.release(id);
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
         self.prompt_logprobs_done.remove(&id);
@@ -419,6 +438,11 @@ impl Scheduler {
     /// Blocks owned by live requests (for leak checks).
     pub fn num_blocks_in_use(&self) -> usize {
         self.kv.num_blocks() - self.kv.num_free_blocks()
+    }
+
+    /// State slots held by live requests (for leak checks).
+    pub fn num_state_slots_in_use(&self) -> usize {
+        self.states.len() - self.states.num_free()
     }
 
     /// `id`'s block tables, one per KV group.

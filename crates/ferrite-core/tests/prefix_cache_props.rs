@@ -145,6 +145,7 @@ fn cfg(num_blocks: usize, bs: usize, budget: usize, prefix: Option<HashAlgo>) ->
         num_blocks,
         prefix_caching: prefix,
         kv_groups: vec![None],
+        state_slots: 0,
     }
 }
 

@@ -160,6 +160,7 @@ proptest! {
             num_blocks,
             prefix_caching: None,
             kv_groups: vec![None],
+            state_slots: 0,
         };
         let (got, _) = run(cfg.clone(), &work);
         // Reference: a pool so large nothing is ever preempted.
@@ -205,6 +206,7 @@ proptest! {
             num_blocks: need + extra_blocks,
             prefix_caching: None,
             kv_groups: groups,
+            state_slots: 0,
         };
         let (got, _) = run(cfg.clone(), &work);
         let roomy = SchedulerConfig { num_blocks: 8192, max_num_batched_tokens: 4096, max_num_seqs: 64, ..cfg };
@@ -232,6 +234,7 @@ fn preemption_happens_under_pressure_and_changes_nothing() {
         num_blocks: 16,
         prefix_caching: None,
         kv_groups: vec![None],
+        state_slots: 0,
     };
     let (got, preemptions) = run(cfg.clone(), &work);
     assert!(preemptions > 0, "the workload should force preemption");
@@ -255,6 +258,7 @@ fn requests_that_can_never_fit_are_refused() {
         num_blocks: 6,
         prefix_caching: None,
         kv_groups: vec![None],
+        state_slots: 0,
     });
     let p = |m: i64| SamplingParams {
         max_tokens: Some(m),
@@ -277,4 +281,106 @@ fn requests_that_can_never_fit_are_refused() {
     assert!(sched
         .check_admissible(10, &SamplingParams::default())
         .is_err());
+}
+
+/// Runs the workload with `state_slots` recurrent-state slots and aborts `aborts` (request,
+/// step) along the way; checks that no slot is held twice and none leaks; returns the
+/// outputs of the requests that finished on their own.
+fn run_with_states(
+    cfg: SchedulerConfig,
+    work: &[Arrival],
+    aborts: &[(usize, usize)],
+) -> HashMap<u64, Vec<u32>> {
+    let mut sched = Scheduler::new(cfg.clone());
+    let mut model = MockModel::new(cfg.num_blocks, cfg.block_size, VOCAB, &cfg.kv_groups);
+    model.states = vec![0; cfg.state_slots];
+    let mut outputs: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut done = HashSet::new();
+    let aborted: HashSet<u64> = aborts
+        .iter()
+        .filter(|(r, _)| *r < work.len())
+        .map(|(r, _)| *r as u64)
+        .collect();
+    let mut step = 0;
+    while done.len() < work.len() {
+        for (id, a) in work.iter().enumerate() {
+            if a.step == step {
+                sched.add_request(request(id as u64, a));
+            }
+        }
+        for &(r, at) in aborts {
+            if at == step && r < work.len() && !done.contains(&(r as u64)) && work[r].step <= step {
+                sched.finish(r as u64, FinishReason::Abort);
+                done.insert(r as u64);
+            }
+        }
+        let out = sched.schedule();
+        let mut held = HashSet::new();
+        for r in &out.requests {
+            let s = r
+                .state_slot
+                .expect("every scheduled request holds a state slot");
+            assert!((s as usize) < cfg.state_slots);
+            assert!(held.insert(s), "state slot {s} held twice");
+        }
+        assert!(sched.num_running() <= cfg.state_slots);
+        let sampled = model.execute(&out);
+        for u in sched.update(&out, &sampled) {
+            if let Some(t) = u.new_token {
+                outputs.entry(u.req_id).or_default().push(t);
+            }
+            if u.finished.is_some() {
+                assert!(done.insert(u.req_id));
+            }
+        }
+        step += 1;
+        assert!(step < 5_000, "no progress: deadlock or starvation");
+    }
+    assert!(!sched.has_work());
+    assert_eq!(sched.num_state_slots_in_use(), 0, "state slots leaked");
+    assert_eq!(sched.num_blocks_in_use(), 0, "blocks leaked");
+    outputs.retain(|id, _| !aborted.contains(id));
+    outputs
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Recurrent-state slots under pressure (fewer slots than seats, a tight KV pool that
+    /// preempts) and aborts: every slot is held by one request at a time, all come back,
+    /// and requests that finish produce what they produce with room for everyone (a slot
+    /// shared or not started over after preemption would change their tokens).
+    #[test]
+    fn state_slots_are_held_once_freed_always_and_change_no_output(
+        work in arrivals(),
+        block_size in 1usize..6,
+        extra_blocks in 0usize..6,
+        budget in 1usize..48,
+        slots in 1usize..4,
+        aborts in prop::collection::vec((0usize..14, 0usize..60), 0..4),
+    ) {
+        let longest = work.iter().map(|a| a.prompt.len() + a.max_tokens).max().unwrap();
+        let cfg = SchedulerConfig {
+            max_num_batched_tokens: budget,
+            max_num_seqs: 6,
+            max_model_len: 64,
+            block_size,
+            num_blocks: longest.div_ceil(block_size) + extra_blocks,
+            prefix_caching: None,
+            kv_groups: vec![None],
+            state_slots: slots,
+        };
+        let got = run_with_states(cfg.clone(), &work, &aborts);
+        let roomy = SchedulerConfig {
+            num_blocks: 4096,
+            max_num_batched_tokens: 4096,
+            max_num_seqs: 64,
+            state_slots: 64,
+            ..cfg
+        };
+        let want = run_with_states(roomy, &work, &[]);
+        for (id, tokens) in &got {
+            prop_assert_eq!(Some(tokens), want.get(id));
+        }
+    }
 }

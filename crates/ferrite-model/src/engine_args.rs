@@ -197,6 +197,7 @@ impl EngineArgs {
             num_blocks: plan.num_blocks,
             prefix_caching: self.prefix_caching,
             kv_groups: layout.groups,
+            state_slots: 0,
         };
         Ok((plan, scheduler))
     }

@@ -10,6 +10,9 @@ use std::collections::HashMap;
 
 pub struct MockModel {
     pub slots: Vec<Option<u32>>,
+    /// Per recurrent-state slot: a hash of every token the slot's request has fed since its
+    /// first (reset when a request starts at position 0), mixed into the next token.
+    pub states: Vec<u64>,
     block_size: usize,
     vocab: u32,
     groups: Vec<GroupWindow>,
@@ -19,6 +22,7 @@ impl MockModel {
     pub fn new(num_blocks: usize, block_size: usize, vocab: u32, groups: &[GroupWindow]) -> Self {
         Self {
             slots: vec![None; num_blocks * block_size],
+            states: Vec::new(),
             block_size,
             vocab,
             groups: groups.to_vec(),
@@ -38,6 +42,15 @@ impl MockModel {
         let mut sampled = HashMap::new();
         for r in &out.requests {
             assert_eq!(r.block_tables.len(), self.groups.len());
+            if let Some(s) = r.state_slot {
+                let st = &mut self.states[s as usize];
+                if r.start_pos == 0 {
+                    *st = 7;
+                }
+                for &t in &r.token_ids {
+                    *st = (*st ^ t as u64).wrapping_mul(1099511628211);
+                }
+            }
             for table in &r.block_tables {
                 for (i, &t) in r.token_ids.iter().enumerate() {
                     let s = self.slot(table, r.start_pos + i);
@@ -51,6 +64,9 @@ impl MockModel {
                         let t = self.slots[self.slot(table, pos)].expect("slot written");
                         h = (h ^ t as u64).wrapping_mul(1099511628211);
                     }
+                }
+                if let Some(s) = r.state_slot {
+                    h ^= self.states[s as usize];
                 }
                 sampled.insert(r.req_id, (h % self.vocab as u64) as u32);
             }
