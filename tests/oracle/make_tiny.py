@@ -55,6 +55,12 @@ FAMILIES = {
         moe_intermediate_size=32, shared_expert_intermediate_size=96, norm_topk_prob=False),
         "qwen2moe"),
     # Layer 1 dense (`mlp_only_layers`): the routing of mixed stacks.
+    # Gated delta-net (linear attention) layers around gated full attention; no GGUF layout.
+    "qwen3_5": ("qwen3_5_text", dict(num_hidden_layers=4, layer_types=["linear_attention",
+        "linear_attention", "full_attention", "linear_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+        partial_rotary_factor=0.25)), None),
     # 40 experts: the CUDA router holds more than one per lane.
     "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=2, num_experts=40, num_experts_per_tok=6,
         moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]), None),
@@ -188,7 +194,8 @@ def write_gguf(path, arch, c, state):
 def f16_kv_logits(model, tokens):
     """Logits with K (after rotary) and V rounded to f16, as an f16 paged KV cache stores them."""
     import importlib
-    mod = importlib.import_module(type(model.model.layers[0].self_attn).__module__)
+    attn = next(l.self_attn for l in model.model.layers if hasattr(l, "self_attn"))
+    mod = importlib.import_module(type(attn).__module__)
     rotary = mod.apply_rotary_pos_emb
 
     def rounded(q, k, cos, sin, *args, **kwargs):
@@ -197,7 +204,7 @@ def f16_kv_logits(model, tokens):
 
     mod.apply_rotary_pos_emb = rounded
     hooks = [l.self_attn.v_proj.register_forward_hook(lambda m, i, out: out.half().float())
-             for l in model.model.layers]
+             for l in model.model.layers if hasattr(l, "self_attn")]
     try:
         with torch.no_grad():
             return model(torch.tensor([tokens])).logits[0].float()
@@ -221,7 +228,10 @@ def main(only):
         model = AutoModelForCausalLM.from_config(c, dtype=torch.float32)
         # Round every weight to bf16 first: the files hold bf16, the oracle runs on those values.
         with torch.no_grad():
-            for p in model.parameters():
+            for pname, p in model.named_parameters():
+                # Zero-centred norms start at 0 (= 1): perturbed, so the offset is tested.
+                if model_type.startswith("qwen3_5") and "norm" in pname:
+                    p.add_(torch.randn_like(p) * 0.1)
                 p.copy_(p.to(torch.bfloat16).float())
         model.eval()
         with torch.no_grad():

@@ -55,7 +55,8 @@ pub struct ModelConfig {
     pub rope_scaling: RopeScaling,
     pub context_length: usize,
     pub sliding_window: Option<usize>,
-    /// Per layer: the window it attends within, or `None` for the whole context.
+    /// Per attention layer (every layer but linear-attention ones): the window it attends
+    /// within, or `None` for the whole context.
     pub layer_windows: Vec<Option<usize>>,
 }
 
@@ -137,9 +138,9 @@ impl ModelConfig {
         })
     }
 
-    /// K and V bytes of one token across all layers, at `elem_bytes` per element.
+    /// K and V bytes of one token across all attention layers, at `elem_bytes` per element.
     pub fn kv_bytes_per_token(&self, elem_bytes: usize) -> usize {
-        2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_bytes
+        2 * self.layer_windows.len() * self.num_kv_heads * self.head_dim * elem_bytes
     }
 }
 

@@ -171,6 +171,7 @@ impl EngineArgs {
         device_bytes: u64,
         weight_bytes: u64,
         activation_bytes: u64,
+        state_bytes_per_slot: u64,
     ) -> Result<(MemoryPlan, SchedulerConfig)> {
         let row = config.num_kv_heads * config.head_dim;
         let layout = KvLayout::new(&config.layer_windows);
@@ -188,16 +189,28 @@ impl EngineArgs {
             kv_groups: layout.groups.clone(),
             layers_per_block: layout.slots,
             chunk: self.max_num_batched_tokens,
+            state_bytes_per_slot,
         })?;
+        // A prefix-cache hit would restore K/V blocks but not the recurrent state of the
+        // tokens they hold.
+        let prefix_caching = match (self.prefix_caching, plan.state_slots) {
+            (Some(_), 1..) => {
+                tracing::warn!(
+                    "prefix caching is off: this model's linear-attention layers keep a recurrent state that cached blocks do not restore yet"
+                );
+                None
+            }
+            (p, _) => p,
+        };
         let scheduler = SchedulerConfig {
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
             max_model_len,
             block_size: self.block_size,
             num_blocks: plan.num_blocks,
-            prefix_caching: self.prefix_caching,
+            prefix_caching,
             kv_groups: layout.groups,
-            state_slots: 0,
+            state_slots: plan.state_slots,
         };
         Ok((plan, scheduler))
     }

@@ -66,8 +66,10 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
         memory::physical_memory_bytes()?,
         model.weight_bytes() as u64,
         activation_bytes,
+        model.state_bytes_per_slot() as u64,
     )?;
     model.allocate_cache(plan.num_blocks, args.block_size)?;
+    model.allocate_state(plan.state_slots)?;
     Ok(LoadedEngine {
         runner: ModelRunner::new(Box::new(model), args.block_size, args.seed),
         tokenizer,
@@ -86,6 +88,7 @@ fn profile_activations(
     let c = model.config.clone();
     let tokens = tokens.min(model.max_positions());
     model.allocate_cache(tokens.div_ceil(block_size), block_size)?;
+    model.allocate_state(1)?;
     // Every group writes the same blocks: the values are garbage, the memory is real.
     let groups = model.layout.groups.len();
     let step = PackedStep::profile(tokens, block_size, c.vocab_size, groups);

@@ -69,6 +69,10 @@ pub struct MemoryPlan {
     pub explicit_kv: bool,
     /// True when the pool was capped at what `max_num_seqs` full-length requests can use.
     pub capped: bool,
+    /// The recurrent-state pool beside the KV pool (linear-attention layers): its slots and
+    /// their bytes.
+    pub state_slots: usize,
+    pub state_bytes: u64,
 }
 
 pub struct PlanInputs {
@@ -86,6 +90,9 @@ pub struct PlanInputs {
     pub kv_groups: Vec<GroupWindow>,
     pub layers_per_block: usize,
     pub chunk: usize,
+    /// Recurrent state of one request (0 without linear-attention layers): `max_num_seqs`
+    /// slots of it are reserved before the KV pool.
+    pub state_bytes_per_slot: u64,
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -98,20 +105,28 @@ pub fn plan(i: &PlanInputs) -> Result<MemoryPlan> {
         );
     }
     let budget = (i.device_bytes as f64 * i.utilization) as u64;
+    let state_slots = if i.state_bytes_per_slot > 0 {
+        i.max_num_seqs
+    } else {
+        0
+    };
+    let state_bytes = state_slots as u64 * i.state_bytes_per_slot;
     let kv_bytes = match i.kv_cache_memory {
         Some(b) => b,
         None => {
-            let used = i.weight_bytes + i.activation_bytes;
+            let used = i.weight_bytes + i.activation_bytes + state_bytes;
             if used >= budget {
                 bail!(
-                    "the memory budget is {:.2} GiB ({:.0}% of {:.2} GiB) but weights take {:.2} GiB \
-                     and activations {:.2} GiB, leaving nothing for the KV cache; raise \
-                     --gpu-memory-utilization or set --kv-cache-memory",
+                    "the memory budget is {:.2} GiB ({:.0}% of {:.2} GiB) but weights take {:.2} GiB, \
+                     activations {:.2} GiB and the recurrent state of {state_slots} requests {:.2} GiB, \
+                     leaving nothing for the KV cache; raise --gpu-memory-utilization, lower \
+                     --max-num-seqs or set --kv-cache-memory",
                     budget as f64 / GIB,
                     i.utilization * 100.0,
                     i.device_bytes as f64 / GIB,
                     i.weight_bytes as f64 / GIB,
-                    i.activation_bytes as f64 / GIB
+                    i.activation_bytes as f64 / GIB,
+                    state_bytes as f64 / GIB
                 );
             }
             budget - used
@@ -168,6 +183,8 @@ pub fn plan(i: &PlanInputs) -> Result<MemoryPlan> {
         layers_per_block: i.layers_per_block,
         explicit_kv: i.kv_cache_memory.is_some(),
         capped,
+        state_slots,
+        state_bytes,
     })
 }
 
@@ -228,6 +245,15 @@ impl fmt::Display for MemoryPlan {
         if self.explicit_kv {
             write!(f, " (pool set by --kv-cache-memory)")?;
         }
+        if self.state_slots > 0 {
+            write!(
+                f,
+                "; recurrent state: {} slots x {:.2} MiB = {:.2} GiB",
+                self.state_slots,
+                self.state_bytes as f64 / self.state_slots as f64 / (1 << 20) as f64,
+                self.state_bytes as f64 / GIB
+            )?;
+        }
         if self.capped {
             write!(f, " (capped at max_num_seqs full-length requests)")?;
         }
@@ -253,6 +279,7 @@ mod tests {
             kv_groups: vec![None],
             layers_per_block: 30,
             chunk: 512,
+            state_bytes_per_slot: 0,
         }
     }
 

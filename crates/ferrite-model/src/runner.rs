@@ -116,6 +116,7 @@ impl ModelRunner {
         for (i, r) in out.requests.iter().enumerate() {
             let first_row = step.num_tokens();
             step.push(&r.token_ids, r.start_pos, &r.block_tables, bs);
+            step.state_slots.extend(r.state_slot);
             if let Some(pl) = &r.prompt_logprobs {
                 for (j, &target) in pl.targets.iter().enumerate() {
                     step.logits_indices

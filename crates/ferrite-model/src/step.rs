@@ -28,6 +28,9 @@ pub struct PackedStep {
     pub kv: Vec<KvTables>,
     /// Rows whose logits are needed (sampled tokens, prompt logprobs).
     pub logits_indices: Vec<u32>,
+    /// `[B]`: each request's recurrent-state slot (models with linear-attention layers;
+    /// empty otherwise). A request whose chunk starts at position 0 starts its state over.
+    pub state_slots: Vec<u32>,
 }
 
 impl PackedStep {
@@ -89,6 +92,7 @@ impl PackedStep {
         let table: Vec<u32> = (0..tokens.div_ceil(block_size) as u32).collect();
         step.push(&ids, 0, &vec![table; groups.max(1)], block_size);
         step.logits_indices.push(tokens as u32 - 1);
+        step.state_slots.push(0);
         step.finish();
         step
     }

@@ -68,6 +68,7 @@ pub fn all_logits<B: Backend>(model: &mut Decoder<B>, tokens: &[u32]) -> Vec<Vec
     let blocks = tokens.len().div_ceil(bs);
     let groups = model.layout.groups.len();
     model.allocate_cache(blocks * groups, bs).unwrap();
+    model.allocate_state(1).unwrap();
     let mut step = PackedStep::default();
     let tables: Vec<Vec<u32>> = (0..groups)
         .map(|g| {
@@ -77,6 +78,7 @@ pub fn all_logits<B: Backend>(model: &mut Decoder<B>, tokens: &[u32]) -> Vec<Vec
         })
         .collect();
     step.push(tokens, 0, &tables, bs);
+    step.state_slots.push(0);
     step.logits_indices = (0..tokens.len() as u32).collect();
     step.finish();
     let v = model.config.vocab_size;

@@ -105,6 +105,50 @@ pub struct MoeSpec {
     pub act: Activation,
 }
 
+/// A gated delta-net (linear attention) layer's shape (Qwen3-Next, Qwen3.5).
+#[derive(Clone, Debug, PartialEq)]
+pub struct GdnSpec {
+    pub num_k_heads: usize,
+    /// A multiple of `num_k_heads`: each key head serves that many value heads in turn.
+    pub num_v_heads: usize,
+    pub k_dim: usize,
+    pub v_dim: usize,
+    /// Taps of the causal depthwise convolution over Q|K|V.
+    pub conv_kernel: usize,
+    /// Of the output's gated RMSNorm.
+    pub eps: f32,
+}
+
+impl GdnSpec {
+    /// Channels of the convolution: Q, K and V.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.num_k_heads * self.k_dim + self.num_v_heads * self.v_dim
+    }
+
+    /// Width of the layer's input projection: Q|K|V, then the output gate z, then the
+    /// per-head b (update strength) and a (decay).
+    pub fn proj_dim(&self) -> usize {
+        self.conv_dim() + self.num_v_heads * self.v_dim + 2 * self.num_v_heads
+    }
+
+    /// f32 values of one request's state: the convolution's last `conv_kernel - 1` inputs
+    /// and the delta rule's `[v_heads, k_dim, v_dim]` matrix.
+    pub fn state_elems(&self) -> usize {
+        self.conv_dim() * (self.conv_kernel - 1) + self.num_v_heads * self.k_dim * self.v_dim
+    }
+}
+
+/// A gated delta-net layer's small weights.
+pub struct GdnParams<'a, B: Backend> {
+    /// `[conv_dim, conv_kernel]`, the last tap on the current token.
+    pub conv: &'a B::Vector,
+    /// Per value head: the decay's log rate and its time-step bias.
+    pub a_log: &'a B::Vector,
+    pub dt_bias: &'a B::Vector,
+    /// `[v_dim]`: the output's gated RMSNorm.
+    pub norm: &'a B::Vector,
+}
+
 /// One expert's gated MLP as host matrices: gate and up `[inter, hidden]`, down
 /// `[hidden, inter]`.
 pub struct ExpertMatrices {
@@ -206,6 +250,8 @@ pub trait Backend: Send + Sized {
     type Moe: Send + Sync;
     /// One layer's K and V pages.
     type LayerCache: Send;
+    /// One gated delta-net layer's recurrent state for every state slot.
+    type StateCache: Send;
     /// A step's index arrays where the ops read them.
     type StepInputs: Sync;
     /// Whether a step's activations stay allocated for the next step to write into (the
@@ -257,6 +303,9 @@ pub trait Backend: Send + Sized {
         kv_heads: usize,
         head_dim: usize,
     ) -> Result<Self::LayerCache>;
+
+    /// `slots` requests' recurrent state of a gated delta-net layer `spec`.
+    fn state_cache(&self, slots: usize, spec: &GdnSpec) -> Result<Self::StateCache>;
 
     /// Runs `forward` over `host` where the backend's ops belong (the CPU's compute threads;
     /// on a GPU, eagerly or from a captured graph). With `draws`, each logits row's token is
@@ -313,6 +362,22 @@ pub trait Backend: Send + Sized {
         sinks: Option<&Self::Vector>,
         out: &mut Self::Act,
     ) -> Result<()>;
+    /// The gated delta-net core of every request of the step, from its input projection
+    /// `proj` (`[T, spec.proj_dim()]`) to the input of its output projection (`out`,
+    /// `[T, v_heads * v_dim]`): the causal convolution (SiLU), L2-normed Q and K, the gated
+    /// delta rule over each request's state slot (`host.state_slots`; started over at
+    /// position 0), and the RMSNorm of each head's output gated by `silu(z)`.
+    fn gated_delta(
+        &mut self,
+        s: &Step<Self>,
+        proj: &Self::Act,
+        p: &GdnParams<Self>,
+        spec: &GdnSpec,
+        state: &mut Self::StateCache,
+        out: &mut Self::Act,
+    ) -> Result<()>;
+    /// `x *= sigmoid(gate)`, element-wise (Qwen3.5's gated attention output).
+    fn gate_sigmoid(&mut self, x: &mut Self::Act, gate: &Self::Act) -> Result<()>;
     /// Logits of the step's `logits_indices` rows: the final norm of those rows only, the
     /// LM head, then `cap * tanh(x / cap)` if `softcap`; kept for [`Backend::host_logits`].
     fn logits(

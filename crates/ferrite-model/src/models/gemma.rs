@@ -165,6 +165,7 @@ impl<B: Backend> Family<B> for Gemma<B> {
         b: &mut B,
         s: &Step<B>,
         cache: &mut [B::LayerCache],
+        _states: &mut [B::StateCache],
         ws: &mut Buffers<B>,
     ) -> Result<()> {
         let eps = self.eps;

@@ -5,6 +5,7 @@ use super::Scratch;
 use crate::backend::{AttentionSpec, Backend, Epilogue, LinearIn, QkvPrep, Stack, Step};
 use crate::weights::WeightSource;
 use anyhow::Result;
+use candle_core::quantized::QTensor;
 
 /// How a checkpoint stores RMSNorm weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,11 +84,32 @@ impl<B: Backend> Attention<B> {
         spec: AttentionSpec,
         norms: NormWeights,
     ) -> Result<Self> {
+        Self::load_with_q(b, w, prefix, hidden, spec, norms, None)
+    }
+
+    /// The same with the Q matrix given (`None`: read as `q_proj`).
+    pub fn load_with_q(
+        b: &B,
+        w: &mut WeightSource,
+        prefix: &str,
+        hidden: usize,
+        spec: AttentionSpec,
+        norms: NormWeights,
+        q: Option<QTensor>,
+    ) -> Result<Self> {
         let p = |n: &str| format!("{prefix}.self_attn.{n}");
         let d = spec.head_dim;
         let (q_w, kv_w) = (spec.num_heads * d, spec.num_kv_heads * d);
         let qkv = [("q_proj", q_w), ("k_proj", kv_w), ("v_proj", kv_w)]
             .map(|(n, rows)| (p(&format!("{n}.weight")), rows));
+        let qkv = match q {
+            None => matrix(b, w, &qkv, hidden, Stack::Concat)?,
+            Some(q) => {
+                let k = w.shaped(&qkv[1].0, &[kv_w, hidden])?;
+                let v = w.shaped(&qkv[2].0, &[kv_w, hidden])?;
+                b.linear(vec![q, k, v], Stack::Concat)?
+            }
+        };
         let bias = match w.opt_vector(&p("q_proj.bias"))? {
             Some(mut q) => {
                 q.extend(w.vector(&p("k_proj.bias"))?);
@@ -121,7 +143,7 @@ impl<B: Backend> Attention<B> {
             sinks,
             q_norm: qk_norm(w, "q_norm")?,
             k_norm: qk_norm(w, "k_norm")?,
-            qkv: matrix(b, w, &qkv, hidden, Stack::Concat)?,
+            qkv,
             bias,
             o: matrix(b, w, &[(p("o_proj.weight"), hidden)], q_w, Stack::Concat)?,
             spec,

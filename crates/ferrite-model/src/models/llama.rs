@@ -100,6 +100,7 @@ impl<B: Backend> Family<B> for Llama<B> {
         b: &mut B,
         s: &Step<B>,
         cache: &mut [B::LayerCache],
+        _states: &mut [B::StateCache],
         ws: &mut Buffers<B>,
     ) -> Result<()> {
         let eps = self.config.rms_norm_eps;

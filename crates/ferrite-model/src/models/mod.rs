@@ -6,8 +6,9 @@ pub mod gemma;
 pub mod layers;
 pub mod llama;
 pub mod moe;
+pub mod qwen3_5;
 
-use crate::backend::{Backend, MoeBytes, Step};
+use crate::backend::{Backend, GdnSpec, MoeBytes, Step};
 use crate::config::ModelConfig;
 use crate::runner::{DeviceDraws, RowDraw, StepModel};
 use crate::step::PackedStep;
@@ -18,14 +19,21 @@ use ferrite_core::kv_layout::KvLayout;
 
 /// A family's weights and its forward over the packed step.
 pub trait Family<B: Backend>: Send + Sync {
-    /// Runs every layer and leaves the `logits_indices` rows' logits in the backend.
+    /// Runs every layer and leaves the `logits_indices` rows' logits in the backend;
+    /// `states`: one per linear-attention layer ([`Family::state_layers`]).
     fn forward(
         &self,
         b: &mut B,
         s: &Step<B>,
         cache: &mut [B::LayerCache],
+        states: &mut [B::StateCache],
         ws: &mut Buffers<B>,
     ) -> Result<()>;
+
+    /// The linear-attention layers, in order: each keeps a recurrent state per request.
+    fn state_layers(&self) -> Vec<GdnSpec> {
+        Vec::new()
+    }
 
     /// Bytes the weights occupy on the device.
     fn weight_bytes(&self, b: &B) -> usize;
@@ -51,6 +59,8 @@ pub struct Scratch<B: Backend> {
     pub attn: B::Act,
     /// The gated MLP activation: the input of the down projection.
     pub act: B::Act,
+    /// An attention output's gate (Qwen3.5).
+    pub gate: B::Act,
 }
 
 impl<B: Backend> Default for Buffers<B> {
@@ -62,6 +72,7 @@ impl<B: Backend> Default for Buffers<B> {
                 q: B::Act::default(),
                 attn: B::Act::default(),
                 act: B::Act::default(),
+                gate: B::Act::default(),
             },
         }
     }
@@ -73,6 +84,8 @@ enum Kind {
     Llama,
     /// Gemma 2 and Gemma 3 (text).
     Gemma,
+    /// Gated delta-net and gated attention: Qwen3.5 (dense and MoE).
+    Hybrid,
 }
 
 const ARCHITECTURES: &[(&str, Kind)] = &[
@@ -88,6 +101,10 @@ const ARCHITECTURES: &[(&str, Kind)] = &[
     ("gemma2", Kind::Gemma),
     ("gemma3", Kind::Gemma),
     ("gemma3_text", Kind::Gemma),
+    ("qwen3_5", Kind::Hybrid),
+    ("qwen3_5_text", Kind::Hybrid),
+    ("qwen3_5_moe", Kind::Hybrid),
+    ("qwen3_5_moe_text", Kind::Hybrid),
 ];
 
 fn kind(src: &ConfigSource) -> Result<Kind> {
@@ -111,6 +128,7 @@ pub fn config(src: &ConfigSource) -> Result<ModelConfig> {
     match kind(src)? {
         Kind::Llama => llama::config(src),
         Kind::Gemma => Ok(gemma::GemmaConfig::read(src)?.common),
+        Kind::Hybrid => Ok(qwen3_5::HybridConfig::read(src)?.common),
     }
 }
 
@@ -142,6 +160,15 @@ pub fn load<B: Backend + 'static>(
             max_positions,
             progress,
         )?),
+        Kind::Hybrid => Box::new(qwen3_5::Hybrid::load(
+            &backend,
+            qwen3_5::HybridConfig::read(src)?,
+            moe::MoeConfig::read(src)?,
+            &layout,
+            weights,
+            max_positions,
+            progress,
+        )?),
     };
     if let Some(v) = embedding_rows(weights)? {
         config.vocab_size = v;
@@ -152,6 +179,7 @@ pub fn load<B: Backend + 'static>(
         family,
         layout,
         cache: Vec::new(),
+        states: Vec::new(),
         buffers: Buffers::default(),
         max_positions,
     })
@@ -181,6 +209,8 @@ pub struct Decoder<B: Backend> {
     pub layout: KvLayout,
     /// One per slot of the layout: layer `l` lives in `cache[layout.layer_slot[l]]`.
     cache: Vec<B::LayerCache>,
+    /// One per linear-attention layer, `state_slots` requests each.
+    states: Vec<B::StateCache>,
     buffers: Buffers<B>,
     max_positions: usize,
 }
@@ -200,6 +230,25 @@ impl<B: Backend> Decoder<B> {
         Ok(())
     }
 
+    /// Reserves the recurrent state of `slots` requests for every linear-attention layer
+    /// (nothing for a model without any).
+    pub fn allocate_state(&mut self, slots: usize) -> Result<()> {
+        self.states = self
+            .family
+            .state_layers()
+            .iter()
+            .map(|spec| self.backend.state_cache(slots, spec))
+            .collect::<Result<_>>()?;
+        Ok(())
+    }
+
+    /// Bytes of one request's recurrent state across the model (f32), 0 for a model
+    /// without linear-attention layers.
+    pub fn state_bytes_per_slot(&self) -> usize {
+        let layers = self.family.state_layers();
+        layers.iter().map(|s| s.state_elems() * 4).sum()
+    }
+
     pub fn max_positions(&self) -> usize {
         self.max_positions
     }
@@ -217,6 +266,17 @@ impl<B: Backend> Decoder<B> {
         step.check(self.max_positions, self.config.vocab_size)?;
         if self.cache.len() != self.layout.slots {
             bail!("KV cache not allocated");
+        }
+        let stateful = !self.family.state_layers().is_empty();
+        if stateful && self.states.is_empty() {
+            bail!("recurrent state not allocated");
+        }
+        if stateful && step.state_slots.len() != step.num_seqs() {
+            bail!(
+                "{} state slots for {} requests",
+                step.state_slots.len(),
+                step.num_seqs()
+            );
         }
         if step.kv.len() != self.layout.groups.len() {
             bail!(
@@ -239,8 +299,9 @@ impl<B: Backend> Decoder<B> {
     fn run(&mut self, step: &PackedStep, draws: Option<DeviceDraws>) -> Result<()> {
         self.check(step)?;
         let (family, cache, ws) = (&self.family, &mut self.cache, &mut self.buffers);
+        let states = &mut self.states;
         let mut forward = |b: &mut B, s: &Step<B>| {
-            let r = family.forward(b, s, cache, ws);
+            let r = family.forward(b, s, cache, states, ws);
             if !B::REUSES_ACTIVATIONS {
                 *ws = Buffers::default();
             }

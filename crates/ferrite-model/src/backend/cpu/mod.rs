@@ -5,6 +5,7 @@
 
 pub mod attention;
 pub mod disjoint;
+pub mod gdn;
 pub mod kv_cache;
 pub mod linear;
 pub mod moe;
@@ -12,8 +13,8 @@ pub mod ops;
 pub mod quant;
 
 use super::{
-    AttentionSpec, Backend, Epilogue, LinearIn, MoeBytes, MoeMatrices, MoeSpec, QkvPrep, Stack,
-    Step,
+    AttentionSpec, Backend, Epilogue, GdnParams, GdnSpec, LinearIn, MoeBytes, MoeMatrices, MoeSpec,
+    QkvPrep, Stack, Step,
 };
 use crate::engine_args::WeightFormat;
 use crate::rope::{RopeSpec, RopeTable};
@@ -137,6 +138,7 @@ impl Backend for CpuBackend {
     type Rope = RopeTable;
     type Moe = moe::Moe;
     type LayerCache = LayerCache;
+    type StateCache = gdn::StateCache;
     type StepInputs = ();
 
     fn vector(&self, v: Vec<f32>) -> Result<Vec<f32>> {
@@ -197,6 +199,10 @@ impl Backend for CpuBackend {
             buf.par_chunks_mut(1024).for_each(|c| c[0] = f16::ZERO);
         }
         Ok(l)
+    }
+
+    fn state_cache(&self, slots: usize, spec: &GdnSpec) -> Result<gdn::StateCache> {
+        Ok(gdn::StateCache::new(slots, spec))
     }
 
     fn step(
@@ -365,6 +371,37 @@ impl Backend for CpuBackend {
         let o = out.shape(q.rows(), a.num_heads * a.head_dim);
         paged_attention(&q.data, &cache.k, &cache.v, &meta, &params, o);
         Ok(())
+    }
+
+    fn gated_delta(
+        &mut self,
+        s: &Step<Self>,
+        proj: &Mat,
+        p: &GdnParams<Self>,
+        _spec: &GdnSpec,
+        state: &mut gdn::StateCache,
+        out: &mut Mat,
+    ) -> Result<()> {
+        let w = gdn::Weights {
+            conv: p.conv,
+            a_log: p.a_log,
+            dt_bias: p.dt_bias,
+            norm: p.norm,
+        };
+        let h = s.host;
+        gdn::gated_delta(
+            proj,
+            &h.cu_seqlens_q,
+            &h.positions,
+            &h.state_slots,
+            &w,
+            state,
+            out,
+        )
+    }
+
+    fn gate_sigmoid(&mut self, x: &mut Mat, gate: &Mat) -> Result<()> {
+        gdn::gate_sigmoid(x, gate)
     }
 
     fn logits(

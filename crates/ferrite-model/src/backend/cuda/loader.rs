@@ -53,7 +53,9 @@ pub fn load(
         total as u64,
         model.weight_bytes() as u64,
         activation_bytes,
+        model.state_bytes_per_slot() as u64,
     )?;
+    model.allocate_state(plan.state_slots)?;
     // One block more than the scheduler hands out: decode graphs pad into it.
     model.allocate_cache(plan.num_blocks + 1, args.block_size)?;
     if graphs {

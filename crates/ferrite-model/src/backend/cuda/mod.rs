@@ -12,8 +12,8 @@ pub mod loader;
 pub mod moe;
 
 use super::{
-    AttentionSpec, Backend, Epilogue, Forward, LinearIn, MoeBytes, MoeMatrices, MoeSpec, QkvPrep,
-    Stack, Step,
+    AttentionSpec, Backend, Epilogue, Forward, GdnParams, GdnSpec, LinearIn, MoeBytes, MoeMatrices,
+    MoeSpec, QkvPrep, Stack, Step,
 };
 use crate::config::RopeStyle;
 use crate::rope::{RopeSpec, RopeTable};
@@ -166,6 +166,14 @@ impl CudaBackend {
     }
 }
 
+/// The error a hybrid model (Qwen3.5, Qwen3-Next) meets on this backend: its gated
+/// delta-net layers run on the CPU backend only so far.
+fn no_linear_attention() -> anyhow::Error {
+    anyhow!(
+        "gated delta-net (linear attention) layers are not on the CUDA backend yet; serve this model with --device cpu"
+    )
+}
+
 fn cuda(d: &Device) -> Result<&CudaDevice> {
     match d {
         Device::Cuda(c) => Ok(c),
@@ -208,6 +216,8 @@ impl Backend for CudaBackend {
     type Rope = Rope;
     type Moe = moe::Moe;
     type LayerCache = KvPages;
+    /// Gated delta-net layers are not on this backend yet (see [`no_linear_attention`]).
+    type StateCache = ();
     type StepInputs = StepInputs;
     /// Every op allocates its output on the stream; inside a captured graph, what the graph
     /// allocated must also be freed in it.
@@ -286,6 +296,10 @@ impl Backend for CudaBackend {
             v: Tensor::zeros(shape, DType::BF16, &self.device)?,
             block_size,
         })
+    }
+
+    fn state_cache(&self, _slots: usize, _spec: &GdnSpec) -> Result<()> {
+        Err(no_linear_attention())
     }
 
     fn step(
@@ -416,6 +430,22 @@ impl Backend for CudaBackend {
             .paged_attention(q.get()?, k, v, &meta, &shape(a, cache), sinks)?;
         out.0 = Some(o);
         Ok(())
+    }
+
+    fn gated_delta(
+        &mut self,
+        _s: &Step<Self>,
+        _proj: &Act,
+        _p: &GdnParams<Self>,
+        _spec: &GdnSpec,
+        _state: &mut (),
+        _out: &mut Act,
+    ) -> Result<()> {
+        Err(no_linear_attention())
+    }
+
+    fn gate_sigmoid(&mut self, _x: &mut Act, _gate: &Act) -> Result<()> {
+        Err(no_linear_attention())
     }
 
     fn logits(

@@ -1,0 +1,308 @@
+//! Hybrids of gated delta-net (linear attention) and gated full attention: Qwen3.5 (dense,
+//! and its mixture-of-experts members through [`Ffn`]). Most layers are linear attention,
+//! each with a fixed-size recurrent state per request; every few a full-attention layer
+//! whose output is gated by `sigmoid` of a second half of its Q projection, with partial
+//! rotary embedding. Norms are zero-centred (`x * (1 + w)`), as Gemma's.
+
+use super::layers::{embedding, lm_head, matrix, norm, weight_bytes, Attention, NormWeights};
+use super::moe::{Ffn, MoeConfig};
+use super::{Buffers, Family};
+use crate::backend::{
+    AttentionSpec, Backend, Epilogue, GdnParams, GdnSpec, LinearIn, MoeBytes, Stack, Step,
+};
+use crate::config::ModelConfig;
+use crate::rope::RopeSpec;
+use crate::weights::config_source::ConfigSource;
+use crate::weights::WeightSource;
+use anyhow::{bail, Result};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::Device;
+use ferrite_core::kv_layout::KvLayout;
+
+#[derive(Clone, Debug)]
+pub struct HybridConfig {
+    /// `layer_windows` lists the full-attention layers only: they alone hold K/V.
+    pub common: ModelConfig,
+    /// Per layer: linear attention or not.
+    pub linear: Vec<bool>,
+    pub gdn: GdnSpec,
+}
+
+impl HybridConfig {
+    pub fn read(src: &ConfigSource) -> Result<Self> {
+        let mut common = ModelConfig::common(src, false)?;
+        let n = common.num_layers;
+        let linear: Vec<bool> = match src.get("layer_types") {
+            Some(v) => serde_json::from_value::<Vec<String>>(v.clone())
+                .map_err(|e| src.unsupported(&format!("`layer_types`: {e}")))?
+                .iter()
+                .map(|t| match t.as_str() {
+                    "linear_attention" => Ok(true),
+                    "full_attention" => Ok(false),
+                    other => Err(src.unsupported(&format!("layer type `{other}`"))),
+                })
+                .collect::<Result<_>>()?,
+            None => {
+                let every = src.opt_usize("full_attention_interval").unwrap_or(4).max(1);
+                (0..n).map(|i| (i + 1) % every != 0).collect()
+            }
+        };
+        if linear.len() != n {
+            bail!(
+                "{}: {} layer types for {n} layers",
+                src.path().display(),
+                linear.len()
+            );
+        }
+        let factor = src
+            .opt_f32("rope_parameters.partial_rotary_factor")
+            .or_else(|| src.opt_f32("partial_rotary_factor"))
+            .unwrap_or(1.0);
+        common.rope_dim = ((common.head_dim as f32 * factor) as usize) & !1;
+        common.layer_windows = vec![None; linear.iter().filter(|l| !**l).count()];
+        let gdn = GdnSpec {
+            num_k_heads: src.usize("linear_num_key_heads")?,
+            num_v_heads: src.usize("linear_num_value_heads")?,
+            k_dim: src.usize("linear_key_head_dim")?,
+            v_dim: src.usize("linear_value_head_dim")?,
+            conv_kernel: src.opt_usize("linear_conv_kernel_dim").unwrap_or(4),
+            eps: common.rms_norm_eps,
+        };
+        if gdn.num_k_heads == 0
+            || !gdn.num_v_heads.is_multiple_of(gdn.num_k_heads)
+            || gdn.conv_kernel < 2
+            || gdn.k_dim == 0
+            || gdn.v_dim == 0
+        {
+            bail!("{}: linear attention shape {gdn:?}", src.path().display());
+        }
+        Ok(Self {
+            common,
+            linear,
+            gdn,
+        })
+    }
+}
+
+struct LinearAttention<B: Backend> {
+    /// Q|K|V, z, b, a.
+    in_proj: B::Linear,
+    conv: B::Vector,
+    a_log: B::Vector,
+    dt_bias: B::Vector,
+    norm: B::Vector,
+    out: B::Linear,
+    /// Its state cache: the how-manieth linear-attention layer it is.
+    state: usize,
+}
+
+enum Mixer<B: Backend> {
+    /// Full attention and its output gate's projection.
+    Attention(Attention<B>, B::Linear),
+    Linear(LinearAttention<B>),
+}
+
+struct Layer<B: Backend> {
+    input_norm: B::Vector,
+    mixer: Mixer<B>,
+    ffn_norm: B::Vector,
+    ffn: Ffn<B>,
+}
+
+pub struct Hybrid<B: Backend> {
+    config: HybridConfig,
+    embedding: B::Embedding,
+    layers: Vec<Layer<B>>,
+    final_norm: B::Vector,
+    lm_head: B::Linear,
+    rope: B::Rope,
+}
+
+/// A host `[rows, cols]` f32 matrix.
+fn host(t: candle_core::Tensor) -> Result<QTensor> {
+    Ok(QTensor::quantize(&t.contiguous()?, GgmlDType::F32)?)
+}
+
+/// Qwen3.5's Q projection `[heads * 2d, h]` holds each head's Q rows, then its gate rows:
+/// the two apart, `[heads * d, h]` each.
+fn split_q_gate(
+    w: &mut WeightSource,
+    name: &str,
+    heads: usize,
+    d: usize,
+    h: usize,
+) -> Result<(QTensor, QTensor)> {
+    let t = w
+        .shaped(name, &[heads * 2 * d, h])?
+        .dequantize(&Device::Cpu)?;
+    let t = t.reshape((heads, 2, d, h))?;
+    let q = t.narrow(1, 0, 1)?.reshape((heads * d, h))?;
+    let gate = t.narrow(1, 1, 1)?.reshape((heads * d, h))?;
+    Ok((host(q)?, host(gate)?))
+}
+
+impl<B: Backend> Hybrid<B> {
+    pub fn load(
+        b: &B,
+        config: HybridConfig,
+        moe: Option<MoeConfig>,
+        layout: &KvLayout,
+        w: &mut WeightSource,
+        max_positions: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
+        let c = &config.common;
+        let h = c.hidden_size;
+        let zc = NormWeights::OffsetByOne;
+        let spec = AttentionSpec {
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+            sliding_window: None,
+            softcap: None,
+            kv_group: 0,
+            kv_slot: 0,
+        };
+        let g = &config.gdn;
+        let (embedding, vocab) = embedding(b, w, c.vocab_size, h)?;
+        let mut layers = Vec::with_capacity(c.num_layers);
+        let (mut attention_layers, mut linear_layers) = (0, 0);
+        for i in 0..c.num_layers {
+            let p = format!("model.layers.{i}");
+            let mixer = if config.linear[i] {
+                let q = |n: &str| format!("{p}.linear_attn.{n}");
+                let vd = g.num_v_heads * g.v_dim;
+                let parts = [
+                    (q("in_proj_qkv.weight"), g.conv_dim()),
+                    (q("in_proj_z.weight"), vd),
+                    (q("in_proj_b.weight"), g.num_v_heads),
+                    (q("in_proj_a.weight"), g.num_v_heads),
+                ];
+                let vector = |w: &mut WeightSource, name: &str, len: usize, init: f32| {
+                    let v = match w.is_dummy() {
+                        true => vec![init; len],
+                        false => w.vector(name)?,
+                    };
+                    if v.len() != len {
+                        bail!("`{name}` has {} values, the config implies {len}", v.len());
+                    }
+                    b.vector(v)
+                };
+                let taps = g.conv_dim() * g.conv_kernel;
+                let m = LinearAttention {
+                    in_proj: matrix(b, w, &parts, h, Stack::Concat)?,
+                    conv: vector(w, &q("conv1d.weight"), taps, 0.1)?,
+                    a_log: vector(w, &q("A_log"), g.num_v_heads, 0.0)?,
+                    dt_bias: vector(w, &q("dt_bias"), g.num_v_heads, 1.0)?,
+                    norm: norm(b, w, &q("norm.weight"), g.v_dim, NormWeights::Plain)?,
+                    out: matrix(b, w, &[(q("out_proj.weight"), h)], vd, Stack::Concat)?,
+                    state: linear_layers,
+                };
+                linear_layers += 1;
+                Mixer::Linear(m)
+            } else {
+                let a = format!("{p}.self_attn.q_proj.weight");
+                let qd = c.num_heads * c.head_dim;
+                let (q, gate) = match w.is_dummy() {
+                    true => (None, b.random_linear(&[qd], h, Stack::Concat)?),
+                    false => {
+                        let (q, gate) = split_q_gate(w, &a, c.num_heads, c.head_dim, h)?;
+                        (Some(q), b.linear(vec![gate], Stack::Concat)?)
+                    }
+                };
+                let s = spec.clone().at(layout, attention_layers);
+                attention_layers += 1;
+                Mixer::Attention(Attention::load_with_q(b, w, &p, h, s, zc, q)?, gate)
+            };
+            layers.push(Layer {
+                input_norm: norm(b, w, &format!("{p}.input_layernorm.weight"), h, zc)?,
+                mixer,
+                ffn_norm: norm(b, w, &format!("{p}.post_attention_layernorm.weight"), h, zc)?,
+                ffn: Ffn::load(b, w, &p, i, h, c.intermediate_size, moe.as_ref())?,
+            });
+            progress(i + 1, c.num_layers);
+        }
+        Ok(Self {
+            embedding,
+            layers,
+            final_norm: norm(b, w, "model.norm.weight", h, zc)?,
+            lm_head: lm_head(b, w, vocab, h)?,
+            rope: b.rope(&RopeSpec::of(c), max_positions)?,
+            config,
+        })
+    }
+}
+
+impl<B: Backend> Family<B> for Hybrid<B> {
+    fn forward(
+        &self,
+        b: &mut B,
+        s: &Step<B>,
+        cache: &mut [B::LayerCache],
+        states: &mut [B::StateCache],
+        ws: &mut Buffers<B>,
+    ) -> Result<()> {
+        let eps = self.config.common.rms_norm_eps;
+        b.embed(s, &self.embedding, None, &mut ws.x)?;
+        for l in &self.layers {
+            let input = LinearIn::RmsNorm {
+                x: &ws.x,
+                norm: &l.input_norm,
+                eps,
+            };
+            match &l.mixer {
+                Mixer::Attention(attn, gate) => {
+                    let lc = &mut cache[attn.spec.kv_slot];
+                    attn.attend(b, s, input, &self.rope, eps, lc, &mut ws.tmp)?;
+                    let input = LinearIn::RmsNorm {
+                        x: &ws.x,
+                        norm: &l.input_norm,
+                        eps,
+                    };
+                    b.matmul(input, gate, Epilogue::Store(&mut ws.tmp.gate))?;
+                    b.gate_sigmoid(&mut ws.tmp.attn, &ws.tmp.gate)?;
+                    let o_in = LinearIn::Plain(&ws.tmp.attn);
+                    b.matmul(o_in, &attn.o, Epilogue::AddInto(&mut ws.x))?;
+                }
+                Mixer::Linear(m) => {
+                    b.matmul(input, &m.in_proj, Epilogue::Store(&mut ws.tmp.qkv))?;
+                    let p = GdnParams {
+                        conv: &m.conv,
+                        a_log: &m.a_log,
+                        dt_bias: &m.dt_bias,
+                        norm: &m.norm,
+                    };
+                    let st = &mut states[m.state];
+                    let g = &self.config.gdn;
+                    b.gated_delta(s, &ws.tmp.qkv, &p, g, st, &mut ws.tmp.attn)?;
+                    let o_in = LinearIn::Plain(&ws.tmp.attn);
+                    b.matmul(o_in, &m.out, Epilogue::AddInto(&mut ws.x))?;
+                }
+            }
+            l.ffn.forward(b, &mut ws.x, &l.ffn_norm, eps, &mut ws.tmp)?;
+        }
+        b.logits(s, &ws.x, &self.final_norm, eps, &self.lm_head, None)
+    }
+
+    fn weight_bytes(&self, b: &B) -> usize {
+        let layers = self.layers.iter().map(|l| {
+            let mixer = match &l.mixer {
+                Mixer::Attention(a, g) => a.bytes(b) + b.linear_bytes(g),
+                Mixer::Linear(m) => b.linear_bytes(&m.in_proj) + b.linear_bytes(&m.out),
+            };
+            mixer + l.ffn.bytes(b)
+        });
+        weight_bytes(b, &self.embedding, &self.lm_head, layers)
+    }
+
+    fn expert_bytes(&self, b: &B) -> MoeBytes {
+        let layers = self.layers.iter().map(|l| l.ffn.expert_bytes(b));
+        layers.fold(MoeBytes::default(), |a, l| a + l)
+    }
+
+    fn state_layers(&self) -> Vec<GdnSpec> {
+        let n = self.config.linear.iter().filter(|l| **l).count();
+        vec![self.config.gdn.clone(); n]
+    }
+}
