@@ -61,10 +61,19 @@ FAMILIES = {
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
         linear_conv_kernel_dim=4, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
         partial_rotary_factor=0.25)), None),
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(num_hidden_layers=4, layer_types=[
+        "linear_attention", "full_attention", "linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=64, rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)), None),
     # 40 experts: the CUDA router holds more than one per lane.
     "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=2, num_experts=40, num_experts_per_tok=6,
         moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]), None),
 }
+
+# Written with transformers' fused expert tensors instead of one tensor per expert.
+FUSED_EXPERTS = {"qwen3_5_moe"}
 
 GGUF_NAMES = {
     "input_layernorm": "attn_norm",
@@ -244,6 +253,13 @@ def main(only):
         folder = os.path.join(OUT, name)
         # Saved last: casting the model to bf16 also rounds its rotary frequency buffers.
         model.to(torch.bfloat16).save_pretrained(folder)
+        if name in FUSED_EXPERTS:
+            # transformers' own layout (`experts.gate_up_proj` [E, 2I, h]), as some
+            # checkpoints ship it, in place of the per-expert tensors save_pretrained writes.
+            from safetensors.torch import save_file
+            state = {k: v.contiguous() for k, v in model.state_dict().items()
+                     if "rotary" not in k and not (c.tie_word_embeddings and k == "lm_head.weight")}
+            save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
         model.float()
         if gguf_arch:
             state = {k: v for k, v in model.state_dict().items()

@@ -85,6 +85,11 @@ fn qwen3_5_gated_delta_net_and_gated_attention() {
 }
 
 #[test]
+fn qwen3_5_moe_hybrid_with_fused_expert_tensors() {
+    check("qwen3_5_moe", false);
+}
+
+#[test]
 fn mixtral_experts_per_tensor_and_stacked_in_gguf() {
     check("mixtral", true);
 }

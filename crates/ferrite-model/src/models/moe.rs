@@ -43,9 +43,13 @@ impl MoeConfig {
                 src.path().display()
             );
         }
-        // Mixtral always renormalizes; llama.cpp does for Qwen3-MoE whatever the key says.
+        // Mixtral and Qwen3.5 always renormalize; llama.cpp does for Qwen3-MoE whatever the
+        // key says.
         let arch = src.architecture();
-        let always_norm = matches!(arch, "mixtral" | "llama" | "qwen3moe");
+        let always_norm = matches!(
+            arch,
+            "mixtral" | "llama" | "qwen3moe" | "qwen3_5_moe" | "qwen3_5_moe_text"
+        );
         let norm_topk = always_norm || src.opt_bool("norm_topk_prob").unwrap_or(false);
         let inter = src
             .opt_usize("moe_intermediate_size")

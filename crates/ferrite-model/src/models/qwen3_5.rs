@@ -120,7 +120,10 @@ pub struct Hybrid<B: Backend> {
 
 /// A host `[rows, cols]` f32 matrix.
 fn host(t: candle_core::Tensor) -> Result<QTensor> {
-    Ok(QTensor::quantize(&t.contiguous()?, GgmlDType::F32)?)
+    // Rebuilt from its values: quantize reads a view's storage from its start.
+    let dims = t.dims2()?;
+    let t = candle_core::Tensor::from_vec(t.flatten_all()?.to_vec1::<f32>()?, dims, &Device::Cpu)?;
+    Ok(QTensor::quantize(&t, GgmlDType::F32)?)
 }
 
 /// Qwen3.5's Q projection `[heads * 2d, h]` holds each head's Q rows, then its gate rows:

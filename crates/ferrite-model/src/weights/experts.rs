@@ -79,10 +79,17 @@ impl WeightSource {
             ExpertPart::Down => format!("{block}.experts.down_proj"),
             _ => format!("{block}.experts.gate_up_proj"),
         };
-        if !self.has(&fused) {
-            bail!("{location}: no expert weights under `{block}.experts` (per expert or fused)");
-        }
-        let t = self.tensor(&fused)?.dequantize(&Device::Cpu)?;
+        let Self::Safetensors { files, .. } = self else {
+            bail!("{location}: no tensor `{fused}` (random weights)");
+        };
+        let t = files
+            .load(&fused, &Device::Cpu)
+            .map_err(|_| {
+                anyhow!(
+                    "{location}: no expert weights under `{block}.experts` (per expert or fused)"
+                )
+            })?
+            .to_dtype(candle_core::DType::F32)?;
         let fused_rows = if part == ExpertPart::Down {
             rows
         } else {
@@ -98,7 +105,13 @@ impl WeightSource {
         let start = if part == ExpertPart::Up { rows } else { 0 };
         (0..num)
             .map(|e| {
-                let m = t.get(e)?.narrow(0, start, rows)?.contiguous()?;
+                // Rebuilt from its values: quantize reads a view's storage from its start.
+                let m = t
+                    .get(e)?
+                    .narrow(0, start, rows)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                let m = candle_core::Tensor::from_vec(m, (rows, cols), &Device::Cpu)?;
                 Ok(QTensor::quantize(&m, GgmlDType::F32)?)
             })
             .collect()
