@@ -67,6 +67,13 @@ FAMILIES = {
         linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, shared_expert_intermediate_size=64, rope_parameters=dict(
         rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25)), None),
+    # Its fused per-key-head projections; experts with a gated shared expert, layer 2 dense.
+    "qwen3_next": ("qwen3_next", dict(num_hidden_layers=4, layer_types=["linear_attention",
+        "linear_attention", "linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[2],
+        partial_rotary_factor=0.25), None),
     # 40 experts: the CUDA router holds more than one per lane.
     "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=2, num_experts=40, num_experts_per_tok=6,
         moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]), None),
@@ -239,7 +246,7 @@ def main(only):
         with torch.no_grad():
             for pname, p in model.named_parameters():
                 # Zero-centred norms start at 0 (= 1): perturbed, so the offset is tested.
-                if model_type.startswith("qwen3_5") and "norm" in pname:
+                if model_type.startswith(("qwen3_5", "qwen3_next")) and "norm" in pname:
                     p.add_(torch.randn_like(p) * 0.1)
                 p.copy_(p.to(torch.bfloat16).float())
         model.eval()

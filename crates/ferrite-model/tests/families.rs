@@ -90,6 +90,11 @@ fn qwen3_5_moe_hybrid_with_fused_expert_tensors() {
 }
 
 #[test]
+fn qwen3_next_fused_projections_experts_and_a_dense_layer() {
+    check("qwen3_next", false);
+}
+
+#[test]
 fn mixtral_experts_per_tensor_and_stacked_in_gguf() {
     check("mixtral", true);
 }

@@ -84,7 +84,7 @@ enum Kind {
     Llama,
     /// Gemma 2 and Gemma 3 (text).
     Gemma,
-    /// Gated delta-net and gated attention: Qwen3.5 (dense and MoE).
+    /// Gated delta-net and gated attention: Qwen3.5 (dense and MoE), Qwen3-Next.
     Hybrid,
 }
 
@@ -105,6 +105,7 @@ const ARCHITECTURES: &[(&str, Kind)] = &[
     ("qwen3_5_text", Kind::Hybrid),
     ("qwen3_5_moe", Kind::Hybrid),
     ("qwen3_5_moe_text", Kind::Hybrid),
+    ("qwen3_next", Kind::Hybrid),
 ];
 
 fn kind(src: &ConfigSource) -> Result<Kind> {

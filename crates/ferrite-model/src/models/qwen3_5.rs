@@ -1,5 +1,6 @@
 //! Hybrids of gated delta-net (linear attention) and gated full attention: Qwen3.5 (dense,
-//! and its mixture-of-experts members through [`Ffn`]). Most layers are linear attention,
+//! and its mixture-of-experts members through [`Ffn`]) and Qwen3-Next (the same layers, its
+//! input projections fused per key-head group: reordered at load). Most layers are linear attention,
 //! each with a fixed-size recurrent state per request; every few a full-attention layer
 //! whose output is gated by `sigmoid` of a second half of its Q projection, with partial
 //! rotary embedding. Norms are zero-centred (`x * (1 + w)`), as Gemma's.
@@ -144,6 +145,36 @@ fn split_q_gate(
     Ok((host(q)?, host(gate)?))
 }
 
+/// Qwen3-Next's fused input projections, `in_proj_qkvz` (per key head: its q, k, then its
+/// value heads' v and z rows) and `in_proj_ba` (per key head: its value heads' b, then a),
+/// reordered as Qwen3.5 keeps them: Q | K | V | Z | B | A.
+fn qwen3_next_in_proj(
+    w: &mut WeightSource,
+    prefix: &str,
+    g: &GdnSpec,
+    h: usize,
+) -> Result<QTensor> {
+    let (nk, r) = (g.num_k_heads, g.num_v_heads / g.num_k_heads);
+    let group = 2 * g.k_dim + 2 * r * g.v_dim;
+    let qkvz = w.shaped(&format!("{prefix}.in_proj_qkvz.weight"), &[nk * group, h])?;
+    let qkvz = qkvz.dequantize(&Device::Cpu)?.reshape((nk, group, h))?;
+    let ba = w.shaped(&format!("{prefix}.in_proj_ba.weight"), &[nk * 2 * r, h])?;
+    let ba = ba.dequantize(&Device::Cpu)?.reshape((nk, 2 * r, h))?;
+    let part = |t: &candle_core::Tensor, at: usize, len: usize| -> Result<candle_core::Tensor> {
+        Ok(t.narrow(1, at, len)?.reshape((nk * len, h))?)
+    };
+    let (dk, rv) = (g.k_dim, r * g.v_dim);
+    let rows = [
+        part(&qkvz, 0, dk)?,
+        part(&qkvz, dk, dk)?,
+        part(&qkvz, 2 * dk, rv)?,
+        part(&qkvz, 2 * dk + rv, rv)?,
+        part(&ba, 0, r)?,
+        part(&ba, r, r)?,
+    ];
+    host(candle_core::Tensor::cat(&rows, 0)?)
+}
+
 impl<B: Backend> Hybrid<B> {
     pub fn load(
         b: &B,
@@ -193,8 +224,16 @@ impl<B: Backend> Hybrid<B> {
                     b.vector(v)
                 };
                 let taps = g.conv_dim() * g.conv_kernel;
+                let fused = format!("{p}.linear_attn.in_proj_qkvz.weight");
+                let in_proj = match w.has(&fused) {
+                    true => {
+                        let t = qwen3_next_in_proj(w, &format!("{p}.linear_attn"), g, h)?;
+                        b.linear(vec![t], Stack::Concat)?
+                    }
+                    false => matrix(b, w, &parts, h, Stack::Concat)?,
+                };
                 let m = LinearAttention {
-                    in_proj: matrix(b, w, &parts, h, Stack::Concat)?,
+                    in_proj,
                     conv: vector(w, &q("conv1d.weight"), taps, 0.1)?,
                     a_log: vector(w, &q("A_log"), g.num_v_heads, 0.0)?,
                     dt_bias: vector(w, &q("dt_bias"), g.num_v_heads, 1.0)?,
