@@ -8,3 +8,4 @@
 #include "sample.cuh"
 #include "gemv.cuh"
 #include "moe.cuh"
+#include "gdn.cuh"

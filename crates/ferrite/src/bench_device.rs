@@ -106,6 +106,7 @@ fn step(batch: usize, qlen: usize, ctx: usize) -> PackedStep {
         let ids: Vec<u32> = (0..qlen).map(|i| (1000 + 7 * i + b) as u32).collect();
         s.push(&ids, ctx - qlen, std::slice::from_ref(&table), BLOCK);
         s.logits_indices.push(s.num_tokens() as u32 - 1);
+        s.state_slots.push(b as u32);
     }
     s.finish();
     s
@@ -173,10 +174,13 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
     let blocks = (max_batch * a.context.div_ceil(BLOCK)).max(a.prompt_tokens.div_ceil(BLOCK));
     // The last block is the decode graphs' scratch block.
     model.allocate_cache(blocks + 1, BLOCK)?;
+    // Linear-attention layers: a state slot per request, and the graphs' scratch slot.
+    let state_bytes = model.state_bytes_per_slot();
+    model.allocate_state(max_batch + 1)?;
     for pages in model.caches_mut() {
         pages.randomize()?;
     }
-    let kv_row = 2 * config.num_kv_heads * config.head_dim * 2 * config.num_layers;
+    let kv_row = 2 * config.num_kv_heads * config.head_dim * 2 * config.layer_windows.len();
     println!(
         "model: {} layers, hidden {}, {:.2} GB of bf16 weights; floor of a decode step = weights / copy bandwidth = {:.3} ms",
         config.num_layers,
@@ -193,6 +197,12 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
             read_by(1) / 1e9
         );
     }
+    if state_bytes > 0 {
+        println!(
+            "linear attention: {:.2} MiB of recurrent state per request, read and written by each decode step",
+            state_bytes as f64 / (1 << 20) as f64
+        );
+    }
     println!("| decode batch | context | launch | step ms | host enqueue ms | tokens/s | floor ms (weights + KV read) | step / floor |");
     println!("|---:|---:|---|---:|---:|---:|---:|---:|");
     for graphs in [false, true] {
@@ -200,6 +210,7 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
             model.backend.enable_decode_graphs(GraphShape {
                 max_batch,
                 scratch_block: blocks as u32,
+                state_scratch: (state_bytes > 0).then_some(max_batch as u32),
                 block_size: BLOCK,
                 max_seq_len: max_ctx,
                 heads: (config.num_heads, config.num_kv_heads, config.head_dim),
@@ -223,7 +234,9 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
                 hosts.sort_by(f64::total_cmp);
                 Some(hosts[hosts.len() / 2])
             };
-            let floor = (read_by(b) + (b * a.context * kv_row) as f64) / copy_bw;
+            // The recurrent state is read and written back.
+            let state = (2 * b * state_bytes) as f64;
+            let floor = (read_by(b) + (b * a.context * kv_row) as f64 + state) / copy_bw;
             println!(
                 "| {b} | {} | {} | {:.3} | {} | {:.0} | {:.3} | {:.2} |",
                 a.context,
@@ -236,10 +249,10 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
             );
         }
     }
-    if experts.num_experts == 0 {
+    if experts.num_experts == 0 && state_bytes == 0 {
         dense_matmuls(cuda, &config, &a, wbytes, copy_bw)?;
     } else {
-        println!("(the dense-layer matmul tables are skipped: this model's MLPs are experts)");
+        println!("(the dense-layer matmul tables are skipped: this model has experts or linear attention)");
     }
     // Prefill: one request, the whole prompt in one step.
     let p = a.prompt_tokens;
@@ -251,7 +264,7 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
     let matmul_params = active / 2.0 - (config.vocab_size * config.hidden_size) as f64;
     let attn_flops = 4.0
         * (p as f64 * p as f64 / 2.0)
-        * (config.num_heads * config.head_dim * config.num_layers) as f64;
+        * (config.num_heads * config.head_dim * config.layer_windows.len()) as f64;
     let flops = 2.0 * matmul_params * p as f64 + attn_flops;
     println!(
         "prefill {p} tokens: {:.1} ms, {:.0} tokens/s, {:.0} TFLOP/s = {:.0}% of the measured matmul rate",

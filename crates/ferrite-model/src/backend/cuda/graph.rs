@@ -93,6 +93,8 @@ pub struct DecodeGraphs {
     max_batch: usize,
     /// The block that padding rows write to.
     scratch_block: u32,
+    /// The recurrent-state slot padding rows write to (models with linear attention).
+    state_scratch: Option<u32>,
     block_size: usize,
     /// Block-table width of every graph: the most blocks one request can hold.
     width: usize,
@@ -109,6 +111,8 @@ pub struct GraphShape {
     pub max_batch: usize,
     /// The block that padding rows write to.
     pub scratch_block: u32,
+    /// The recurrent-state slot padding rows write to, for a model with linear attention.
+    pub state_scratch: Option<u32>,
     pub block_size: usize,
     pub max_seq_len: usize,
     pub heads: (usize, usize, usize),
@@ -128,6 +132,7 @@ impl DecodeGraphs {
             _workspace: Some(BlasWorkspace::set(dev)?),
             max_batch: s.max_batch.min(MAX_GRAPH_BATCH),
             scratch_block: s.scratch_block,
+            state_scratch: s.state_scratch,
             block_size: s.block_size,
             width: s.max_seq_len.div_ceil(s.block_size),
             max_seq_len: s.max_seq_len,
@@ -189,6 +194,13 @@ impl DecodeGraphs {
             copy_table(&stream, &gi.block_tables, kv, b, self.width)?;
         }
         copy_in(&stream, &g.inputs.seq_lens_k, &pad(&step.seq_lens_k, 1))?;
+        if let Some(scratch) = self.state_scratch {
+            copy_in(
+                &stream,
+                &g.inputs.state_slots,
+                &pad(&step.state_slots, scratch),
+            )?;
+        }
         let masked: Vec<bool> = draws.masks.iter().map(Option::is_some).collect();
         copy_in(&stream, &g.draws, &draw_params(draws.rows, bucket, &masked))?;
         if let Some(m) = flat_masks(draws.masks, g.words) {
@@ -232,6 +244,7 @@ impl DecodeGraphs {
             cu_seqlens_q: u32s(&(0..=bucket as u32).collect::<Vec<_>>(), dev)?,
             seq_lens_k: u32s(&vec![1; bucket], dev)?,
             rows: u32s(&(0..bucket as u32).collect::<Vec<_>>(), dev)?,
+            state_slots: u32s(&vec![self.state_scratch.unwrap_or(0); bucket], dev)?,
             groups,
             num_seqs: bucket,
             num_tokens: bucket,

@@ -21,6 +21,8 @@ pub struct StepInputs {
     pub seq_lens_k: Tensor,
     /// The rows that need logits.
     pub rows: Tensor,
+    /// Each request's recurrent-state slot (models with linear-attention layers).
+    pub state_slots: Tensor,
     pub groups: Vec<GroupInputs>,
     pub num_seqs: usize,
     pub num_tokens: usize,
@@ -56,6 +58,7 @@ impl StepInputs {
             cu_seqlens_q: u32s(&step.cu_seqlens_q, dev)?,
             seq_lens_k: u32s(&step.seq_lens_k, dev)?,
             rows: u32s(&step.logits_indices, dev)?,
+            state_slots: u32s(&step.state_slots, dev)?,
             groups,
             num_seqs: step.num_seqs(),
             num_tokens: step.num_tokens(),

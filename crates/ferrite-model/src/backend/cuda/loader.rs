@@ -55,13 +55,16 @@ pub fn load(
         activation_bytes,
         model.state_bytes_per_slot() as u64,
     )?;
-    model.allocate_state(plan.state_slots)?;
+    // One slot more than the scheduler hands out, for decode graphs' padding rows.
+    let stateful = plan.state_slots > 0;
+    model.allocate_state(plan.state_slots + stateful as usize)?;
     // One block more than the scheduler hands out: decode graphs pad into it.
     model.allocate_cache(plan.num_blocks + 1, args.block_size)?;
     if graphs {
         model.backend.enable_decode_graphs(GraphShape {
             max_batch: args.max_num_seqs,
             scratch_block: plan.num_blocks as u32,
+            state_scratch: stateful.then_some(plan.state_slots as u32),
             block_size: args.block_size,
             max_seq_len: max_model_len,
             heads: (config.num_heads, config.num_kv_heads, config.head_dim),
@@ -106,6 +109,7 @@ fn graph_bytes(c: &ModelConfig, max_batch: usize) -> u64 {
 fn profile_step(model: &mut Decoder<CudaBackend>, tokens: usize, block_size: usize) -> Result<u64> {
     let c = model.config.clone();
     model.allocate_cache(tokens.div_ceil(block_size), block_size)?;
+    model.allocate_state(1)?;
     let stream = cuda(model.backend.device())?.cuda_stream();
     let ctx = stream.context().clone();
     let (free_before, _) = ctx.mem_get_info()?;

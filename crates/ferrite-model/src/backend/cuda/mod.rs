@@ -25,6 +25,7 @@ use candle_core::{CudaDevice, DType, Device, Tensor};
 use graph::{DecodeGraphs, GraphShape};
 use inputs::{u32s, StepInputs};
 use kernels::attention::{AttentionShape, QkvParams};
+use kernels::gdn::GdnStep;
 use kernels::matmul::MatIn;
 use kernels::sample::{draw_params, flat_masks, mask_words};
 use kernels::Kernels;
@@ -166,14 +167,6 @@ impl CudaBackend {
     }
 }
 
-/// The error a hybrid model (Qwen3.5, Qwen3-Next) meets on this backend: its gated
-/// delta-net layers run on the CPU backend only so far.
-fn no_linear_attention() -> anyhow::Error {
-    anyhow!(
-        "gated delta-net (linear attention) layers are not on the CUDA backend yet; serve this model with --device cpu"
-    )
-}
-
 fn cuda(d: &Device) -> Result<&CudaDevice> {
     match d {
         Device::Cuda(c) => Ok(c),
@@ -216,8 +209,8 @@ impl Backend for CudaBackend {
     type Rope = Rope;
     type Moe = moe::Moe;
     type LayerCache = KvPages;
-    /// Gated delta-net layers are not on this backend yet (see [`no_linear_attention`]).
-    type StateCache = ();
+    /// `[slots, spec.state_elems()]` f32.
+    type StateCache = Tensor;
     type StepInputs = StepInputs;
     /// Every op allocates its output on the stream; inside a captured graph, what the graph
     /// allocated must also be freed in it.
@@ -298,8 +291,12 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn state_cache(&self, _slots: usize, _spec: &GdnSpec) -> Result<()> {
-        Err(no_linear_attention())
+    fn state_cache(&self, slots: usize, spec: &GdnSpec) -> Result<Tensor> {
+        Ok(Tensor::zeros(
+            (slots, spec.state_elems()),
+            DType::F32,
+            &self.device,
+        )?)
     }
 
     fn step(
@@ -434,18 +431,36 @@ impl Backend for CudaBackend {
 
     fn gated_delta(
         &mut self,
-        _s: &Step<Self>,
-        _proj: &Act,
-        _p: &GdnParams<Self>,
-        _spec: &GdnSpec,
-        _state: &mut (),
-        _out: &mut Act,
+        s: &Step<Self>,
+        proj: &Act,
+        p: &GdnParams<Self>,
+        spec: &GdnSpec,
+        state: &mut Tensor,
+        out: &mut Act,
     ) -> Result<()> {
-        Err(no_linear_attention())
+        let i = s.inputs;
+        let step = GdnStep {
+            cu_seqlens: &i.cu_seqlens_q,
+            positions: &i.positions,
+            slots: &i.state_slots,
+            num_seqs: i.num_seqs,
+        };
+        let o = self.kernels.gated_delta(
+            &step,
+            proj.get()?,
+            spec,
+            state,
+            p.conv,
+            p.a_log,
+            p.dt_bias,
+            p.norm,
+        )?;
+        out.0 = Some(o);
+        Ok(())
     }
 
-    fn gate_sigmoid(&mut self, _x: &mut Act, _gate: &Act) -> Result<()> {
-        Err(no_linear_attention())
+    fn gate_sigmoid(&mut self, x: &mut Act, gate: &Act) -> Result<()> {
+        self.kernels.gate_sigmoid(x.get()?, gate.get()?)
     }
 
     fn logits(

@@ -4,6 +4,7 @@
 //! the small kernels in between (here).
 
 pub mod attention;
+pub mod gdn;
 pub mod matmul;
 pub mod moe;
 pub mod sample;
@@ -49,6 +50,10 @@ pub struct Kernels {
     moe_gate_up: [CudaFunction; 2],
     moe_down: [CudaFunction; 2],
     moe_combine: CudaFunction,
+    gdn_conv: CudaFunction,
+    gdn_conv_window: CudaFunction,
+    gdn_rule: CudaFunction,
+    gate_sigmoid: CudaFunction,
     moe_gemv_gate_up: CudaFunction,
     moe_gemv_down: CudaFunction,
     sample_rows: CudaFunction,
@@ -167,6 +172,11 @@ impl Kernels {
                 matmul::GEMV_MAX_SHARED as i32,
             )?;
         }
+        let gdn_rule = f("gdn_rule_bf16")?;
+        gdn_rule.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            gdn::RULE_MAX_SHARED as i32,
+        )?;
         let multiprocessors = stream.context().attribute(
             candle_core::cuda::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as u32;
@@ -197,6 +207,10 @@ impl Kernels {
             moe_gate_up: [f("moe_gate_up_m16_bf16")?, f("moe_gate_up_m64_bf16")?],
             moe_down: [f("moe_down_m16_bf16")?, f("moe_down_m64_bf16")?],
             moe_combine: f("moe_combine_f32")?,
+            gdn_conv: f("gdn_conv_f32")?,
+            gdn_conv_window: f("gdn_conv_window")?,
+            gdn_rule,
+            gate_sigmoid: f("gate_sigmoid_bf16")?,
             moe_gemv_gate_up: f("moe_gemv_gate_up_bf16")?,
             moe_gemv_down: f("moe_gemv_down_bf16")?,
             sample_rows: f("sample_rows_f32")?,

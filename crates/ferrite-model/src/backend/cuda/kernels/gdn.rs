@@ -1,0 +1,140 @@
+//! Launches of the gated delta-net kernels (`kernels/gdn.cuh`): the causal convolution, its
+//! window's slide, and the delta rule with the output's gated norm.
+
+use super::{cfg, ptr, Arg, Kernels};
+use crate::backend::GdnSpec;
+use anyhow::{ensure, Result};
+use candle_core::{DType, Tensor};
+
+/// Shared memory the delta rule may take (its `[dk, dv]` matrix and two vectors, f32).
+pub const RULE_MAX_SHARED: usize = 200 * 1024;
+
+/// A step's view for the delta-net kernels.
+pub struct GdnStep<'a> {
+    pub cu_seqlens: &'a Tensor,
+    pub positions: &'a Tensor,
+    pub slots: &'a Tensor,
+    pub num_seqs: usize,
+}
+
+impl Kernels {
+    /// The layer from its input projection `proj [T, proj_dim]` bf16 to the output
+    /// projection's input `[T, v_heads * v_dim]` bf16, through `state [slots, elems]` f32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gated_delta(
+        &self,
+        s: &GdnStep,
+        proj: &Tensor,
+        spec: &GdnSpec,
+        state: &Tensor,
+        conv: &Tensor,
+        a_log: &Tensor,
+        dt_bias: &Tensor,
+        norm: &Tensor,
+    ) -> Result<Tensor> {
+        let (t, p) = proj.dims2()?;
+        ensure!(
+            p == spec.proj_dim(),
+            "gated delta-net input {:?}",
+            proj.dims()
+        );
+        let (conv_dim, k) = (spec.conv_dim(), spec.conv_kernel);
+        let elems = state.dim(1)?;
+        let vd = spec.num_v_heads * spec.v_dim;
+        let out = self.output((t, vd), DType::BF16)?;
+        if t == 0 {
+            return Ok(out);
+        }
+        let y = self.output((t, conv_dim), DType::F32)?;
+        let blocks = conv_dim.div_ceil(256) as u32;
+        self.launch_chained(
+            &self.gdn_conv,
+            cfg((t as u32, blocks, 1), 256, 0),
+            &[
+                Arg::P(ptr(proj)?),
+                Arg::I(p as i32),
+                Arg::P(ptr(state)?),
+                Arg::I(elems as i32),
+                Arg::P(ptr(conv)?),
+                Arg::I(conv_dim as i32),
+                Arg::I(k as i32),
+                Arg::P(ptr(s.cu_seqlens)?),
+                Arg::I(s.num_seqs as i32),
+                Arg::P(ptr(s.positions)?),
+                Arg::P(ptr(s.slots)?),
+                Arg::P(ptr(&y)?),
+            ],
+        )?;
+        self.launch_chained(
+            &self.gdn_conv_window,
+            cfg((s.num_seqs as u32, blocks, 1), 256, 0),
+            &[
+                Arg::P(ptr(proj)?),
+                Arg::I(p as i32),
+                Arg::P(ptr(state)?),
+                Arg::I(elems as i32),
+                Arg::I(conv_dim as i32),
+                Arg::I(k as i32),
+                Arg::P(ptr(s.cu_seqlens)?),
+                Arg::P(ptr(s.positions)?),
+                Arg::P(ptr(s.slots)?),
+            ],
+        )?;
+        let shared = (spec.k_dim * spec.v_dim + 2 * spec.k_dim) * 4;
+        ensure!(
+            shared <= RULE_MAX_SHARED && spec.v_dim <= 1024,
+            "linear-attention heads of {}x{} do not fit the kernel",
+            spec.k_dim,
+            spec.v_dim
+        );
+        let threads = spec.v_dim.next_multiple_of(32) as u32;
+        self.launch_chained(
+            &self.gdn_rule,
+            cfg(
+                (s.num_seqs as u32, spec.num_v_heads as u32, 1),
+                threads,
+                shared as u32,
+            ),
+            &[
+                Arg::P(ptr(&y)?),
+                Arg::P(ptr(proj)?),
+                Arg::I(p as i32),
+                Arg::P(ptr(state)?),
+                Arg::I(elems as i32),
+                Arg::I((conv_dim * (k - 1)) as i32),
+                Arg::P(ptr(a_log)?),
+                Arg::P(ptr(dt_bias)?),
+                Arg::P(ptr(norm)?),
+                Arg::F(spec.eps),
+                Arg::I(spec.num_k_heads as i32),
+                Arg::I(spec.num_v_heads as i32),
+                Arg::I(spec.k_dim as i32),
+                Arg::I(spec.v_dim as i32),
+                Arg::P(ptr(s.cu_seqlens)?),
+                Arg::P(ptr(s.positions)?),
+                Arg::P(ptr(s.slots)?),
+                Arg::P(ptr(&out)?),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    /// `x *= sigmoid(gate)` in place, bf16 of one shape.
+    pub fn gate_sigmoid(&self, x: &Tensor, gate: &Tensor) -> Result<()> {
+        ensure!(
+            x.dims() == gate.dims(),
+            "gating {:?} by {:?}",
+            x.dims(),
+            gate.dims()
+        );
+        let n = x.elem_count();
+        if n > 0 {
+            self.launch_chained(
+                &self.gate_sigmoid,
+                cfg((n.div_ceil(256) as u32, 1, 1), 256, 0),
+                &[Arg::P(ptr(x)?), Arg::P(ptr(gate)?), Arg::Z(n)],
+            )?;
+        }
+        Ok(())
+    }
+}
