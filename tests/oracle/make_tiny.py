@@ -253,10 +253,12 @@ def main(only):
         with torch.no_grad():
             logits = model(torch.tensor([tokens])).logits[0].float()
         logits_f16_kv = f16_kv_logits(model, tokens)
-        # transformers itself in bf16: how far a bf16 run strays (routing flips near ties).
+        # transformers itself in bf16: how far a bf16 run strays (routing flips near ties,
+        # the gated delta rule's sensitivity), the bound of a bf16 backend's agreement.
         with torch.no_grad():
             bf16_run = copy.deepcopy(model).to(torch.bfloat16)(torch.tensor([tokens])).logits[0]
-        bf16_max = (bf16_run.float() - logits).abs().max().item()
+        bf16_diff = (bf16_run.float() - logits).abs()
+        bf16_top1 = (bf16_run.argmax(-1) == logits.argmax(-1)).float().mean().item()
         folder = os.path.join(OUT, name)
         # Saved last: casting the model to bf16 also rounds its rotary frequency buffers.
         model.to(torch.bfloat16).save_pretrained(folder)
@@ -280,7 +282,9 @@ def main(only):
                 "token_ids": tokens,
                 "logits": [[round(x, 5) for x in row] for row in logits.tolist()],
                 "logits_f16_kv": [[round(x, 5) for x in row] for row in logits_f16_kv.tolist()],
-                "transformers_bf16_max_dlogit": round(bf16_max, 5),
+                "transformers_bf16_max_dlogit": round(bf16_diff.max().item(), 5),
+                "transformers_bf16_mean_dlogit": round(bf16_diff.mean().item(), 5),
+                "transformers_bf16_top1": round(bf16_top1, 5),
             }, fh)
         print(f"{name}: {model_type}, {sum(p.numel() for p in model.parameters())} weights")
 

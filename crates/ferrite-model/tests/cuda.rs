@@ -1305,19 +1305,21 @@ fn families_agree_with_transformers() {
             assert_eq!(got.len(), rows);
             // bf16 weights and activations (2^-9 relative per value) through a few layers:
             // a few hundredths of the logits' range, and the top-1 where it is not a near-tie.
-            // A mixture of experts flips a near-tied expert at a position or two, as
-            // transformers itself run in bf16 does: up to 1.5x what that run strays.
-            let flips = 1.5 * common::tiny_oracle_value(family, "transformers_bf16_max_dlogit");
+            // Mixtures of experts flip a near-tied expert at a position or two, and the gated
+            // delta rule amplifies rounding, as transformers itself run in bf16 does: a family
+            // may stray up to 1.5x as far as that run (and agree on top-1 10% less often).
+            let bf16 = |key: &str| common::tiny_oracle_value(family, key);
+            let max_bound = (0.05 * scale.max(1.0)).max(1.5 * bf16("transformers_bf16_max_dlogit"));
+            let mean_bound =
+                (0.01 * scale.max(1.0)).max(1.5 * bf16("transformers_bf16_mean_dlogit"));
+            let top1 = match bf16("transformers_bf16_top1") {
+                0.0 => 0.9,
+                t => (t - 0.1).min(0.9),
+            };
+            assert!(worst < max_bound, "{family}: max |dlogit| {worst}");
+            assert!(mean < mean_bound, "{family}: mean |dlogit| {mean}");
             assert!(
-                worst < (0.05 * scale.max(1.0)).max(flips),
-                "{family}: max |dlogit| {worst}"
-            );
-            assert!(
-                mean < 0.01 * scale.max(1.0),
-                "{family}: mean |dlogit| {mean}"
-            );
-            assert!(
-                agree as f64 >= 0.9 * rows as f64,
+                agree as f64 >= top1 * rows as f64,
                 "{family}: top-1 {agree}/{rows}"
             );
         }
