@@ -1259,19 +1259,20 @@ fn device_draws_follow_the_distribution() {
 /// weights where there is one), teacher-forced over a sequence longer than every window.
 #[test]
 fn families_agree_with_transformers() {
-    for (family, has_gguf) in [
-        ("llama31", true),
-        ("mistral", false),
-        ("qwen2", true),
-        ("qwen3", true),
-        ("gemma2", true),
-        ("gemma3", true),
-        ("mixtral", true),
-        ("qwen2_moe", true),
-        ("qwen3_moe", false),
-        ("qwen3_5", false),
-        ("qwen3_5_moe", false),
-        ("qwen3_next", false),
+    // (family, has a GGUF, routes through experts or a delta rule: see the bounds below)
+    for (family, has_gguf, sensitive) in [
+        ("llama31", true, false),
+        ("mistral", false, false),
+        ("qwen2", true, false),
+        ("qwen3", true, false),
+        ("gemma2", true, false),
+        ("gemma3", true, false),
+        ("mixtral", true, true),
+        ("qwen2_moe", true, true),
+        ("qwen3_moe", false, true),
+        ("qwen3_5", false, true),
+        ("qwen3_5_moe", false, true),
+        ("qwen3_next", false, true),
     ] {
         let (tokens, want) = common::tiny_oracle(family, "logits");
         let dir = common::repo_root().join(format!("tests/oracle/tiny/{family}"));
@@ -1282,33 +1283,44 @@ fn families_agree_with_transformers() {
         for path in paths {
             let mut m = gpu_model(&path, false, 4096);
             let got = common::all_logits(&mut m, &tokens);
-            let (mut worst, mut sum, mut n, mut agree) = (0f64, 0f64, 0usize, 0usize);
+            let (mut sum, mut n, mut agree) = (0f64, 0usize, 0usize);
             let scale = want
                 .iter()
                 .flatten()
                 .map(|x| x.abs() as f64)
                 .fold(0f64, f64::max);
+            // Per position, its largest |dlogit|, worst first.
+            let mut per_position = Vec::new();
             for (g, w) in got.iter().zip(&want) {
                 let wa = (0..w.len()).max_by(|&a, &b| w[a].total_cmp(&w[b])).unwrap();
                 agree += (argmax(g) as usize == wa) as usize;
+                let mut m = 0f64;
                 for (x, y) in g.iter().zip(w) {
-                    worst = worst.max((*x as f64 - *y as f64).abs());
+                    m = m.max((*x as f64 - *y as f64).abs());
                     sum += (*x as f64 - *y as f64).abs();
                     n += 1;
                 }
+                per_position.push(m);
             }
-            let (mean, rows) = (sum / n as f64, want.len());
+            per_position.sort_by(|a, b| b.total_cmp(a));
+            let (mean, rows, worst) = (sum / n as f64, want.len(), per_position[0]);
+            // Past the two worst positions (where a mixture may route a near-tie otherwise).
+            let bounded_max = per_position[if sensitive { 2 } else { 0 }];
             println!(
-                "{family} {}: {rows} positions, top-1 {agree}/{rows}, mean |dlogit| {mean:.2e}, max {worst:.2e} (largest logit {scale:.2})",
+                "{family} {}: {rows} positions, top-1 {agree}/{rows}, mean |dlogit| {mean:.2e}, max {worst:.2e}, bounded {bounded_max:.2e} (largest logit {scale:.2})",
                 path.file_name().unwrap().to_string_lossy()
             );
             assert_eq!(got.len(), rows);
             // bf16 weights and activations (2^-9 relative per value) through a few layers:
             // a few hundredths of the logits' range, and the top-1 where it is not a near-tie.
-            // Mixtures of experts flip a near-tied expert at a position or two, and the gated
-            // delta rule amplifies rounding, as transformers itself run in bf16 does: a family
-            // may stray up to 1.5x as far as that run (and agree on top-1 10% less often).
-            let bf16 = |key: &str| common::tiny_oracle_value(family, key);
+            // Mixtures of experts flip a near-tied expert at a position or two (so the two
+            // worst positions are left out of the max), and the gated delta rule amplifies
+            // rounding, as transformers itself run in bf16 does: a family may stray up to 1.5x
+            // as far as that run (and agree on top-1 10% less often).
+            let bf16 = |key: &str| match sensitive {
+                true => common::tiny_oracle_value(family, key),
+                false => 0.0,
+            };
             let max_bound = (0.05 * scale.max(1.0)).max(1.5 * bf16("transformers_bf16_max_dlogit"));
             let mean_bound =
                 (0.01 * scale.max(1.0)).max(1.5 * bf16("transformers_bf16_mean_dlogit"));
@@ -1316,7 +1328,10 @@ fn families_agree_with_transformers() {
                 0.0 => 0.9,
                 t => (t - 0.1).min(0.9),
             };
-            assert!(worst < max_bound, "{family}: max |dlogit| {worst}");
+            assert!(
+                bounded_max < max_bound,
+                "{family}: max |dlogit| {bounded_max} (past the positions left out)"
+            );
             assert!(mean < mean_bound, "{family}: mean |dlogit| {mean}");
             assert!(
                 agree as f64 >= top1 * rows as f64,
