@@ -141,6 +141,11 @@ impl KvCacheManager {
     /// first token after it. It never covers the last token: that one is always computed,
     /// for its logits. Requests that want prompt logprobs compute their whole prompt.
     pub fn find_cached_prefix(&mut self, req: &Request) -> BlockTables {
+        self.find_cached_prefix_within(req, usize::MAX)
+    }
+
+    /// The same, at most `cap` blocks long.
+    pub fn find_cached_prefix_within(&mut self, req: &Request, cap: usize) -> BlockTables {
         let none = vec![Vec::new(); self.groups.len()];
         let Some(algo) = self.prefix else {
             return none;
@@ -148,7 +153,7 @@ impl KvCacheManager {
         if req.params.prompt_logprobs.is_some() {
             return none;
         }
-        let max_blocks = (req.num_tokens() - 1) / self.block_size;
+        let max_blocks = ((req.num_tokens() - 1) / self.block_size).min(cap);
         self.hash_blocks(req, max_blocks * self.block_size);
         // Full groups: the chain of hits from the first block.
         let mut n = max_blocks;
@@ -183,6 +188,16 @@ impl KvCacheManager {
                     .collect()
             })
             .collect()
+    }
+
+    /// The chained hash of `req`'s full block `b` (prefix caching on, and the block's tokens
+    /// known).
+    pub fn block_hash(&mut self, req: &Request, b: usize) -> Option<BlockHash> {
+        if (b + 1) * self.block_size > req.num_tokens() {
+            return None;
+        }
+        self.hash_blocks(req, (b + 1) * self.block_size);
+        self.hashes.get(&req.id)?.get(b).copied()
     }
 
     /// Counts an admitted request's lookup for the hit-rate metrics.

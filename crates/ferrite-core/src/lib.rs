@@ -12,5 +12,6 @@ pub mod prefix_hash;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;
+pub mod state_checkpoints;
 pub mod state_pool;
 pub mod stop;

@@ -8,6 +8,7 @@ use crate::kv_layout::{max_blocks, GroupWindow};
 use crate::prefix_hash::HashAlgo;
 use crate::request::{FinishReason, Request, RequestId, RequestStatus};
 use crate::sampling::SamplingParams;
+use crate::state_checkpoints::StateCheckpoints;
 use crate::state_pool::{StatePool, StateSlot};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -27,6 +28,9 @@ pub struct SchedulerConfig {
     /// Recurrent-state slots (see [`crate::state_pool`]): one per running request of a model
     /// with linear-attention layers; 0 for a model that keeps none.
     pub state_slots: usize,
+    /// Slots after those for checkpoints of the state at cached prefixes (see
+    /// [`crate::state_checkpoints`]); with recurrent state, prefix caching needs some.
+    pub state_checkpoints: usize,
 }
 
 /// What the sampler needs for a row that produces a token this step.
@@ -67,6 +71,11 @@ pub struct ScheduledRequest {
     /// The request's recurrent-state slot (models with linear-attention layers); its state
     /// starts over when `start_pos` is 0.
     pub state_slot: Option<StateSlot>,
+    /// A prefix-cache hit: the checkpoint slot whose state the request starts from.
+    pub state_restore: Option<StateSlot>,
+    /// After this many of the chunk's tokens (a full prompt block's end), the state is
+    /// written into this checkpoint slot.
+    pub state_save: Option<(usize, StateSlot)>,
     /// Present when the step reaches the last known token, so a new token is sampled.
     pub sample: Option<SampleSpec>,
     pub prompt_logprobs: Option<PromptLogprobSpec>,
@@ -126,6 +135,9 @@ pub struct Scheduler {
     config: SchedulerConfig,
     kv: KvCacheManager,
     states: StatePool,
+    checkpoints: StateCheckpoints,
+    /// Admitted this step from a checkpoint: the slot to restore in its first chunk.
+    restores: HashMap<RequestId, StateSlot>,
     requests: HashMap<RequestId, Request>,
     waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
@@ -145,6 +157,11 @@ impl Scheduler {
         );
         Self {
             states: StatePool::new(config.state_slots),
+            checkpoints: StateCheckpoints::new(
+                config.state_slots as StateSlot,
+                config.state_checkpoints,
+            ),
+            restores: HashMap::new(),
             config,
             kv,
             requests: HashMap::new(),
@@ -229,6 +246,7 @@ impl Scheduler {
 
     pub fn reset_prefix_cache(&mut self) {
         self.kv.reset_prefix_cache();
+        self.checkpoints.clear();
     }
 
     pub fn kv(&self) -> &KvCacheManager {
@@ -254,6 +272,9 @@ impl Scheduler {
     /// Builds the next step. Running requests first (decodes and unfinished prefills, in
     /// admission order), then waiting requests FCFS while budget, seats and blocks allow.
     pub fn schedule(&mut self) -> SchedulerOutput {
+        // Checkpoints a step wrote count once `update` saw it run.
+        self.checkpoints.abandon();
+        self.restores.clear();
         let mut budget = self.config.max_num_batched_tokens;
         let mut planned: Vec<(RequestId, usize)> = Vec::new();
         let mut preempted = Vec::new();
@@ -294,7 +315,21 @@ impl Scheduler {
                 }
                 let req = &self.requests[&id];
                 // A new (or preempted) request starts from its longest cached prefix.
-                let hit = self.kv.find_cached_prefix(req);
+                let mut hit = self.kv.find_cached_prefix(req);
+                let mut restore = None;
+                if !self.states.is_empty() {
+                    // With recurrent state, only as deep as a checkpoint of the state reaches.
+                    let n = hit[0].len();
+                    let deepest = (1..=n).rev().find_map(|k| {
+                        let hash = self.kv.block_hash(req, k - 1)?;
+                        self.checkpoints.peek(&hash).map(|slot| (k, slot, hash))
+                    });
+                    let k = deepest.map_or(0, |d| d.0);
+                    if k < n {
+                        hit = self.kv.find_cached_prefix_within(req, k);
+                    }
+                    restore = deepest.map(|(_, slot, hash)| (slot, hash));
+                }
                 let computed = hit[0].len() * self.config.block_size;
                 let num_new = (req.num_tokens() - computed).min(budget);
                 if !self
@@ -307,6 +342,10 @@ impl Scheduler {
                 if !self.states.is_empty() {
                     self.states.acquire(id).expect("a slot is free");
                 }
+                if let Some((slot, hash)) = restore.filter(|_| computed > 0) {
+                    self.checkpoints.lookup(&hash);
+                    self.restores.insert(id, slot);
+                }
                 let req = self.requests.get_mut(&id).unwrap();
                 self.kv.note_prefix_lookup(req.num_tokens(), computed);
                 req.num_computed_tokens = computed;
@@ -317,9 +356,11 @@ impl Scheduler {
             }
         }
 
+        // A checkpoint this step restores is not overwritten by one it writes.
+        let busy: Vec<StateSlot> = self.restores.values().copied().collect();
         let requests = planned
             .into_iter()
-            .map(|(id, n)| self.scheduled_request(id, n))
+            .map(|(id, n)| self.scheduled_request(id, n, &busy))
             .collect();
         SchedulerOutput {
             requests,
@@ -328,9 +369,27 @@ impl Scheduler {
         }
     }
 
-    fn scheduled_request(&mut self, id: RequestId, num_new: usize) -> ScheduledRequest {
+    fn scheduled_request(
+        &mut self,
+        id: RequestId,
+        num_new: usize,
+        busy: &[StateSlot],
+    ) -> ScheduledRequest {
         let req = &self.requests[&id];
         let start = req.num_computed_tokens;
+        // Checkpoint the state at the last full prompt block this chunk completes, unless
+        // one of that prefix exists.
+        let bs = self.config.block_size;
+        let end = (start + num_new).min(req.num_prompt_tokens()) / bs * bs;
+        let state_save = match self.states.is_empty() || self.checkpoints.is_empty() {
+            true => None,
+            false => (end > start)
+                .then(|| self.kv.block_hash(req, end / bs - 1))
+                .flatten()
+                .filter(|h| !self.checkpoints.contains(h))
+                .and_then(|h| self.checkpoints.reserve(h, busy))
+                .map(|slot| (end - start, slot)),
+        };
         let token_ids: Vec<u32> = (start..start + num_new).map(|i| req.token_at(i)).collect();
         let sample = (start + num_new == req.num_tokens()).then(|| {
             let p = &req.params;
@@ -374,6 +433,8 @@ impl Scheduler {
             start_pos: start,
             block_tables: self.kv.block_tables(id).to_vec(),
             state_slot: self.states.slot(id),
+            state_restore: self.restores.get(&id).copied(),
+            state_save,
             sample,
             prompt_logprobs,
         }
@@ -397,6 +458,7 @@ impl Scheduler {
         output: &SchedulerOutput,
         sampled: &HashMap<RequestId, u32>,
     ) -> Vec<RequestUpdate> {
+        self.checkpoints.commit();
         let mut updates = Vec::with_capacity(output.requests.len());
         for s in &output.requests {
             let Some(req) = self.requests.get_mut(&s.req_id) else {
@@ -443,6 +505,11 @@ impl Scheduler {
     /// State slots held by live requests (for leak checks).
     pub fn num_state_slots_in_use(&self) -> usize {
         self.states.len() - self.states.num_free()
+    }
+
+    /// Checkpoint slots holding a state (they stay, as cached blocks do, until evicted).
+    pub fn num_state_checkpoints(&self) -> usize {
+        self.checkpoints.num_used()
     }
 
     /// `id`'s block tables, one per KV group.

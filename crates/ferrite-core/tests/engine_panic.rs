@@ -71,6 +71,7 @@ fn a_panicking_step_fails_its_requests_and_the_engine_lives_on() {
         prefix_caching: None,
         kv_groups: vec![None],
         state_slots: 0,
+        state_checkpoints: 0,
     };
     let engine = EngineHandle::spawn(config, Fragile, tokenizer(), vec![]);
     match run(&engine, vec![2, 13, 5]) {

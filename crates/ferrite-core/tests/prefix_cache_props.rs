@@ -81,6 +81,7 @@ struct RunResult {
 fn run(cfg: SchedulerConfig, jobs: &[Job], one_at_a_time: bool) -> RunResult {
     let mut sched = Scheduler::new(cfg.clone());
     let mut mock = MockModel::new(cfg.num_blocks, cfg.block_size, VOCAB, &cfg.kv_groups);
+    mock.states = vec![0; cfg.state_slots + cfg.state_checkpoints];
     let mut outputs: HashMap<u64, Vec<u32>> = HashMap::new();
     let (mut added, mut finished, mut step) = (0usize, 0usize, 0usize);
     while finished < jobs.len() {
@@ -125,6 +126,8 @@ fn run(cfg: SchedulerConfig, jobs: &[Job], one_at_a_time: bool) -> RunResult {
         assert!(step < 10_000, "no progress");
     }
     assert_eq!(sched.num_blocks_in_use(), 0, "blocks leaked");
+    assert_eq!(sched.num_state_slots_in_use(), 0, "state slots leaked");
+    assert!(sched.num_state_checkpoints() <= cfg.state_checkpoints);
     assert_eq!(
         sched.num_free_blocks(),
         cfg.num_blocks,
@@ -146,6 +149,7 @@ fn cfg(num_blocks: usize, bs: usize, budget: usize, prefix: Option<HashAlgo>) ->
         prefix_caching: prefix,
         kv_groups: vec![None],
         state_slots: 0,
+        state_checkpoints: 0,
     }
 }
 
@@ -223,6 +227,66 @@ proptest! {
         let without = run(SchedulerConfig { prefix_caching: None, ..tight }, &jobs, false);
         prop_assert_eq!(with.outputs, without.outputs);
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// With recurrent state (a hybrid model): a hit restores the state checkpointed at the
+    /// deepest cached block that has one; whatever the checkpoint slots' pressure (1-5 of
+    /// them) and the KV pool's, outputs equal a run without prefix caching.
+    #[test]
+    fn hybrid_hits_restore_checkpointed_state_and_outputs_equal(
+        jobs in jobs(), bs in 1usize..5, extra in 0usize..6, budget in 1usize..40,
+        checkpoints in 1usize..6, one_at_a_time in prop::bool::ANY,
+    ) {
+        let longest = jobs.iter().map(|j| j.prompt.len() + j.max_tokens).max().unwrap();
+        let hybrid = SchedulerConfig {
+            state_slots: 4,
+            state_checkpoints: checkpoints,
+            ..cfg(longest.div_ceil(bs) + extra, bs, budget, Some(HashAlgo::Builtin))
+        };
+        let with = run(hybrid.clone(), &jobs, one_at_a_time);
+        let without = run(
+            SchedulerConfig { prefix_caching: None, state_checkpoints: 0, ..hybrid },
+            &jobs,
+            one_at_a_time,
+        );
+        prop_assert_eq!(without.hit_tokens, 0);
+        prop_assert_eq!(with.outputs, without.outputs);
+    }
+}
+
+/// One request after another on a shared stem: the second restores the state checkpointed
+/// at the first one's last full prompt block and computes only what follows.
+#[test]
+fn a_hybrid_hit_reaches_the_last_checkpointed_block() {
+    let stem: Vec<u32> = (1..14).collect();
+    let job = |tail: u32| Job {
+        step: 0,
+        prompt: stem.iter().copied().chain([tail, tail + 1]).collect(),
+        max_tokens: 3,
+        salt: None,
+    };
+    let jobs = [job(20), job(30)];
+    // Budget 5: job 0's 15 prompt tokens in chunks of 5, 5, 5: checkpoints after blocks
+    // (of 4) 1, 2 and 3; job 1 shares 13 tokens = 3 full blocks, all checkpointed.
+    let hybrid = SchedulerConfig {
+        state_slots: 2,
+        state_checkpoints: 8,
+        ..cfg(64, 4, 5, Some(HashAlgo::Sha256))
+    };
+    let r = run(hybrid.clone(), &jobs, true);
+    assert_eq!(r.hit_tokens, 12);
+    let off = run(
+        SchedulerConfig {
+            prefix_caching: None,
+            ..hybrid
+        },
+        &jobs,
+        true,
+    );
+    assert_eq!(r.outputs, off.outputs);
 }
 
 #[test]

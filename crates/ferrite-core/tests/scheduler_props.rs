@@ -161,6 +161,7 @@ proptest! {
             prefix_caching: None,
             kv_groups: vec![None],
             state_slots: 0,
+            state_checkpoints: 0,
         };
         let (got, _) = run(cfg.clone(), &work);
         // Reference: a pool so large nothing is ever preempted.
@@ -207,6 +208,7 @@ proptest! {
             prefix_caching: None,
             kv_groups: groups,
             state_slots: 0,
+            state_checkpoints: 0,
         };
         let (got, _) = run(cfg.clone(), &work);
         let roomy = SchedulerConfig { num_blocks: 8192, max_num_batched_tokens: 4096, max_num_seqs: 64, ..cfg };
@@ -235,6 +237,7 @@ fn preemption_happens_under_pressure_and_changes_nothing() {
         prefix_caching: None,
         kv_groups: vec![None],
         state_slots: 0,
+        state_checkpoints: 0,
     };
     let (got, preemptions) = run(cfg.clone(), &work);
     assert!(preemptions > 0, "the workload should force preemption");
@@ -259,6 +262,7 @@ fn requests_that_can_never_fit_are_refused() {
         prefix_caching: None,
         kv_groups: vec![None],
         state_slots: 0,
+        state_checkpoints: 0,
     });
     let p = |m: i64| SamplingParams {
         max_tokens: Some(m),
@@ -369,6 +373,7 @@ proptest! {
             prefix_caching: None,
             kv_groups: vec![None],
             state_slots: slots,
+            state_checkpoints: 0,
         };
         let got = run_with_states(cfg.clone(), &work, &aborts);
         let roomy = SchedulerConfig {
@@ -376,6 +381,7 @@ proptest! {
             max_num_batched_tokens: 4096,
             max_num_seqs: 64,
             state_slots: 64,
+            state_checkpoints: 0,
             ..cfg
         };
         let want = run_with_states(roomy, &work, &[]);

@@ -211,6 +211,7 @@ impl EngineArgs {
             prefix_caching,
             kv_groups: layout.groups,
             state_slots: plan.state_slots,
+            state_checkpoints: 0,
         };
         Ok((plan, scheduler))
     }

@@ -43,13 +43,24 @@ impl MockModel {
         for r in &out.requests {
             assert_eq!(r.block_tables.len(), self.groups.len());
             if let Some(s) = r.state_slot {
-                let st = &mut self.states[s as usize];
+                let mut st = self.states[s as usize];
                 if r.start_pos == 0 {
-                    *st = 7;
+                    st = 7;
                 }
-                for &t in &r.token_ids {
-                    *st = (*st ^ t as u64).wrapping_mul(1099511628211);
+                // A prefix-cache hit starts from the checkpoint of its prefix.
+                if let Some(c) = r.state_restore {
+                    assert!(r.start_pos > 0, "a restore starts past a cached prefix");
+                    st = self.states[c as usize];
                 }
+                for (i, &t) in r.token_ids.iter().enumerate() {
+                    st = (st ^ t as u64).wrapping_mul(1099511628211);
+                    if let Some((n, c)) = r.state_save.filter(|(n, _)| *n == i + 1) {
+                        assert_ne!(c, s, "a checkpoint slot is not a running slot");
+                        assert!(n <= r.token_ids.len());
+                        self.states[c as usize] = st;
+                    }
+                }
+                self.states[s as usize] = st;
             }
             for table in &r.block_tables {
                 for (i, &t) in r.token_ids.iter().enumerate() {
