@@ -1,7 +1,9 @@
 // ---- Gated delta-net (linear attention) layers: Qwen3.5, Qwen3-Next ----
 // A request's state, in its slot of `state` ([slots, elems] f32): the causal convolution's last
 // K - 1 inputs ([K - 1, conv_dim], oldest first), then the delta rule's matrix per value head
-// ([v_heads, dk, dv]). A request whose chunk starts at position 0 starts from zeros. The input
+// ([v_heads, dk, dv]). A request whose chunk starts at position 0 starts from zeros, a
+// prefix-cache hit from a checkpoint slot; a chunk may also write its state after its first n
+// tokens into a checkpoint slot (in place: no other copy). The input
 // projection's row per token `proj` [T, P] bf16 holds Q | K | V (the convolution's channels),
 // then z [v_heads * dv], b [v_heads], a [v_heads].
 #pragma once
@@ -42,11 +44,35 @@ extern "C" __global__ void gdn_conv_f32(const bf16* proj, int P, const float* st
   y[(size_t)t * conv_dim + c] = gdn_silu(acc);
 }
 
-// Slides each request's window over its chunk: the last K - 1 inputs of window ++ chunk.
-// After gdn_conv_f32 (which reads the old window). Grid: (B, conv_dim / 256 rounded up).
+// A prefix-cache hit starts from its checkpoint: slot restores[i]'s state copied into the
+// request's own. Before the other kernels. Grid: (B, elems / 1024 rounded up), 256 threads.
+extern "C" __global__ void gdn_state_restore(float* state, int elems, const uint32_t* restores,
+                                             const uint32_t* slots) {
+  wait_for_previous_kernel();
+  const int i = blockIdx.x;
+  if (restores[i] == 0xffffffffu) return;
+  const float4* src = (const float4*)(state + (size_t)restores[i] * elems);
+  float4* dst = (float4*)(state + (size_t)slots[i] * elems);
+  for (int e = blockIdx.y * 256 + threadIdx.x; e < elems / 4; e += gridDim.y * 256) dst[e] = src[e];
+}
+
+// Row m of the window after the chunk's first n tokens: the last K - 1 inputs of
+// window ++ chunk[..n].
+__device__ __forceinline__ float gdn_window_row(const bf16* proj, int P, const float* window,
+                                                int conv_dim, int K, int r0, int n, int m,
+                                                int c, bool fresh) {
+  const int u = n - (K - 1) + m;  // chunk-relative token of window row m
+  if (u >= 0) return __bfloat162float(proj[(size_t)(r0 + u) * P + c]);
+  return fresh ? 0.f : window[(size_t)(m + n) * conv_dim + c];
+}
+
+// Slides each request's window over its chunk, and writes the window after the first
+// saves[2i] tokens into checkpoint saves[2i + 1] (0xffffffff: none). After gdn_conv_f32
+// (which reads the old window). Grid: (B, conv_dim / 256 rounded up).
 extern "C" __global__ void gdn_conv_window(const bf16* proj, int P, float* state, int elems,
                                            int conv_dim, int K, const uint32_t* cu,
-                                           const uint32_t* positions, const uint32_t* slots) {
+                                           const uint32_t* positions, const uint32_t* slots,
+                                           const uint32_t* saves) {
   wait_for_previous_kernel();
   const int i = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
   if (c >= conv_dim) return;
@@ -54,14 +80,16 @@ extern "C" __global__ void gdn_conv_window(const bf16* proj, int P, float* state
   if (n == 0) return;
   const bool fresh = positions[r0] == 0;
   float* window = state + (size_t)slots[i] * elems;
-  // Ascending m reads entries m + n > m, not yet overwritten.
-  for (int m = 0; m < K - 1; m++) {
-    const int u = n - (K - 1) + m;  // chunk-relative token of window row m
-    float x;
-    if (u >= 0) x = __bfloat162float(proj[(size_t)(r0 + u) * P + c]);
-    else x = fresh ? 0.f : window[(size_t)(m + n) * conv_dim + c];
-    window[(size_t)m * conv_dim + c] = x;
+  if (saves && saves[2 * i + 1] != 0xffffffffu) {
+    float* save = state + (size_t)saves[2 * i + 1] * elems;
+    for (int m = 0; m < K - 1; m++)
+      save[(size_t)m * conv_dim + c] =
+          gdn_window_row(proj, P, window, conv_dim, K, r0, saves[2 * i], m, c, fresh);
   }
+  // Ascending m reads entries m + n > m, not yet overwritten.
+  for (int m = 0; m < K - 1; m++)
+    window[(size_t)m * conv_dim + c] =
+        gdn_window_row(proj, P, window, conv_dim, K, r0, n, m, c, fresh);
 }
 
 // The delta rule of one request's value head h (block (i, h), dv threads rounded up to whole
@@ -74,7 +102,8 @@ extern "C" __global__ void gdn_rule_bf16(const float* qkv, const bf16* proj, int
                                          const bf16* a_log, const bf16* dt_bias,
                                          const bf16* norm, float eps, int nk, int nv, int dk,
                                          int dv, const uint32_t* cu, const uint32_t* positions,
-                                         const uint32_t* slots, bf16* out) {
+                                         const uint32_t* slots, const uint32_t* saves,
+                                         bf16* out) {
   extern __shared__ float gdn_smem[];
   __shared__ float red[32];
   float* S = gdn_smem;
@@ -86,6 +115,12 @@ extern "C" __global__ void gdn_rule_bf16(const float* qkv, const bf16* proj, int
   const int r0 = cu[i], r1 = cu[i + 1];
   if (r0 == r1) return;
   float* g = state + (size_t)slots[i] * elems + conv_offset + (size_t)h * dk * dv;
+  // The checkpoint to write after the first `save_at` tokens, if any.
+  const bool saving = saves && saves[2 * i + 1] != 0xffffffffu;
+  const int save_at = saving ? r0 + (int)saves[2 * i] - 1 : -1;
+  float* save = saving ? state + (size_t)saves[2 * i + 1] * elems + conv_offset +
+                             (size_t)h * dk * dv
+                       : nullptr;
   const bool fresh = positions[r0] == 0;
   for (int e = j; e < dk * dv; e += blockDim.x) S[e] = fresh ? 0.f : g[e];
   const float A = __expf(__bfloat162float(a_log[h])), dt = __bfloat162float(dt_bias[h]);
@@ -121,6 +156,9 @@ extern "C" __global__ void gdn_rule_bf16(const float* qkv, const bf16* proj, int
         S[e * dv + j] = s;
         o += s * q[e] * qn;
       }
+      // Each thread writes its own column: no other reads or writes it.
+      if (t == save_at)
+        for (int e = 0; e < dk; e++) save[e * dv + j] = S[e * dv + j];
     }
     const float ss = block_sum(o * o, red);
     if (col)

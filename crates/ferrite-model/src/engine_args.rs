@@ -190,28 +190,22 @@ impl EngineArgs {
             layers_per_block: layout.slots,
             chunk: self.max_num_batched_tokens,
             state_bytes_per_slot,
+            // A hit restores the recurrent state from a checkpoint: as many as requests.
+            state_checkpoints: match self.prefix_caching {
+                Some(_) => self.max_num_seqs,
+                None => 0,
+            },
         })?;
-        // A prefix-cache hit would restore K/V blocks but not the recurrent state of the
-        // tokens they hold.
-        let prefix_caching = match (self.prefix_caching, plan.state_slots) {
-            (Some(_), 1..) => {
-                tracing::warn!(
-                    "prefix caching is off: this model's linear-attention layers keep a recurrent state that cached blocks do not restore yet"
-                );
-                None
-            }
-            (p, _) => p,
-        };
         let scheduler = SchedulerConfig {
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
             max_model_len,
             block_size: self.block_size,
             num_blocks: plan.num_blocks,
-            prefix_caching,
+            prefix_caching: self.prefix_caching,
             kv_groups: layout.groups,
             state_slots: plan.state_slots,
-            state_checkpoints: 0,
+            state_checkpoints: plan.state_checkpoints,
         };
         Ok((plan, scheduler))
     }

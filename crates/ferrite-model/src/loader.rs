@@ -69,7 +69,7 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
         model.state_bytes_per_slot() as u64,
     )?;
     model.allocate_cache(plan.num_blocks, args.block_size)?;
-    model.allocate_state(plan.state_slots)?;
+    model.allocate_state(plan.state_slots + plan.state_checkpoints)?;
     Ok(LoadedEngine {
         runner: ModelRunner::new(Box::new(model), args.block_size, args.seed),
         tokenizer,

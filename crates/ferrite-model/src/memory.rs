@@ -69,9 +69,10 @@ pub struct MemoryPlan {
     pub explicit_kv: bool,
     /// True when the pool was capped at what `max_num_seqs` full-length requests can use.
     pub capped: bool,
-    /// The recurrent-state pool beside the KV pool (linear-attention layers): its slots and
-    /// their bytes.
+    /// The recurrent-state pool beside the KV pool (linear-attention layers): running
+    /// requests' slots, prefix-cache checkpoints, and their bytes.
     pub state_slots: usize,
+    pub state_checkpoints: usize,
     pub state_bytes: u64,
 }
 
@@ -91,8 +92,10 @@ pub struct PlanInputs {
     pub layers_per_block: usize,
     pub chunk: usize,
     /// Recurrent state of one request (0 without linear-attention layers): `max_num_seqs`
-    /// slots of it are reserved before the KV pool.
+    /// slots of it, and `state_checkpoints` more for prefix caching, are reserved before the
+    /// KV pool.
     pub state_bytes_per_slot: u64,
+    pub state_checkpoints: usize,
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -105,12 +108,10 @@ pub fn plan(i: &PlanInputs) -> Result<MemoryPlan> {
         );
     }
     let budget = (i.device_bytes as f64 * i.utilization) as u64;
-    let state_slots = if i.state_bytes_per_slot > 0 {
-        i.max_num_seqs
-    } else {
-        0
-    };
-    let state_bytes = state_slots as u64 * i.state_bytes_per_slot;
+    let stateful = i.state_bytes_per_slot > 0;
+    let state_slots = if stateful { i.max_num_seqs } else { 0 };
+    let state_checkpoints = if stateful { i.state_checkpoints } else { 0 };
+    let state_bytes = (state_slots + state_checkpoints) as u64 * i.state_bytes_per_slot;
     let kv_bytes = match i.kv_cache_memory {
         Some(b) => b,
         None => {
@@ -184,6 +185,7 @@ pub fn plan(i: &PlanInputs) -> Result<MemoryPlan> {
         explicit_kv: i.kv_cache_memory.is_some(),
         capped,
         state_slots,
+        state_checkpoints,
         state_bytes,
     })
 }
@@ -246,11 +248,13 @@ impl fmt::Display for MemoryPlan {
             write!(f, " (pool set by --kv-cache-memory)")?;
         }
         if self.state_slots > 0 {
+            let n = self.state_slots + self.state_checkpoints;
             write!(
                 f,
-                "; recurrent state: {} slots x {:.2} MiB = {:.2} GiB",
+                "; recurrent state: {} slots + {} prefix-cache checkpoints x {:.2} MiB = {:.2} GiB",
                 self.state_slots,
-                self.state_bytes as f64 / self.state_slots as f64 / (1 << 20) as f64,
+                self.state_checkpoints,
+                self.state_bytes as f64 / n as f64 / (1 << 20) as f64,
                 self.state_bytes as f64 / GIB
             )?;
         }
@@ -280,6 +284,7 @@ mod tests {
             layers_per_block: 30,
             chunk: 512,
             state_bytes_per_slot: 0,
+            state_checkpoints: 0,
         }
     }
 

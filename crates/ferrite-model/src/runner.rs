@@ -2,7 +2,7 @@
 //! samples the rows that need a token and computes requested prompt logprobs.
 
 use crate::sampler::{argmax, log_sum_exp, logprob_and_rank, top_k_logprobs, Sampler};
-use crate::step::PackedStep;
+use crate::step::{PackedStep, NO_SLOT};
 use anyhow::Result;
 use ferrite_core::constraint::Constraint;
 use ferrite_core::engine::{ExecError, Executor};
@@ -116,7 +116,12 @@ impl ModelRunner {
         for (i, r) in out.requests.iter().enumerate() {
             let first_row = step.num_tokens();
             step.push(&r.token_ids, r.start_pos, &r.block_tables, bs);
-            step.state_slots.extend(r.state_slot);
+            if r.state_slot.is_some() {
+                step.state_slots.extend(r.state_slot);
+                step.state_restores.push(r.state_restore.unwrap_or(NO_SLOT));
+                let save = r.state_save.map_or([0, NO_SLOT], |(n, s)| [n as u32, s]);
+                step.state_saves.push(save);
+            }
             if let Some(pl) = &r.prompt_logprobs {
                 for (j, &target) in pl.targets.iter().enumerate() {
                     step.logits_indices

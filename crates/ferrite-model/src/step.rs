@@ -31,7 +31,16 @@ pub struct PackedStep {
     /// `[B]`: each request's recurrent-state slot (models with linear-attention layers;
     /// empty otherwise). A request whose chunk starts at position 0 starts its state over.
     pub state_slots: Vec<u32>,
+    /// `[B]` beside `state_slots` (or empty: none): a checkpoint slot whose state the
+    /// request starts from (a prefix-cache hit), or [`NO_SLOT`].
+    pub state_restores: Vec<u32>,
+    /// `[B]` beside `state_slots` (or empty: none): `[n, slot]`, the state after the chunk's
+    /// first `n` tokens written into checkpoint `slot`, or `[0, NO_SLOT]`.
+    pub state_saves: Vec<[u32; 2]>,
 }
+
+/// No state slot (see [`PackedStep::state_restores`]).
+pub const NO_SLOT: u32 = u32::MAX;
 
 impl PackedStep {
     pub fn num_tokens(&self) -> usize {
@@ -40,6 +49,12 @@ impl PackedStep {
 
     pub fn num_seqs(&self) -> usize {
         self.seq_lens_k.len()
+    }
+
+    /// Whether some request restores or checkpoints its recurrent state this step.
+    pub fn moves_state(&self) -> bool {
+        self.state_restores.iter().any(|&r| r != NO_SLOT)
+            || self.state_saves.iter().any(|s| s[1] != NO_SLOT)
     }
 
     /// Positions and token ids within what a model of `max_positions` positions and a

@@ -90,6 +90,44 @@ pub fn all_logits<B: Backend>(model: &mut Decoder<B>, tokens: &[u32]) -> Vec<Vec
         .collect()
 }
 
+/// Runs A = `a[..40]` in slot 0, checkpointing after 32 tokens into slot 2, then B's last 16
+/// tokens from that checkpoint in slot 1 (B's first two blocks are A's); B's logits and
+/// the cold ones they should equal.
+pub fn prefix_hit<B: Backend>(
+    model: &mut Decoder<B>,
+    a: &[u32],
+    b: &[u32],
+    cold: &[Vec<f32>],
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    use ferrite_model::step::NO_SLOT;
+    let bs = 16;
+    model.allocate_cache(8, bs).unwrap();
+    model.allocate_state(3).unwrap();
+    let mut first = PackedStep::default();
+    first.push(&a[..40], 0, &[vec![0, 1, 2]], bs);
+    first.state_slots = vec![0];
+    first.state_restores = vec![NO_SLOT];
+    first.state_saves = vec![[32, 2]];
+    first.logits_indices = vec![39];
+    first.finish();
+    model.forward(&first).unwrap();
+    let mut hit = PackedStep::default();
+    hit.push(&b[32..], 32, &[vec![0, 1, 3]], bs);
+    hit.state_slots = vec![1];
+    hit.state_restores = vec![2];
+    hit.state_saves = vec![[0, NO_SLOT]];
+    hit.logits_indices = (0..16).collect();
+    hit.finish();
+    let v = model.config.vocab_size;
+    let got = model
+        .forward(&hit)
+        .unwrap()
+        .chunks(v)
+        .map(|r| r.to_vec())
+        .collect();
+    (got, cold[32..].to_vec())
+}
+
 pub fn fixture() -> serde_json::Value {
     fixture_of("smollm2")
 }

@@ -1454,3 +1454,32 @@ fn gated_delta_net_chunked_prefill_and_decode_match_a_whole_prefill() {
         assert!(worst < 0.1 * scale, "chunks of {chunk}: max {worst}");
     }
 }
+
+/// A prefix-cache hit on the hybrid on the GPU: the state checkpointed in place after 32
+/// tokens of one request restored for another sharing them; logits equal a cold prefill to
+/// bf16 precision.
+#[test]
+fn gated_delta_net_prefix_hit_from_a_checkpoint_matches_a_cold_prefill() {
+    let dir = common::repo_root().join("tests/oracle/tiny/qwen3_5");
+    let mut m = gpu_model(&dir, false, 4096);
+    let (tokens, _) = common::tiny_oracle("qwen3_5", "logits");
+    let b: Vec<u32> = tokens[..32]
+        .iter()
+        .chain(tokens[..16].iter().rev())
+        .copied()
+        .collect();
+    let cold = common::all_logits(&mut m, &b);
+    let (got, want) = common::prefix_hit(&mut m, &tokens, &b, &cold);
+    let scale = want.iter().flatten().map(|x| x.abs()).fold(0f32, f32::max);
+    let d: Vec<f32> = got
+        .iter()
+        .flatten()
+        .zip(want.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .collect();
+    let worst = d.iter().copied().fold(0f32, f32::max);
+    let mean = d.iter().sum::<f32>() / d.len() as f32;
+    println!("qwen3_5 prefix hit on the GPU: mean |dlogit| {mean:.2e}, max {worst:.2e} (largest logit {scale:.2})");
+    assert!(mean < 0.01 * scale, "mean {mean}");
+    assert!(worst < 0.1 * scale, "max {worst}");
+}

@@ -270,3 +270,23 @@ fn qwen3_5_chunked_prefill_and_decode_match_a_whole_prefill() {
         assert!(d <= 1e-3, "chunks of {chunk}: logits off by {d}");
     }
 }
+
+/// A prefix-cache hit on the hybrid: request A's prefill checkpoints its state after 32
+/// tokens (in place, into a checkpoint slot); request B, sharing those 32 tokens and their
+/// K/V blocks, starts from that checkpoint at position 32. B's logits equal B computed cold.
+#[test]
+fn qwen3_5_prefix_hit_from_a_checkpoint_matches_a_cold_prefill() {
+    let dir = repo_root().join("tests/oracle/tiny/qwen3_5");
+    let mut model = load_path(&dir, WeightFormat::F32);
+    let (tokens, _) = tiny_oracle("qwen3_5", "logits");
+    let b: Vec<u32> = tokens[..32]
+        .iter()
+        .chain(tokens[..16].iter().rev())
+        .copied()
+        .collect();
+    let cold = all_logits(&mut model, &b);
+    let (got, want) = prefix_hit(&mut model, &tokens, &b, &cold);
+    let d = max_diff(&got, &want);
+    println!("qwen3_5 prefix hit from a checkpoint: max |dlogit| {d:.2e} against a cold prefill");
+    assert!(d <= 1e-3, "logits off by {d}");
+}

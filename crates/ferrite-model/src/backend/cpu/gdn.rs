@@ -8,6 +8,7 @@
 use super::disjoint::DisjointSlice;
 use super::Mat;
 use crate::backend::GdnSpec;
+use crate::step::NO_SLOT;
 use anyhow::{bail, Result};
 use rayon::prelude::*;
 
@@ -57,12 +58,21 @@ fn l2_normalize(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
+/// Where a step's requests keep their state: slots, and the checkpoints of prefix caching.
+pub struct Slots<'a> {
+    pub state: &'a [u32],
+    /// Per request, or empty: the checkpoint to start from ([`NO_SLOT`]: none).
+    pub restores: &'a [u32],
+    /// Per request, or empty: `[n, slot]`, the state after `n` tokens into checkpoint `slot`.
+    pub saves: &'a [[u32; 2]],
+}
+
 /// The layer over every request of the step; see `Backend::gated_delta`.
 pub fn gated_delta(
     proj: &Mat,
     cu_seqlens: &[u32],
     positions: &[u32],
-    state_slots: &[u32],
+    slots: &Slots,
     w: &Weights,
     state: &mut StateCache,
     out: &mut Mat,
@@ -78,40 +88,72 @@ pub fn gated_delta(
         );
     }
     let seqs = cu_seqlens.len().saturating_sub(1);
-    if state_slots.len() != seqs {
-        bail!("{} state slots for {seqs} requests", state_slots.len());
+    let per_request = |n: usize| n == seqs || n == 0;
+    if slots.state.len() != seqs
+        || !per_request(slots.restores.len())
+        || !per_request(slots.saves.len())
+    {
+        bail!("state slots for {} of {seqs} requests", slots.state.len());
     }
+    let saves = |i: usize| slots.saves.get(i).filter(|s| s[1] != NO_SLOT);
+    // Every slot this step writes, once: the requests' own and their checkpoints.
     let mut seen = vec![false; state.slots()];
-    for &slot in state_slots {
+    let written = (0..seqs).flat_map(|i| [Some(slots.state[i]), saves(i).map(|s| s[1])]);
+    for slot in written.flatten() {
         match seen.get_mut(slot as usize) {
             Some(s) if !*s => *s = true,
-            Some(_) => bail!("state slot {slot} given to two requests of one step"),
+            Some(_) => bail!("state slot {slot} written twice in one step"),
             None => bail!("state slot {slot} of {}", state.slots()),
+        }
+    }
+    let elems = s.state_elems();
+    // Hits start from their checkpoint (which no request of the step writes).
+    for (i, &from) in slots.restores.iter().enumerate() {
+        if from != NO_SLOT {
+            if from as usize >= state.slots() || seen[from as usize] {
+                bail!("state slot {from} restored and written in one step");
+            }
+            let to = slots.state[i] as usize * elems;
+            state
+                .data
+                .copy_within(from as usize * elems..(from as usize + 1) * elems, to);
         }
     }
     let t = proj.data.len() / proj.cols.max(1);
     out.cols = vd;
     out.data.resize(t * vd, 0.0);
-    let elems = s.state_elems();
     let states = DisjointSlice::new(&mut state.data);
     let outs = DisjointSlice::new(&mut out.data);
     (0..seqs).into_par_iter().for_each(|i| {
         let (r0, r1) = (cu_seqlens[i] as usize, cu_seqlens[i + 1] as usize);
-        // SAFETY: slots are distinct across the step's requests (checked above), and each
-        // request writes only its own rows of `out`.
-        let st = unsafe { states.range(state_slots[i] as usize * elems, elems) };
+        // SAFETY: every slot written this step is written by one request only (checked
+        // above), and each request writes only its own rows of `out`.
+        let st = unsafe { states.range(slots.state[i] as usize * elems, elems) };
         let o = unsafe { outs.range(r0 * vd, (r1 - r0) * vd) };
+        let save = saves(i).map(|&[n, slot]| {
+            (n as usize, unsafe {
+                states.range(slot as usize * elems, elems)
+            })
+        });
         if r0 < r1 && positions[r0] == 0 {
             st.fill(0.0);
         }
         let rows = &proj.data[r0 * proj.cols..r1 * proj.cols];
-        request(rows, w, s, st, o);
+        request(rows, w, s, st, save, o);
     });
     Ok(())
 }
 
-/// One request's rows (`proj` rows in, `out` rows out) through its state `st`.
-fn request(proj: &[f32], w: &Weights, s: &GdnSpec, st: &mut [f32], out: &mut [f32]) {
+/// One request's rows (`proj` rows in, `out` rows out) through its state `st`; with `save`,
+/// the state after its first `n` rows is also written there.
+fn request(
+    proj: &[f32],
+    w: &Weights,
+    s: &GdnSpec,
+    st: &mut [f32],
+    save: Option<(usize, &mut [f32])>,
+    out: &mut [f32],
+) {
     let (conv_dim, kd, vd) = (
         s.conv_dim(),
         s.num_k_heads * s.k_dim,
@@ -119,6 +161,14 @@ fn request(proj: &[f32], w: &Weights, s: &GdnSpec, st: &mut [f32], out: &mut [f3
     );
     let taps = s.conv_kernel;
     let (window, rule) = st.split_at_mut(conv_dim * (taps - 1));
+    let (save_at, save) = match save {
+        Some((n, buf)) => (n, buf),
+        None => (0, &mut [][..]),
+    };
+    let (save_window, save_rule) = match save_at {
+        0 => (&mut [][..], &mut [][..]),
+        _ => save.split_at_mut(conv_dim * (taps - 1)),
+    };
     let rows = proj.len() / s.proj_dim();
     // The convolution (SiLU) of every row, sliding the window: `[rows, conv_dim]`.
     let mut qkv = vec![0f32; rows * conv_dim];
@@ -134,6 +184,9 @@ fn request(proj: &[f32], w: &Weights, s: &GdnSpec, st: &mut [f32], out: &mut [f3
         }
         window.copy_within(conv_dim.., 0);
         window[(taps - 2) * conv_dim..].copy_from_slice(x);
+        if r + 1 == save_at {
+            save_window.copy_from_slice(window);
+        }
     }
     for y in qkv.chunks_mut(conv_dim) {
         for h in y[..2 * kd].chunks_mut(s.k_dim) {
@@ -145,6 +198,7 @@ fn request(proj: &[f32], w: &Weights, s: &GdnSpec, st: &mut [f32], out: &mut [f3
     let per_k = s.num_v_heads / s.num_k_heads;
     let mat = s.k_dim * s.v_dim;
     let heads = DisjointSlice::new(out);
+    let saved = DisjointSlice::new(save_rule);
     rule.par_chunks_mut(mat).enumerate().for_each(|(h, m)| {
         let kh = h / per_k;
         let mut kv = vec![0f32; s.v_dim];
@@ -170,6 +224,10 @@ fn request(proj: &[f32], w: &Weights, s: &GdnSpec, st: &mut [f32], out: &mut [f3
                 for ((x, vj), kvj) in row.iter_mut().zip(v).zip(&kv) {
                     *x += ki * (vj - kvj) * beta;
                 }
+            }
+            if r + 1 == save_at {
+                // SAFETY: head h's part of the checkpoint is written by this task only.
+                unsafe { saved.range(h * mat, mat) }.copy_from_slice(m);
             }
             o.fill(0.0);
             for (qi, row) in q.iter().zip(m.chunks(s.v_dim)) {

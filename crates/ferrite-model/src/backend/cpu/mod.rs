@@ -389,15 +389,12 @@ impl Backend for CpuBackend {
             norm: p.norm,
         };
         let h = s.host;
-        gdn::gated_delta(
-            proj,
-            &h.cu_seqlens_q,
-            &h.positions,
-            &h.state_slots,
-            &w,
-            state,
-            out,
-        )
+        let slots = gdn::Slots {
+            state: &h.state_slots,
+            restores: &h.state_restores,
+            saves: &h.state_saves,
+        };
+        gdn::gated_delta(proj, &h.cu_seqlens_q, &h.positions, &slots, &w, state, out)
     }
 
     fn gate_sigmoid(&mut self, x: &mut Mat, gate: &Mat) -> Result<()> {

@@ -158,6 +158,10 @@ impl DecodeGraphs {
             return Ok(None);
         };
         let too_wide = step.kv.iter().any(|kv| kv.max_blocks > self.width);
+        // A graph moves no state between slots (a prompt's last token can look like a decode).
+        if step.moves_state() {
+            return Ok(None);
+        }
         if self.disabled || b > self.max_batch || too_wide || step.kv.len() != self.kv_groups {
             return Ok(None);
         }
@@ -245,6 +249,7 @@ impl DecodeGraphs {
             seq_lens_k: u32s(&vec![1; bucket], dev)?,
             rows: u32s(&(0..bucket as u32).collect::<Vec<_>>(), dev)?,
             state_slots: u32s(&vec![self.state_scratch.unwrap_or(0); bucket], dev)?,
+            state_moves: None,
             groups,
             num_seqs: bucket,
             num_tokens: bucket,

@@ -23,6 +23,9 @@ pub struct StepInputs {
     pub rows: Tensor,
     /// Each request's recurrent-state slot (models with linear-attention layers).
     pub state_slots: Tensor,
+    /// When a request restores or checkpoints its state this step: per request, the slot it
+    /// starts from, and `[n, slot]` it writes (see `PackedStep`).
+    pub state_moves: Option<(Tensor, Tensor)>,
     pub groups: Vec<GroupInputs>,
     pub num_seqs: usize,
     pub num_tokens: usize,
@@ -59,6 +62,13 @@ impl StepInputs {
             seq_lens_k: u32s(&step.seq_lens_k, dev)?,
             rows: u32s(&step.logits_indices, dev)?,
             state_slots: u32s(&step.state_slots, dev)?,
+            state_moves: match step.moves_state() {
+                true => {
+                    let saves: Vec<u32> = step.state_saves.iter().flatten().copied().collect();
+                    Some((u32s(&step.state_restores, dev)?, u32s(&saves, dev)?))
+                }
+                false => None,
+            },
             groups,
             num_seqs: step.num_seqs(),
             num_tokens: step.num_tokens(),

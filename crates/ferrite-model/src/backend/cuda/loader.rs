@@ -57,14 +57,15 @@ pub fn load(
     )?;
     // One slot more than the scheduler hands out, for decode graphs' padding rows.
     let stateful = plan.state_slots > 0;
-    model.allocate_state(plan.state_slots + stateful as usize)?;
+    let scratch = plan.state_slots + plan.state_checkpoints;
+    model.allocate_state(scratch + stateful as usize)?;
     // One block more than the scheduler hands out: decode graphs pad into it.
     model.allocate_cache(plan.num_blocks + 1, args.block_size)?;
     if graphs {
         model.backend.enable_decode_graphs(GraphShape {
             max_batch: args.max_num_seqs,
             scratch_block: plan.num_blocks as u32,
-            state_scratch: stateful.then_some(plan.state_slots as u32),
+            state_scratch: stateful.then_some(scratch as u32),
             block_size: args.block_size,
             max_seq_len: max_model_len,
             heads: (config.num_heads, config.num_kv_heads, config.head_dim),

@@ -443,6 +443,8 @@ impl Backend for CudaBackend {
             cu_seqlens: &i.cu_seqlens_q,
             positions: &i.positions,
             slots: &i.state_slots,
+            restores: i.state_moves.as_ref().map(|m| &m.0),
+            saves: i.state_moves.as_ref().map(|m| &m.1),
             num_seqs: i.num_seqs,
         };
         let o = self.kernels.gated_delta(

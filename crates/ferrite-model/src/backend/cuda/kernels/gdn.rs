@@ -1,7 +1,7 @@
 //! Launches of the gated delta-net kernels (`kernels/gdn.cuh`): the causal convolution, its
 //! window's slide, and the delta rule with the output's gated norm.
 
-use super::{cfg, ptr, Arg, Kernels};
+use super::{cfg, opt, ptr, Arg, Kernels};
 use crate::backend::GdnSpec;
 use anyhow::{ensure, Result};
 use candle_core::{DType, Tensor};
@@ -14,6 +14,9 @@ pub struct GdnStep<'a> {
     pub cu_seqlens: &'a Tensor,
     pub positions: &'a Tensor,
     pub slots: &'a Tensor,
+    /// Per request, when some request restores or checkpoints its state this step.
+    pub restores: Option<&'a Tensor>,
+    pub saves: Option<&'a Tensor>,
     pub num_seqs: usize,
 }
 
@@ -44,6 +47,18 @@ impl Kernels {
         let out = self.output((t, vd), DType::BF16)?;
         if t == 0 {
             return Ok(out);
+        }
+        if let Some(restores) = s.restores {
+            self.launch_chained(
+                &self.gdn_state_restore,
+                cfg((s.num_seqs as u32, elems.div_ceil(1024) as u32, 1), 256, 0),
+                &[
+                    Arg::P(ptr(state)?),
+                    Arg::I(elems as i32),
+                    Arg::P(ptr(restores)?),
+                    Arg::P(ptr(s.slots)?),
+                ],
+            )?;
         }
         let y = self.output((t, conv_dim), DType::F32)?;
         let blocks = conv_dim.div_ceil(256) as u32;
@@ -78,6 +93,7 @@ impl Kernels {
                 Arg::P(ptr(s.cu_seqlens)?),
                 Arg::P(ptr(s.positions)?),
                 Arg::P(ptr(s.slots)?),
+                opt(s.saves)?,
             ],
         )?;
         let shared = (spec.k_dim * spec.v_dim + 2 * spec.k_dim) * 4;
@@ -113,6 +129,7 @@ impl Kernels {
                 Arg::P(ptr(s.cu_seqlens)?),
                 Arg::P(ptr(s.positions)?),
                 Arg::P(ptr(s.slots)?),
+                opt(s.saves)?,
                 Arg::P(ptr(&out)?),
             ],
         )?;
