@@ -92,80 +92,104 @@ extern "C" __global__ void gdn_conv_window(const bf16* proj, int P, float* state
         gdn_window_row(proj, P, window, conv_dim, K, r0, n, m, c, fresh);
 }
 
-// The delta rule of one request's value head h (block (i, h), dv threads rounded up to whole
-// warps: thread j < dv keeps column j of the head's [dk, dv] matrix S in shared memory), token by token: S *= decay,
-// delta = (v - S^T k) * beta, S += k delta^T, o = S^T q; q and k L2-normed (q times 1/sqrt(dk)),
-// then out = rms_norm(o) * norm * silu(z), bf16 [T, v_heads * dv]. Dynamic shared memory
-// (dk * dv + 2 * dk) floats.
-extern "C" __global__ void gdn_rule_bf16(const float* qkv, const bf16* proj, int P,
-                                         float* state, int elems, int conv_offset,
-                                         const bf16* a_log, const bf16* dt_bias,
-                                         const bf16* norm, float eps, int nk, int nv, int dk,
-                                         int dv, const uint32_t* cu, const uint32_t* positions,
-                                         const uint32_t* slots, const uint32_t* saves,
-                                         bf16* out) {
-  extern __shared__ float gdn_smem[];
-  __shared__ float red[32];
-  float* S = gdn_smem;
-  float* q = S + dk * dv;
-  float* k = q + dk;
-  const int i = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
-  const int kh = h / (nv / nk), kd = nk * dk, conv_dim = 2 * kd + nv * dv, vd = nv * dv;
+// The delta rule, one warp per (request i, value head h, 32 of its dv columns): lane j keeps
+// column j of the head's [dk, dv] matrix S in registers and walks the request's tokens in
+// order: S *= decay, delta = (v - S^T k) * beta, S += k delta^T, o = S^T q, with q and k
+// L2-normed (q times 1/sqrt(dk)); o f32 [T, v_heads * dv]. With saves, the columns after the
+// first n tokens also go to the checkpoint. Grid: (B, v_heads, dv / 32 rounded up), 32 threads.
+template <int DK>
+__device__ void gdn_rule(const float* qkv, const bf16* proj, int P, float* state, int elems,
+                         int conv_offset, const bf16* a_log, const bf16* dt_bias, int nk, int nv,
+                         int dv, const uint32_t* cu, const uint32_t* positions,
+                         const uint32_t* slots, const uint32_t* saves, float* o_out) {
+  __shared__ float q[DK], k[DK];
+  const int i = blockIdx.x, h = blockIdx.y, lane = threadIdx.x, j = blockIdx.z * 32 + lane;
+  const bool col = j < dv;
+  const int kh = h / (nv / nk), kd = nk * DK, conv_dim = 2 * kd + nv * dv, vd = nv * dv;
   wait_for_previous_kernel();
   const int r0 = cu[i], r1 = cu[i + 1];
   if (r0 == r1) return;
-  float* g = state + (size_t)slots[i] * elems + conv_offset + (size_t)h * dk * dv;
-  // The checkpoint to write after the first `save_at` tokens, if any.
+  const size_t head = conv_offset + (size_t)h * DK * dv;
+  float* g = state + (size_t)slots[i] * elems + head;
   const bool saving = saves && saves[2 * i + 1] != 0xffffffffu;
   const int save_at = saving ? r0 + (int)saves[2 * i] - 1 : -1;
-  float* save = saving ? state + (size_t)saves[2 * i + 1] * elems + conv_offset +
-                             (size_t)h * dk * dv
-                       : nullptr;
+  float* save = saving ? state + (size_t)saves[2 * i + 1] * elems + head : nullptr;
   const bool fresh = positions[r0] == 0;
-  for (int e = j; e < dk * dv; e += blockDim.x) S[e] = fresh ? 0.f : g[e];
+  float S[DK];
+#pragma unroll
+  for (int e = 0; e < DK; e++) S[e] = fresh || !col ? 0.f : g[(size_t)e * dv + j];
   const float A = __expf(__bfloat162float(a_log[h])), dt = __bfloat162float(dt_bias[h]);
-  const bool col = j < dv;
-  const float w = col ? __bfloat162float(norm[j]) : 0.f, scale = rsqrtf((float)dk);
+  const float scale = rsqrtf((float)DK);
   for (int t = r0; t < r1; t++) {
     const float* row = qkv + (size_t)t * conv_dim;
     float qq = 0.f, kk = 0.f;
-    for (int e = j; e < dk; e += blockDim.x) {
-      const float a = row[kh * dk + e], b = row[kd + kh * dk + e];
+    for (int e = lane; e < DK; e += 32) {
+      const float a = row[kh * DK + e], b = row[kd + kh * DK + e];
       q[e] = a, k[e] = b;
       qq += a * a, kk += b * b;
     }
-    qq = block_sum(qq, red);
-    kk = block_sum(kk, red);
+    qq = warp_sum(qq);
+    kk = warp_sum(kk);
+    __syncwarp();
     const float qn = rsqrtf(qq + 1e-6f) * scale, kn = rsqrtf(kk + 1e-6f);
     const bf16* p = proj + (size_t)t * P + conv_dim;
     const float v = col ? row[2 * kd + h * dv + j] : 0.f;
-    const float z = col ? __bfloat162float(p[h * dv + j]) : 0.f;
     const float b = __bfloat162float(p[vd + h]), a = __bfloat162float(p[vd + nv + h]) + dt;
     const float beta = 1.f / (1.f + __expf(-b));
     const float decay = __expf(-A * (a > 20.f ? a : log1pf(__expf(a))));
-    float mem = 0.f, o = 0.f;
-    if (col) {
-      for (int e = 0; e < dk; e++) {
-        const float s = S[e * dv + j] * decay;
-        S[e * dv + j] = s;
-        mem += s * k[e] * kn;
-      }
-      const float delta = (v - mem) * beta;
-      for (int e = 0; e < dk; e++) {
-        const float s = S[e * dv + j] + k[e] * kn * delta;
-        S[e * dv + j] = s;
-        o += s * q[e] * qn;
-      }
-      // Each thread writes its own column: no other reads or writes it.
-      if (t == save_at)
-        for (int e = 0; e < dk; e++) save[e * dv + j] = S[e * dv + j];
+    float mem = 0.f;
+#pragma unroll
+    for (int e = 0; e < DK; e++) {
+      S[e] *= decay;
+      mem += S[e] * k[e];
     }
-    const float ss = block_sum(o * o, red);
-    if (col)
-      out[(size_t)t * vd + h * dv + j] =
-          __float2bfloat16(o * rsqrtf(ss / dv + eps) * w * gdn_silu(z));
+    const float delta = (v - mem * kn) * beta * kn;
+    float o = 0.f;
+#pragma unroll
+    for (int e = 0; e < DK; e++) {
+      S[e] += k[e] * delta;
+      o += S[e] * q[e];
+    }
+    if (col) {
+      o_out[(size_t)t * vd + h * dv + j] = o * qn;
+      if (t == save_at)
+#pragma unroll
+        for (int e = 0; e < DK; e++) save[(size_t)e * dv + j] = S[e];
+    }
+    __syncwarp();  // every lane is done with q and k before the next token's
   }
-  for (int e = j; e < dk * dv; e += blockDim.x) g[e] = S[e];
+  if (col)
+#pragma unroll
+    for (int e = 0; e < DK; e++) g[(size_t)e * dv + j] = S[e];
+}
+
+#define GDN_RULE(DK)                                                                          \
+  extern "C" __global__ void __launch_bounds__(32) gdn_rule_k##DK##_f32(                       \
+      const float* qkv, const bf16* proj, int P, float* state, int elems, int conv_offset,     \
+      const bf16* a_log, const bf16* dt_bias, int nk, int nv, int dv, const uint32_t* cu,      \
+      const uint32_t* positions, const uint32_t* slots, const uint32_t* saves, float* o) {     \
+    gdn_rule<DK>(qkv, proj, P, state, elems, conv_offset, a_log, dt_bias, nk, nv, dv, cu,      \
+                 positions, slots, saves, o);                                                 \
+  }
+GDN_RULE(16)
+GDN_RULE(32)
+GDN_RULE(64)
+GDN_RULE(128)
+
+// out[t, h] = rms_norm(o[t, h]) * norm * silu(z[t, h]) per value head of dv, bf16. Grid:
+// (T, v_heads), dv threads rounded up to whole warps.
+extern "C" __global__ void gdn_gated_norm_bf16(const float* o, const bf16* proj, int P,
+                                               int conv_dim, const bf16* norm, float eps,
+                                               int nv, int dv, bf16* out) {
+  __shared__ float red[32];
+  wait_for_previous_kernel();
+  const int t = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+  const size_t at = (size_t)t * nv * dv + h * dv + j;
+  const float x = j < dv ? o[at] : 0.f;
+  const float ss = block_sum(x * x, red);
+  if (j >= dv) return;
+  const float z = __bfloat162float(proj[(size_t)t * P + conv_dim + h * dv + j]);
+  out[at] = __float2bfloat16(x * rsqrtf(ss / dv + eps) * __bfloat162float(norm[j]) * gdn_silu(z));
 }
 
 // x[i] *= sigmoid(g[i]), bf16 (Qwen3.5's gated attention output).

@@ -3,11 +3,12 @@
 
 use super::{cfg, opt, ptr, Arg, Kernels};
 use crate::backend::GdnSpec;
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Tensor};
 
-/// Shared memory the delta rule may take (its `[dk, dv]` matrix and two vectors, f32).
-pub const RULE_MAX_SHARED: usize = 200 * 1024;
+/// Key head sizes the delta rule is built for (a lane keeps a column of the state in
+/// registers: `gdn_rule_k*_f32`).
+pub const RULE_KEY_DIMS: [usize; 4] = [16, 32, 64, 128];
 
 /// A step's view for the delta-net kernels.
 pub struct GdnStep<'a> {
@@ -96,20 +97,26 @@ impl Kernels {
                 opt(s.saves)?,
             ],
         )?;
-        let shared = (spec.k_dim * spec.v_dim + 2 * spec.k_dim) * 4;
-        ensure!(
-            shared <= RULE_MAX_SHARED && spec.v_dim <= 1024,
-            "linear-attention heads of {}x{} do not fit the kernel",
-            spec.k_dim,
-            spec.v_dim
-        );
-        let threads = spec.v_dim.next_multiple_of(32) as u32;
+        let rule = RULE_KEY_DIMS
+            .iter()
+            .position(|&d| d == spec.k_dim)
+            .with_context(|| {
+                format!(
+                    "linear-attention key heads of {} (the CUDA kernels take {RULE_KEY_DIMS:?})",
+                    spec.k_dim
+                )
+            })?;
+        let o = self.output((t, vd), DType::F32)?;
         self.launch_chained(
-            &self.gdn_rule,
+            &self.gdn_rule[rule],
             cfg(
-                (s.num_seqs as u32, spec.num_v_heads as u32, 1),
-                threads,
-                shared as u32,
+                (
+                    s.num_seqs as u32,
+                    spec.num_v_heads as u32,
+                    spec.v_dim.div_ceil(32) as u32,
+                ),
+                32,
+                0,
             ),
             &[
                 Arg::P(ptr(&y)?),
@@ -120,16 +127,37 @@ impl Kernels {
                 Arg::I((conv_dim * (k - 1)) as i32),
                 Arg::P(ptr(a_log)?),
                 Arg::P(ptr(dt_bias)?),
-                Arg::P(ptr(norm)?),
-                Arg::F(spec.eps),
                 Arg::I(spec.num_k_heads as i32),
                 Arg::I(spec.num_v_heads as i32),
-                Arg::I(spec.k_dim as i32),
                 Arg::I(spec.v_dim as i32),
                 Arg::P(ptr(s.cu_seqlens)?),
                 Arg::P(ptr(s.positions)?),
                 Arg::P(ptr(s.slots)?),
                 opt(s.saves)?,
+                Arg::P(ptr(&o)?),
+            ],
+        )?;
+        ensure!(
+            spec.v_dim <= 1024,
+            "linear-attention value heads of {}",
+            spec.v_dim
+        );
+        self.launch_chained(
+            &self.gdn_gated_norm,
+            cfg(
+                (t as u32, spec.num_v_heads as u32, 1),
+                spec.v_dim.next_multiple_of(32) as u32,
+                0,
+            ),
+            &[
+                Arg::P(ptr(&o)?),
+                Arg::P(ptr(proj)?),
+                Arg::I(p as i32),
+                Arg::I(conv_dim as i32),
+                Arg::P(ptr(norm)?),
+                Arg::F(spec.eps),
+                Arg::I(spec.num_v_heads as i32),
+                Arg::I(spec.v_dim as i32),
                 Arg::P(ptr(&out)?),
             ],
         )?;

@@ -53,7 +53,9 @@ pub struct Kernels {
     gdn_state_restore: CudaFunction,
     gdn_conv: CudaFunction,
     gdn_conv_window: CudaFunction,
-    gdn_rule: CudaFunction,
+    /// For key heads of 16, 32, 64 and 128 ([`gdn::RULE_KEY_DIMS`]).
+    gdn_rule: [CudaFunction; 4],
+    gdn_gated_norm: CudaFunction,
     gate_sigmoid: CudaFunction,
     moe_gemv_gate_up: CudaFunction,
     moe_gemv_down: CudaFunction,
@@ -173,11 +175,6 @@ impl Kernels {
                 matmul::GEMV_MAX_SHARED as i32,
             )?;
         }
-        let gdn_rule = f("gdn_rule_bf16")?;
-        gdn_rule.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            gdn::RULE_MAX_SHARED as i32,
-        )?;
         let multiprocessors = stream.context().attribute(
             candle_core::cuda::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as u32;
@@ -211,7 +208,13 @@ impl Kernels {
             gdn_state_restore: f("gdn_state_restore")?,
             gdn_conv: f("gdn_conv_f32")?,
             gdn_conv_window: f("gdn_conv_window")?,
-            gdn_rule,
+            gdn_rule: [
+                f("gdn_rule_k16_f32")?,
+                f("gdn_rule_k32_f32")?,
+                f("gdn_rule_k64_f32")?,
+                f("gdn_rule_k128_f32")?,
+            ],
+            gdn_gated_norm: f("gdn_gated_norm_bf16")?,
             gate_sigmoid: f("gate_sigmoid_bf16")?,
             moe_gemv_gate_up: f("moe_gemv_gate_up_bf16")?,
             moe_gemv_down: f("moe_gemv_down_bf16")?,
