@@ -128,6 +128,39 @@ pub fn prefix_hit<B: Backend>(
     (got, cold[32..].to_vec())
 }
 
+/// Logits of every position of `tokens` fed in chunks of `chunk` (1: token by token), with
+/// another request (the tokens reversed) sharing each step in state slot 1, ours in slot 0:
+/// its rows and state must not touch ours.
+pub fn chunked_logits<B: Backend>(
+    model: &mut Decoder<B>,
+    tokens: &[u32],
+    chunk: usize,
+) -> Vec<Vec<f32>> {
+    let other: Vec<u32> = tokens.iter().rev().copied().collect();
+    let bs = 16;
+    let per = tokens.len().div_ceil(bs) as u32;
+    model.allocate_cache(2 * per as usize, bs).unwrap();
+    model.allocate_state(2).unwrap();
+    let tables = [
+        vec![(0..per).collect::<Vec<u32>>()],
+        vec![(per..2 * per).collect()],
+    ];
+    let mut got = Vec::new();
+    for start in (0..tokens.len()).step_by(chunk) {
+        let end = (start + chunk).min(tokens.len());
+        let mut step = PackedStep::default();
+        step.push(&other[start..end], start, &tables[1], bs);
+        step.push(&tokens[start..end], start, &tables[0], bs);
+        step.state_slots = vec![1, 0];
+        let first = (end - start) as u32;
+        step.logits_indices = (first..2 * first).collect();
+        step.finish();
+        let v = model.config.vocab_size;
+        got.extend(model.forward(&step).unwrap().chunks(v).map(|r| r.to_vec()));
+    }
+    got
+}
+
 pub fn fixture() -> serde_json::Value {
     fixture_of("smollm2")
 }

@@ -1414,39 +1414,10 @@ fn gated_delta_net_chunked_prefill_and_decode_match_a_whole_prefill() {
     let dir = common::repo_root().join("tests/oracle/tiny/qwen3_5");
     let mut m = gpu_model(&dir, false, 4096);
     let (tokens, _) = common::tiny_oracle("qwen3_5", "logits");
-    let other: Vec<u32> = tokens.iter().rev().copied().collect();
     let whole = common::all_logits(&mut m, &tokens);
-    let scale = whole.iter().flatten().map(|x| x.abs()).fold(0f32, f32::max);
-    let bs = 16;
-    let per = tokens.len().div_ceil(bs) as u32;
     for chunk in [1, 7, 64] {
-        m.allocate_cache(2 * per as usize, bs).unwrap();
-        m.allocate_state(2).unwrap();
-        let tables = [
-            vec![(0..per).collect::<Vec<u32>>()],
-            vec![(per..2 * per).collect()],
-        ];
-        let mut got = Vec::new();
-        for start in (0..tokens.len()).step_by(chunk) {
-            let end = (start + chunk).min(tokens.len());
-            let mut step = PackedStep::default();
-            step.push(&other[start..end], start, &tables[1], bs);
-            step.push(&tokens[start..end], start, &tables[0], bs);
-            step.state_slots = vec![1, 0];
-            let first = (end - start) as u32;
-            step.logits_indices = (first..2 * first).collect();
-            step.finish();
-            let v = m.vocab_size();
-            got.extend(m.forward(&step).unwrap().chunks(v).map(|r| r.to_vec()));
-        }
-        let diffs: Vec<f32> = got
-            .iter()
-            .flatten()
-            .zip(whole.iter().flatten())
-            .map(|(a, b)| (a - b).abs())
-            .collect();
-        let worst = diffs.iter().copied().fold(0f32, f32::max);
-        let mean = diffs.iter().sum::<f32>() / diffs.len() as f32;
+        let got = common::chunked_logits(&mut m, &tokens, chunk);
+        let (mean, worst, scale) = differences(&got, &whole);
         println!(
             "qwen3_5 on the GPU in chunks of {chunk}: mean |dlogit| {mean:.2e}, max {worst:.2e} against one whole prefill (largest logit {scale:.2})"
         );
@@ -1470,16 +1441,22 @@ fn gated_delta_net_prefix_hit_from_a_checkpoint_matches_a_cold_prefill() {
         .collect();
     let cold = common::all_logits(&mut m, &b);
     let (got, want) = common::prefix_hit(&mut m, &tokens, &b, &cold);
-    let scale = want.iter().flatten().map(|x| x.abs()).fold(0f32, f32::max);
+    let (mean, worst, scale) = differences(&got, &want);
+    println!("qwen3_5 prefix hit on the GPU: mean |dlogit| {mean:.2e}, max {worst:.2e} (largest logit {scale:.2})");
+    assert!(mean < 0.01 * scale, "mean {mean}");
+    assert!(worst < 0.1 * scale, "max {worst}");
+}
+
+/// Mean and largest |got - want|, and the largest |want|.
+fn differences(got: &[Vec<f32>], want: &[Vec<f32>]) -> (f32, f32, f32) {
+    assert_eq!(got.len(), want.len());
     let d: Vec<f32> = got
         .iter()
         .flatten()
         .zip(want.iter().flatten())
         .map(|(x, y)| (x - y).abs())
         .collect();
+    let scale = want.iter().flatten().map(|x| x.abs()).fold(0f32, f32::max);
     let worst = d.iter().copied().fold(0f32, f32::max);
-    let mean = d.iter().sum::<f32>() / d.len() as f32;
-    println!("qwen3_5 prefix hit on the GPU: mean |dlogit| {mean:.2e}, max {worst:.2e} (largest logit {scale:.2})");
-    assert!(mean < 0.01 * scale, "mean {mean}");
-    assert!(worst < 0.1 * scale, "max {worst}");
+    (d.iter().sum::<f32>() / d.len() as f32, worst, scale)
 }

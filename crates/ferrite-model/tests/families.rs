@@ -239,32 +239,9 @@ fn qwen3_5_chunked_prefill_and_decode_match_a_whole_prefill() {
     let dir = repo_root().join("tests/oracle/tiny/qwen3_5");
     let mut model = load_path(&dir, WeightFormat::F32);
     let (tokens, _) = tiny_oracle("qwen3_5", "logits");
-    let other: Vec<u32> = tokens.iter().rev().copied().collect();
     let whole = all_logits(&mut model, &tokens);
-    let bs = 16;
-    let per = tokens.len().div_ceil(bs) as u32;
     for chunk in [1, 7, 64] {
-        model.allocate_cache(2 * per as usize, bs).unwrap();
-        model.allocate_state(2).unwrap();
-        let tables = [
-            vec![(0..per).collect::<Vec<u32>>()],
-            vec![(per..2 * per).collect()],
-        ];
-        let mut got = Vec::new();
-        for start in (0..tokens.len()).step_by(chunk) {
-            let end = (start + chunk).min(tokens.len());
-            let mut step = PackedStep::default();
-            // The other request first, in slot 1: its rows and state must not touch ours.
-            step.push(&other[start..end], start, &tables[1], bs);
-            step.push(&tokens[start..end], start, &tables[0], bs);
-            step.state_slots = vec![1, 0];
-            let first = (end - start) as u32;
-            step.logits_indices = (first..2 * first).collect();
-            step.finish();
-            let v = model.config.vocab_size;
-            let logits = model.forward(&step).unwrap();
-            got.extend(logits.chunks(v).map(|r| r.to_vec()));
-        }
+        let got = chunked_logits(&mut model, &tokens, chunk);
         let d = max_diff(&got, &whole);
         println!("qwen3_5 in chunks of {chunk}: max |dlogit| {d:.2e} against one whole prefill");
         assert!(d <= 1e-3, "chunks of {chunk}: logits off by {d}");
