@@ -13,6 +13,8 @@
 
 #define MOE_BN 64
 #define MOE_KC 32
+// Shared-memory row stride of a chunk: padded so a fragment's 16 rows fall in distinct banks.
+#define MOE_LD (MOE_KC + 8)
 #define MOE_NONE 0xffffffffu
 // Experts a warp's lanes hold in registers while routing: up to 32 * MOE_PER_LANE.
 #define MOE_PER_LANE 16
@@ -100,8 +102,8 @@ __device__ __forceinline__ void moe_tile(
   using namespace nvcuda;
   constexpr int K8 = MOE_KC / 8, A_LOADS = (TM * K8 + 127) / 128, B_LOADS = MOE_BN * K8 / 128;
   constexpr int NF = TM == 64 ? 4 : 1;
-  __shared__ __align__(32) bf16 as[TM * MOE_KC];
-  __shared__ __align__(32) bf16 bs[NB][MOE_BN * MOE_KC];
+  __shared__ __align__(32) bf16 as[TM * MOE_LD];
+  __shared__ __align__(32) bf16 bs[NB][MOE_BN * MOE_LD];
   const int warp = threadIdx.x >> 5;
   uint4 ra[A_LOADS], rb[NB][B_LOADS];
   auto load = [&](int k0) {
@@ -127,19 +129,26 @@ __device__ __forceinline__ void moe_tile(
     for (int n = 0; n < NF; n++) wmma::fill_fragment(acc[g][n], 0.f);
   load(0);
   for (int k0 = 0; k0 < K; k0 += MOE_KC) {
+    // Piece i of a chunk is row i / K8, 8 values at (i % K8) * 8: uint4 r * LD8 + i % K8.
+    constexpr int LD8 = MOE_LD / 8;
 #pragma unroll
-    for (int j = 0; j < A_LOADS; j++)
-      if (threadIdx.x + 128 * j < TM * K8) ((uint4*)as)[threadIdx.x + 128 * j] = ra[j];
+    for (int j = 0; j < A_LOADS; j++) {
+      const int i = threadIdx.x + 128 * j;
+      if (i < TM * K8) ((uint4*)as)[i / K8 * LD8 + i % K8] = ra[j];
+    }
 #pragma unroll
     for (int g = 0; g < NB; g++)
 #pragma unroll
-      for (int j = 0; j < B_LOADS; j++) ((uint4*)bs[g])[threadIdx.x + 128 * j] = rb[g][j];
+      for (int j = 0; j < B_LOADS; j++) {
+        const int i = threadIdx.x + 128 * j;
+        ((uint4*)bs[g])[i / K8 * LD8 + i % K8] = rb[g][j];
+      }
     __syncthreads();
     if (k0 + MOE_KC < K) load(k0 + MOE_KC);
 #pragma unroll
     for (int kk = 0; kk < MOE_KC; kk += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa;
-      wmma::load_matrix_sync(fa, as + (TM == 64 ? warp * 16 * MOE_KC : 0) + kk, MOE_KC);
+      wmma::load_matrix_sync(fa, as + (TM == 64 ? warp * 16 * MOE_LD : 0) + kk, MOE_LD);
 #pragma unroll
       for (int g = 0; g < NB; g++)
 #pragma unroll
@@ -147,7 +156,7 @@ __device__ __forceinline__ void moe_tile(
           // B[k][n] = w[n][k]: w's rows read as a column-major K x N matrix.
           wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> fb;
           const int col = TM == 64 ? n * 16 : warp * 16;
-          wmma::load_matrix_sync(fb, bs[g] + col * MOE_KC + kk, MOE_KC);
+          wmma::load_matrix_sync(fb, bs[g] + col * MOE_LD + kk, MOE_LD);
           wmma::mma_sync(acc[g][n], fa, fb, acc[g][n]);
         }
     }

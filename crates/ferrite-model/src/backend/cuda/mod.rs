@@ -292,6 +292,14 @@ impl Backend for CudaBackend {
     }
 
     fn state_cache(&self, slots: usize, spec: &GdnSpec) -> Result<Tensor> {
+        // At load, not at the first step: the delta rule is built for these key heads.
+        if !kernels::gdn::RULE_KEY_DIMS.contains(&spec.k_dim) {
+            bail!(
+                "linear-attention key heads of {} (the CUDA kernels take {:?})",
+                spec.k_dim,
+                kernels::gdn::RULE_KEY_DIMS
+            );
+        }
         Ok(Tensor::zeros(
             (slots, spec.state_elems()),
             DType::F32,
