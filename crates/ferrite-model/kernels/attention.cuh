@@ -3,15 +3,12 @@
 
 // ---------------------------------------------------------------------------------------------
 // Paged varlen attention over one packed step: prefill chunks and decodes in one launch.
-// Program (tile, kv_head, split): a tile is up to TQ = ROWS / G consecutive query tokens of one
-// request, all G query heads of the KV head (so each K/V row read serves ROWS query rows). Tile
-// t of request i starts at cu_q[i] / TQ + i, so the request is found by binary search (vLLM's
-// unified-attention layout) and the grid is sized from T and B alone. A split covers a share of
-// the tile's key range; with splits > 1 it writes unnormalized partials for `merge_splits`.
-// This CUDA-core kernel serves head sizes the tensor-core kernel below does not (256).
-constexpr int ROWS = 16;
-constexpr int KCHUNK = 128;  // keys per pass = threads per block
-
+// Program (tile, kv_head, split): a tile is up to TQ = MMA_ROWS / G consecutive query tokens of
+// one request, all G query heads of the KV head (so each K/V row read serves every head of the
+// group). Tile t of request i starts at cu_q[i] / TQ + i, so the request is found by binary
+// search (vLLM's unified-attention layout) and the grid is sized from T and B alone. A split
+// covers a share of the tile's key range; with splits > 1 it writes unnormalized partials for
+// `merge_splits`.
 // The query tokens of program `blockIdx.x` and the keys they may see.
 struct Tile {
   int seq, q0, t_begin, nt;  // request, its first row in the step, tile start, tokens
@@ -41,175 +38,6 @@ __device__ bool find_tile(const uint32_t* cu_q, const uint32_t* seq_k, int num_s
   return true;
 }
 
-template <int D>
-__device__ void attention_tile(const bf16* __restrict__ q, const bf16* __restrict__ kc,
-                               const bf16* __restrict__ vc, const uint32_t* cu_q,
-                               const uint32_t* seq_k, const uint32_t* tables, int max_blocks,
-                               int num_seqs, int H, int Hkv, int block_size, float scale,
-                               int window, float softcap, const bf16* sinks, int splits, bf16* out, float* part_acc,
-                               float* part_ml) {
-  constexpr int DPT = D >= 128 ? D / 128 : 1;       // dims per thread in P.V
-  constexpr int RSTRIDE = D >= 128 ? 1 : 128 / D;  // threads sharing a dim split the rows
-  constexpr int NR = ROWS / RSTRIDE;
-  __shared__ float qs[ROWS][D];
-  __shared__ float ps[ROWS][KCHUNK];
-  __shared__ float m_s[ROWS], l_s[ROWS], alpha_s[ROWS];
-  const int G = H / Hkv;
-  const int hk = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
-  Tile tl;
-  if (!find_tile(cu_q, seq_k, num_seqs, ROWS / G, window, tl)) return;
-  const int seq = tl.seq, q0 = tl.q0, t_begin = tl.t_begin, first_pos = tl.first_pos;
-  const int nrows = tl.nt * G, k_start = tl.k_start, k_end = tl.k_end;
-  const int per = (k_end - k_start + splits - 1) / splits;
-  const int s_begin = k_start + split * per, s_end = min(k_end, s_begin + per);
-  const uint32_t* table = tables + (size_t)seq * max_blocks;
-
-  for (int i = tid; i < ROWS * D; i += blockDim.x) {
-    int r = i / D, d = i % D;
-    float x = 0.f;
-    if (r < nrows)
-      x = __bfloat162float(q[((size_t)(q0 + t_begin + r / G) * H + hk * G + r % G) * D + d]);
-    qs[r][d] = x * scale;
-  }
-  if (tid < ROWS) {
-    m_s[tid] = -INFINITY;
-    l_s[tid] = 0.f;
-  }
-  float acc[NR][DPT];
-#pragma unroll
-  for (int i = 0; i < NR; i++)
-#pragma unroll
-    for (int j = 0; j < DPT; j++) acc[i][j] = 0.f;
-  const int dim0 = tid % (D >= 128 ? 128 : D), rgroup = tid / (D >= 128 ? 128 : D);
-  __syncthreads();
-
-  for (int c0 = s_begin; c0 < s_end; c0 += KCHUNK) {
-    // Scores: one key per thread, every row of the tile.
-    const int k = c0 + tid;
-    float s[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; r++) s[r] = 0.f;
-    if (k < s_end) {
-      const uint32_t page = table[k / block_size];
-      const uint4* krow = reinterpret_cast<const uint4*>(
-          kc + (((size_t)page * Hkv + hk) * block_size + k % block_size) * D);
-#pragma unroll 4
-      for (int c = 0; c < D / 8; c++) {
-        uint4 raw = __ldg(krow + c);
-        const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
-        float kf[8];
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          float2 f = __bfloat1622float2(h2[e]);
-          kf[2 * e] = f.x;
-          kf[2 * e + 1] = f.y;
-        }
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-          if (r < nrows) {
-            const float4* qv = reinterpret_cast<const float4*>(&qs[r][c * 8]);
-            float4 a = qv[0], b = qv[1];
-            s[r] += a.x * kf[0] + a.y * kf[1] + a.z * kf[2] + a.w * kf[3] + b.x * kf[4] +
-                    b.y * kf[5] + b.z * kf[6] + b.w * kf[7];
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < ROWS; r++) {
-      const int pos = first_pos + r / G;
-      bool ok = r < nrows && k < s_end && k <= pos && (window <= 0 || k > pos - window);
-      float x = s[r];
-      if (softcap > 0.f) x = softcap * tanhf(x / softcap);
-      ps[r][tid] = ok ? x : -INFINITY;
-    }
-    __syncthreads();
-    // Online softmax per row: a warp per row.
-    const int warp = tid >> 5, lane = tid & 31;
-    for (int r = warp; r < ROWS; r += blockDim.x >> 5) {
-      float mx = -INFINITY;
-      for (int j = lane; j < KCHUNK; j += 32) mx = fmaxf(mx, ps[r][j]);
-      mx = warp_max(mx);
-      const float m_old = m_s[r], m_new = fmaxf(m_old, mx);
-      float sum = 0.f;
-      for (int j = lane; j < KCHUNK; j += 32) {
-        float p = m_new == -INFINITY ? 0.f : __expf(ps[r][j] - m_new);
-        ps[r][j] = p;
-        sum += p;
-      }
-      sum = warp_sum(sum);
-      if (lane == 0) {
-        float a = m_old == -INFINITY ? 0.f : __expf(m_old - m_new);
-        alpha_s[r] = a;
-        l_s[r] = l_s[r] * a + sum;
-        m_s[r] = m_new;
-      }
-    }
-    __syncthreads();
-    // P.V: each thread owns DPT dims of NR rows.
-#pragma unroll
-    for (int i = 0; i < NR; i++) {
-      const float a = alpha_s[i * RSTRIDE + rgroup];
-#pragma unroll
-      for (int j = 0; j < DPT; j++) acc[i][j] *= a;
-    }
-    const int n = min(KCHUNK, s_end - c0);
-#pragma unroll 4
-    for (int kk = 0; kk < n; kk++) {
-      const int key = c0 + kk;
-      const uint32_t page = table[key / block_size];
-      const bf16* vrow = vc + (((size_t)page * Hkv + hk) * block_size + key % block_size) * D;
-      float vv[DPT];
-#pragma unroll
-      for (int j = 0; j < DPT; j++) vv[j] = __bfloat162float(vrow[dim0 + j * 128]);
-#pragma unroll
-      for (int i = 0; i < NR; i++) {
-        if (i * RSTRIDE + rgroup >= nrows) break;  // decodes fill few of the tile's rows
-        const float p = ps[i * RSTRIDE + rgroup][kk];
-#pragma unroll
-        for (int j = 0; j < DPT; j++) acc[i][j] += p * vv[j];
-      }
-    }
-    __syncthreads();
-  }
-
-#pragma unroll
-  for (int i = 0; i < NR; i++) {
-    const int r = i * RSTRIDE + rgroup;
-    if (r >= nrows) continue;
-    const size_t row = (size_t)(q0 + t_begin + r / G) * H + hk * G + r % G;
-#pragma unroll
-    for (int j = 0; j < DPT; j++) {
-      const int d = dim0 + j * 128;
-      if (splits == 1) {
-        // A sink is one more logit in the softmax, with no value behind it.
-        const float l =
-            l_s[r] + (sinks ? __expf(__bfloat162float(sinks[hk * G + r % G]) - m_s[r]) : 0.f);
-        out[row * D + d] = __float2bfloat16(l > 0.f ? acc[i][j] / l : 0.f);
-      } else {
-        part_acc[(row * splits + split) * D + d] = acc[i][j];
-        if (d == 0) {
-          part_ml[(row * splits + split) * 2] = m_s[r];
-          part_ml[(row * splits + split) * 2 + 1] = l_s[r];
-        }
-      }
-    }
-  }
-}
-
-#define ATTENTION(D)                                                                         \
-  extern "C" __global__ void __launch_bounds__(KCHUNK) paged_attention_d##D##_bf16(          \
-      const bf16* q, const bf16* kc, const bf16* vc, const uint32_t* cu_q,                   \
-      const uint32_t* seq_k, const uint32_t* tables, int max_blocks, int num_seqs, int H,    \
-      int Hkv, int block_size, float scale, int window, float softcap, const bf16* sinks,    \
-      int splits, bf16* out, float* part_acc, float* part_ml) {                              \
-    wait_for_previous_kernel();                                                              \
-    attention_tile<D>(q, kc, vc, cu_q, seq_k, tables, max_blocks, num_seqs, H, Hkv,         \
-                      block_size, scale, window, softcap, sinks, splits, out, part_acc,      \
-                      part_ml);                                                              \
-  }
-ATTENTION(256)
-
 // Combines the splits of each query row: grid T*H blocks, D threads.
 extern "C" __global__ void merge_splits_bf16(const float* part_acc, const float* part_ml,
                                              bf16* out, int splits, int D, const bf16* sinks,
@@ -231,11 +59,10 @@ extern "C" __global__ void merge_splits_bf16(const float* part_acc, const float*
 }
 
 // ---------------------------------------------------------------------------------------------
-// The same attention on tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate), flash-
-// attention style, for head sizes 64 and 128: a program takes 64 query rows (TQ = 64 / G tokens
-// x the G query heads of one KV head, so each K/V tile read from memory serves every head of
-// the group), walks its share of the keys in tiles of 64 staged in shared memory through the
-// block table (coalesced 16-byte loads), and keeps the softmax online in registers. Decodes
+// On tensor cores (mma.sync m16n8k16, bf16 in, f32 accumulate), flash-attention style, for
+// head sizes 32, 64, 128 and 256: a program takes 64 query rows, walks its share of the keys in
+// tiles of 64 (32 for heads of 256) staged in shared memory through the block table (coalesced
+// 16-byte loads), and keeps the softmax online in registers. Decodes
 // fill few rows of a tile; warps without rows skip the math, and splits of the key range keep
 // the multiprocessors busy on long contexts.
 constexpr int MMA_ROWS = 64;
@@ -279,10 +106,12 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __res
                                    int window, float softcap, const bf16* sinks, int splits,
                                    bf16* out,
                                    float* part_acc, float* part_ml) {
+  // Keys per tile: 64, or 32 for heads of 256 (their tiles and accumulators are twice as big).
+  constexpr int KEYS = D == 256 ? 32 : MMA_KEYS;
   constexpr int LD = D + 8;  // padded rows: ldmatrix rows land in distinct banks
-  constexpr int KS = D / 16, DN = D / 8, NJ = MMA_KEYS / 8;
-  __shared__ __align__(16) bf16 ks_[MMA_KEYS][LD];
-  __shared__ __align__(16) bf16 vs_[MMA_KEYS][LD];
+  constexpr int KS = D / 16, DN = D / 8, NJ = KEYS / 8;
+  __shared__ __align__(16) bf16 ks_[KEYS][LD];
+  __shared__ __align__(16) bf16 vs_[KEYS][LD];
   const int G = H / Hkv;
   const int hk = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
@@ -291,7 +120,7 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __res
   const int seq = tl.seq, q0 = tl.q0, t_begin = tl.t_begin, first_pos = tl.first_pos;
   const int nrows = tl.nt * G, k_start = tl.k_start, k_end = tl.k_end;
   // This split's keys, whole 64-key tiles apart from the ends.
-  const int per = ((k_end - k_start + splits - 1) / splits + MMA_KEYS - 1) / MMA_KEYS * MMA_KEYS;
+  const int per = ((k_end - k_start + splits - 1) / splits + KEYS - 1) / KEYS * KEYS;
   const int s_begin = k_start + split * per, s_end = min(k_end, s_begin + per);
   const bool active = warp * 16 < nrows;
   const uint32_t* table = tables + (size_t)seq * max_blocks;
@@ -316,12 +145,12 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __res
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const float log2e = 1.4426950408889634f;
 
-  for (int kb = s_begin; kb < s_end; kb += MMA_KEYS) {
+  for (int kb = s_begin; kb < s_end; kb += KEYS) {
     __syncthreads();  // the previous tile is no longer read
     // Stage the tile with cp.async (global to shared, no registers): look up every page
     // first, then issue all of this thread's 16-byte copies back to back, so they are in
     // flight together instead of one round trip each; keys past the range are zero-filled.
-    constexpr int LOADS = MMA_KEYS * D / 8 / MMA_THREADS;
+    constexpr int LOADS = KEYS * D / 8 / MMA_THREADS;
     size_t at[LOADS];
 #pragma unroll
     for (int j = 0; j < LOADS; j++) {
@@ -393,7 +222,7 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __res
     }
     // O += P V: the S accumulators of two key groups are exactly an A fragment.
 #pragma unroll
-    for (int kk = 0; kk < MMA_KEYS / 16; kk++) {
+    for (int kk = 0; kk < KEYS / 16; kk++) {
       uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
                        pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                        pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
@@ -458,4 +287,5 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __res
 ATTENTION_MMA(32)
 ATTENTION_MMA(64)
 ATTENTION_MMA(128)
+ATTENTION_MMA(256)
 

@@ -307,7 +307,7 @@ fn attention_ragged_steps() {
             stride: 5,
         },
         Case {
-            name: "sinks, d256 (CUDA cores)",
+            name: "sinks, d256",
             heads: 8,
             kv_heads: 2,
             d: 256,

@@ -224,14 +224,14 @@ impl DecodeGraphs {
         let Device::Cuda(cuda) = dev else {
             unreachable!("a CUDA device")
         };
-        let (h, hkv, d) = self.heads;
+        let (h, hkv, _) = self.heads;
         // Padding rows: one key, in the scratch block, at position 0.
         let mut table = vec![0u32; bucket * self.width];
         table
             .iter_mut()
             .step_by(self.width)
             .for_each(|t| *t = self.scratch_block);
-        let tiles = attention_tiles(bucket, bucket, d, h / hkv);
+        let tiles = attention_tiles(bucket, bucket, h / hkv);
         let scratch_slots = vec![self.scratch_block * self.block_size as u32; bucket];
         let groups = (0..self.kv_groups)
             .map(|_| {

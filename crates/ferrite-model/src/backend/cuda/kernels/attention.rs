@@ -5,10 +5,10 @@ use anyhow::{bail, ensure, Result};
 use candle_core::{DType, Tensor};
 
 const ATTENTION_THREADS: u32 = 128;
-/// Query rows (tokens x heads of one KV head) per program of the CUDA-core attention kernel
-/// (its `ROWS`) and of the tensor-core one (`MMA_ROWS`).
-pub const ATTENTION_ROWS: usize = 16;
-const MMA_ROWS: usize = 64;
+/// Query rows (tokens x heads of one KV head) per attention program (`MMA_ROWS`).
+pub const ATTENTION_ROWS: usize = 64;
+/// Query heads per KV head the kernel is tested for.
+pub const MAX_GROUP: usize = 16;
 /// Paged varlen attention inputs of one step, already on the device.
 pub struct AttentionMeta<'a> {
     /// `[B + 1]` u32
@@ -114,15 +114,14 @@ impl Kernels {
         let (h, hkv, d) = (s.num_heads, s.num_kv_heads, s.head_dim);
         let group = h / hkv;
         ensure!(
-            group <= ATTENTION_ROWS,
-            "{group} query heads per KV head (at most {ATTENTION_ROWS})"
+            group <= MAX_GROUP,
+            "{group} query heads per KV head (at most {MAX_GROUP})"
         );
-        // Tensor cores for the head sizes they serve; the CUDA-core kernel for the others.
         let f = match d {
             32 => &self.attention_mma[0],
             64 => &self.attention_mma[1],
             128 => &self.attention_mma[2],
-            256 => &self.attention,
+            256 => &self.attention_mma[3],
             _ => bail!("head_dim {d} (the CUDA attention kernels take 32, 64, 128, 256)"),
         };
         let t = meta.num_tokens;
@@ -130,7 +129,7 @@ impl Kernels {
         if t == 0 {
             return Ok(out);
         }
-        let tiles = attention_tiles(t, meta.num_seqs, d, group);
+        let tiles = attention_tiles(t, meta.num_seqs, group);
         let splits = meta
             .splits
             .unwrap_or_else(|| self.splits(tiles * hkv, meta.max_seq_len));
@@ -199,13 +198,8 @@ impl Kernels {
     }
 }
 
-/// Programs along the grid's x axis of the attention kernel for `head_dim`: a tile holds
+/// Programs along the grid's x axis of the attention kernel: a tile holds
 /// `rows / group` tokens of one request, and request i's tiles start at `cu_q[i] / TQ + i`.
-pub fn attention_tiles(tokens: usize, seqs: usize, head_dim: usize, group: usize) -> usize {
-    let rows = if head_dim == 256 {
-        ATTENTION_ROWS
-    } else {
-        MMA_ROWS
-    };
-    tokens / (rows / group) + seqs
+pub fn attention_tiles(tokens: usize, seqs: usize, group: usize) -> usize {
+    tokens / (ATTENTION_ROWS / group) + seqs
 }

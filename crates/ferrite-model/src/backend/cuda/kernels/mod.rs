@@ -40,9 +40,8 @@ pub struct Kernels {
     /// driver once per shape, not at every launch.
     gemv_occupancy: Mutex<HashMap<(usize, usize), u32>>,
     qkv_rope_write: CudaFunction,
-    /// Head size 256 on CUDA cores; 32, 64 and 128 on tensor cores.
-    attention: CudaFunction,
-    attention_mma: [CudaFunction; 3],
+    /// Head sizes 32, 64, 128 and 256.
+    attention_mma: [CudaFunction; 4],
     merge_splits: CudaFunction,
     moe_route: CudaFunction,
     moe_align: CudaFunction,
@@ -193,11 +192,11 @@ impl Kernels {
             gemv,
             gemv_occupancy: Mutex::default(),
             qkv_rope_write: f("qkv_rope_write_bf16")?,
-            attention: f("paged_attention_d256_bf16")?,
             attention_mma: [
                 f("paged_attention_mma_d32_bf16")?,
                 f("paged_attention_mma_d64_bf16")?,
                 f("paged_attention_mma_d128_bf16")?,
+                f("paged_attention_mma_d256_bf16")?,
             ],
             merge_splits: f("merge_splits_bf16")?,
             moe_route: f("moe_route_f32")?,
