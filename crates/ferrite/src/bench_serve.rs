@@ -77,6 +77,17 @@ pub struct ServeBenchArgs {
 
 /// The dataset's prompts for `seed`, and the dataset's name.
 fn prompts(args: &ServeBenchArgs, sizer: &Sizer, seed: u64) -> Result<(Vec<BenchPrompt>, String)> {
+    let shaped = args
+        .input_mean
+        .or(args.input_min)
+        .or(args.input_max)
+        .is_some();
+    if shaped && args.dataset != "agent" {
+        bail!(
+            "--input-mean, --input-min and --input-max shape the agent dataset; --dataset {} does not take them (random: --input-len)",
+            args.dataset
+        );
+    }
     Ok(match args.dataset.as_str() {
         "agent" => {
             let mut s = AgentShape::preset(&args.preset)?;
