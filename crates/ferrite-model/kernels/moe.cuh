@@ -12,7 +12,7 @@
 #include "gemv.cuh"
 
 #define MOE_BN 64
-#define MOE_KC 32
+#define MOE_KC 64
 // Shared-memory row stride of a chunk: padded so a fragment's 16 rows fall in distinct banks.
 #define MOE_LD (MOE_KC + 8)
 #define MOE_NONE 0xffffffffu
@@ -95,15 +95,25 @@ extern "C" __global__ void moe_align(const uint32_t* ids, int n, int E, int max_
 // or 64 (each warp 16 rows: acc[g][n], rows 16 w .., columns c0 + 16 n) = sum over K of A[rows] . B_g[cols], A's rows gathered by `a_row` (MOE_NONE:
 // zeros), B_g the NB weight matrices [N, K] of the tile's expert. K % 8 == 0. 128 threads.
 // The next chunk's loads are in flight while the tensor cores take the current one.
+// Shared memory of a tile: its A chunk, then NB B chunks; the epilogue reuses it.
+template <int TM, int NB>
+__host__ __device__ constexpr int moe_tile_bytes() {
+  return (TM + NB * MOE_BN) * MOE_LD * 2;
+}
+
 template <int TM, int NB>
 __device__ __forceinline__ void moe_tile(
     const bf16* __restrict__ a, const uint32_t* a_row, const bf16* const* b, int N, int K,
-    int c0, nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> (*acc)[TM == 64 ? 4 : 1]) {
+    int c0, unsigned char* smem,
+    nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> (*acc)[TM == 64 ? 4 : 1]) {
   using namespace nvcuda;
   constexpr int K8 = MOE_KC / 8, A_LOADS = (TM * K8 + 127) / 128, B_LOADS = MOE_BN * K8 / 128;
   constexpr int NF = TM == 64 ? 4 : 1;
-  __shared__ __align__(32) bf16 as[TM * MOE_LD];
-  __shared__ __align__(32) bf16 bs[NB][MOE_BN * MOE_LD];
+  bf16* as = (bf16*)smem;
+  bf16* bs_base = as + TM * MOE_LD;
+  bf16* bs[NB];
+#pragma unroll
+  for (int g = 0; g < NB; g++) bs[g] = bs_base + g * MOE_BN * MOE_LD;
   const int warp = threadIdx.x >> 5;
   uint4 ra[A_LOADS], rb[NB][B_LOADS];
   auto load = [&](int k0) {
@@ -191,7 +201,10 @@ __device__ void moe_gate_up(const bf16* x, const uint32_t* order, const uint32_t
   const uint32_t e = tile_expert[blockIdx.x];
   if (e == MOE_NONE) return;
   __shared__ uint32_t slot[TM], token[TM];
-  __shared__ __align__(32) float cs[2][TM * MOE_BN];
+  // The tile's chunks, then (after its last use) the accumulators of gate and up.
+  constexpr int TILE = moe_tile_bytes<TM, 2>(), EPI = 2 * TM * MOE_BN * 4;
+  __shared__ __align__(128) unsigned char smem[TILE > EPI ? TILE : EPI];
+  float* cs[2] = {(float*)smem, (float*)smem + TM * MOE_BN};
   if (threadIdx.x < TM) {
     const uint32_t a = order[blockIdx.x * TM + threadIdx.x];
     slot[threadIdx.x] = a;
@@ -202,7 +215,7 @@ __device__ void moe_gate_up(const bf16* x, const uint32_t* order, const uint32_t
   const bf16* gate = w + (size_t)e * 2 * I * H;
   const bf16* b[2] = {gate, gate + (size_t)I * H};
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][TM == 64 ? 4 : 1];
-  moe_tile<TM, 2>(x, token, b, I, H, c0, acc);
+  moe_tile<TM, 2>(x, token, b, I, H, c0, smem, acc);
   for (int g = 0; g < 2; g++) moe_store<TM>(cs[g], acc[g]);
   __syncthreads();
   for (int i = threadIdx.x; i < TM * MOE_BN; i += blockDim.x) {
@@ -224,13 +237,15 @@ __device__ void moe_down(const bf16* act, const uint32_t* order, const uint32_t*
   const uint32_t e = tile_expert[blockIdx.x];
   if (e == MOE_NONE) return;
   __shared__ uint32_t slot[TM];
-  __shared__ __align__(32) float cs[TM * MOE_BN];
+  constexpr int TILE = moe_tile_bytes<TM, 1>(), EPI = TM * MOE_BN * 4;
+  __shared__ __align__(128) unsigned char smem[TILE > EPI ? TILE : EPI];
+  float* cs = (float*)smem;
   if (threadIdx.x < TM) slot[threadIdx.x] = order[blockIdx.x * TM + threadIdx.x];
   __syncthreads();
   const int c0 = blockIdx.y * MOE_BN;
   const bf16* b[1] = {w + (size_t)e * H * I};
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[1][TM == 64 ? 4 : 1];
-  moe_tile<TM, 1>(act, slot, b, H, I, c0, acc);
+  moe_tile<TM, 1>(act, slot, b, H, I, c0, smem, acc);
   moe_store<TM>(cs, acc[0]);
   __syncthreads();
   for (int i = threadIdx.x; i < TM * MOE_BN; i += blockDim.x) {
