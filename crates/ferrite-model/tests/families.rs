@@ -267,3 +267,37 @@ fn qwen3_5_prefix_hit_from_a_checkpoint_matches_a_cold_prefill() {
     println!("qwen3_5 prefix hit from a checkpoint: max |dlogit| {d:.2e} against a cold prefill");
     assert!(d <= 1e-3, "logits off by {d}");
 }
+
+/// A multimodal checkpoint's layout (Qwen3.5 as published: the language model under
+/// `model.language_model.`, a nested `text_config`): the tiny Qwen3.5 rewritten so loads and
+/// computes what the plain one does.
+#[test]
+fn qwen3_5_stored_under_language_model_loads_the_same() {
+    use candle_core::{Device, Tensor};
+    let dir = repo_root().join("tests/oracle/tiny/qwen3_5");
+    let out = std::env::temp_dir().join(format!("ferrite-vl-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    let tensors =
+        candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let renamed: std::collections::HashMap<String, Tensor> = tensors
+        .into_iter()
+        .map(|(k, v)| match k.strip_prefix("model.") {
+            Some(rest) => (format!("model.language_model.{rest}"), v),
+            None => (k, v),
+        })
+        .collect();
+    candle_core::safetensors::save(&renamed, out.join("model.safetensors")).unwrap();
+    let text: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let config = serde_json::json!({
+        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "text_config": text,
+    });
+    std::fs::write(out.join("config.json"), config.to_string()).unwrap();
+    let (tokens, _) = tiny_oracle("qwen3_5", "logits");
+    let want = all_logits(&mut load_path(&dir, WeightFormat::F32), &tokens);
+    let got = all_logits(&mut load_path(&out, WeightFormat::F32), &tokens);
+    std::fs::remove_dir_all(&out).unwrap();
+    assert_eq!(max_diff(&got, &want), 0.0);
+}

@@ -195,7 +195,7 @@ fn embedding_rows(w: &WeightSource) -> Result<Option<usize>> {
             .get("token_embd.weight")
             .map(|t| t.shape.dims()[0]),
         WeightSource::Safetensors { files, .. } => files
-            .get("model.embed_tokens.weight")
+            .get(&w.stored_name("model.embed_tokens.weight"))
             .ok()
             .map(|t| t.shape()[0]),
         WeightSource::Dummy => None,

@@ -79,11 +79,12 @@ impl WeightSource {
             ExpertPart::Down => format!("{block}.experts.down_proj"),
             _ => format!("{block}.experts.gate_up_proj"),
         };
+        let stored = self.stored_name(&fused);
         let Self::Safetensors { files, .. } = self else {
             bail!("{location}: no tensor `{fused}` (random weights)");
         };
         let t = files
-            .load(&fused, &Device::Cpu)
+            .load(&stored, &Device::Cpu)
             .map_err(|_| {
                 anyhow!(
                     "{location}: no expert weights under `{block}.experts` (per expert or fused)"

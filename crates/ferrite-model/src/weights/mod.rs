@@ -20,6 +20,9 @@ pub enum WeightSource {
     Safetensors {
         files: MmapedSafetensors,
         dir: PathBuf,
+        /// The language model is stored under `model.language_model.` (multimodal
+        /// checkpoints: Qwen3.5, Gemma 3); families ask for `model.`.
+        language_model: bool,
     },
     /// No file (`--load-format dummy`): the families draw random weights of the config's
     /// shapes on the backend, ones for norms.
@@ -94,10 +97,31 @@ impl WeightSource {
         }
         // SAFETY: the files are mapped read-only and not modified while the engine runs.
         let files = unsafe { MmapedSafetensors::multi(&paths)? };
+        let language_model = files
+            .tensors()
+            .iter()
+            .any(|(n, _)| n.starts_with("model.language_model."));
         Ok(Self::Safetensors {
             files,
             dir: dir.to_path_buf(),
+            language_model,
         })
+    }
+
+    /// Where a safetensors checkpoint keeps the tensor a family calls `name`.
+    pub(crate) fn stored_name(&self, name: &str) -> String {
+        match (self, name.strip_prefix("model.")) {
+            (
+                Self::Safetensors {
+                    language_model: true,
+                    ..
+                },
+                Some(rest),
+            ) => {
+                format!("model.language_model.{rest}")
+            }
+            _ => name.to_string(),
+        }
     }
 
     pub fn is_gguf(&self) -> bool {
@@ -119,7 +143,7 @@ impl WeightSource {
     pub fn has(&self, name: &str) -> bool {
         match self {
             Self::Gguf { file, arch } => gguf_name(arch, name).is_some_and(|g| file.has_tensor(&g)),
-            Self::Safetensors { files, .. } => files.get(name).is_ok(),
+            Self::Safetensors { files, .. } => files.get(&self.stored_name(name)).is_ok(),
             Self::Dummy => false,
         }
     }
@@ -133,9 +157,13 @@ impl WeightSource {
                     .ok_or_else(|| anyhow!("{location}: no GGUF name for tensor `{name}`"))?;
                 file.tensor(&g, &Device::Cpu)
             }
-            Self::Safetensors { files, .. } => {
+            Self::Safetensors { .. } => {
+                let stored = self.stored_name(name);
+                let Self::Safetensors { files, .. } = self else {
+                    unreachable!("matched above")
+                };
                 let t = files
-                    .load(name, &Device::Cpu)
+                    .load(&stored, &Device::Cpu)
                     .map_err(|e| anyhow!("{location}: tensor `{name}`: {e}"))?
                     .to_dtype(DType::F32)?;
                 Ok(QTensor::quantize(&t, GgmlDType::F32)?)
