@@ -19,13 +19,13 @@ def free_port():
 
 
 class Server:
-    def __init__(self, *extra, model=MODEL, name="smol"):
+    def __init__(self, *extra, model=MODEL, name="smol", kv_bytes=200 << 20, max_model_len=2048):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(os.path.join(ROOT, "target", f"serve-{self.port}.log"), "w")
         self.proc = subprocess.Popen(
             [BINARY, "serve", model, "--port", str(self.port), "--served-model-name", name,
-             "--max-model-len", "2048", "--kv-cache-memory", str(200 << 20), "--seed", "0", *extra],
+             "--max-model-len", str(max_model_len), "--kv-cache-memory", str(kv_bytes), "--seed", "0", *extra],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
         while time.time() < deadline:

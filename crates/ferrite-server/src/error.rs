@@ -102,6 +102,12 @@ impl From<anyhow::Error> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut r = (self.status, Json(self.body())).into_response();
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            // Full queue or shutting down: worth retrying shortly (elsewhere, when draining).
+            r.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, 1.into());
+        }
+        r
     }
 }

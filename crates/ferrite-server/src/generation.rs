@@ -161,6 +161,14 @@ pub fn start_choices(
     n: usize,
     grammar: Option<&Grammar>,
 ) -> Result<Vec<Choice>, ApiError> {
+    let waiting = state.engine.stats().num_waiting;
+    if waiting + prompts.len() * n > state.max_queued_requests {
+        return Err(ApiError::unavailable(format!(
+            "{waiting} requests are waiting and this call adds {}: past --max-queued-requests {}; retry later",
+            prompts.len() * n,
+            state.max_queued_requests
+        )));
+    }
     let share = n > 1 && state.engine.info().prefix_caching;
     let mut choices = Vec::with_capacity(prompts.len() * n);
     for prompt in prompts {

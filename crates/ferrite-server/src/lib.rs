@@ -2,6 +2,7 @@
 
 pub mod chat;
 pub mod completions;
+pub mod connection;
 pub mod error;
 pub mod generation;
 pub mod messages;
@@ -117,10 +118,27 @@ pub fn router(state: SharedState) -> Router {
             get(|| async { Json(json!({"version": env!("CARGO_PKG_VERSION")})) }),
         )
         .route("/metrics", get(metrics))
+        .route(
+            "/openapi.json",
+            get(|| async {
+                // The API described for generic clients and fuzzers (kept by hand).
+                (
+                    [(header::CONTENT_TYPE, "application/json")],
+                    include_str!("openapi.json"),
+                )
+            }),
+        )
         .fallback(|| async { ApiError::not_found("no such route") })
-        .method_not_allowed_fallback(|method: axum::http::Method| async move {
-            ApiError::method_not_allowed(&method)
-        })
+        .method_not_allowed_fallback(
+            |method: axum::http::Method, uri: axum::http::Uri| async move {
+                let e = ApiError::method_not_allowed(&method);
+                // Anthropic's clients read their own error shape.
+                match uri.path() {
+                    "/v1/messages" => messages::error(e),
+                    _ => e.into_response(),
+                }
+            },
+        )
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }

@@ -359,7 +359,7 @@ fn stream_reply(
     id: String,
 ) -> Response {
     let (tx, rx) = mpsc::channel::<(&'static str, Value)>(64);
-    tokio::spawn(async move {
+    crate::sse::spawn_feeding(&tx.clone(), async move {
         let mut ev = Events {
             tx,
             open: Open::None,

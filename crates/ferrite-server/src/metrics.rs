@@ -124,6 +124,12 @@ impl Metrics {
         );
         counter(
             &mut out,
+            "ferrite:prompt_tokens_computed_total",
+            "Prompt tokens run through the model: prefill tokens less prefix-cache hits.",
+            s.prompt_tokens_computed,
+        );
+        counter(
+            &mut out,
             "vllm:generation_tokens_total",
             "Number of generation tokens processed.",
             s.generation_tokens_total,
@@ -143,7 +149,11 @@ impl Metrics {
         let m = self.inner.lock().unwrap();
         let _ = writeln!(out, "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter");
         for reason in ["stop", "length", "abort"] {
-            let v = m.success.get(reason).copied().unwrap_or(0);
+            // Aborted requests never reach the server's own count: the engine keeps it.
+            let v = match reason {
+                "abort" => s.aborted_total,
+                _ => m.success.get(reason).copied().unwrap_or(0),
+            };
             let _ = writeln!(
                 out,
                 "vllm:request_success_total{{{l},finished_reason=\"{reason}\"}} {v}"

@@ -407,7 +407,7 @@ fn stream(
     conversation: Vec<Value>,
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Value>(64);
-    tokio::spawn(async move {
+    crate::sse::spawn_feeding(&tx.clone(), async move {
         let mut seq = 0u64;
         let mut send = |mut e: Value| {
             e["sequence_number"] = json!(seq);

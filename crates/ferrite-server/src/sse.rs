@@ -1,6 +1,7 @@
 //! Server-sent events: every choice of a call is driven by one task that feeds a channel;
-//! the HTTP body reads it. When the client goes away the channel closes, the task's next send
-//! fails, and dropping its engine streams aborts the requests.
+//! the HTTP body reads it. When the client goes away the body and its end of the channel are
+//! dropped, and the task with it at once ([`spawn_feeding`]): dropping its engine streams
+//! aborts the requests, also those still queued with nothing sent yet.
 
 use crate::error::ApiError;
 use crate::generation::Choice;
@@ -38,6 +39,21 @@ impl ChunkSink {
     }
 }
 
+/// Runs `work`, which feeds `tx`, on its own task until it ends or the receiver is dropped
+/// (the client left): then `work` is dropped at once, whether or not it had anything to send.
+pub fn spawn_feeding<T: Send + 'static>(
+    tx: &mpsc::Sender<T>,
+    work: impl Future<Output = ()> + Send + 'static,
+) {
+    let watch = tx.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = work => {}
+            _ = watch.closed() => {}
+        }
+    });
+}
+
 pub fn sse_response<F, Fut>(
     state: SharedState,
     choices: Vec<Choice>,
@@ -55,7 +71,7 @@ where
         wrap: wrap.clone(),
         include_usage,
     };
-    tokio::spawn(async move {
+    spawn_feeding(&tx.clone(), async move {
         let runs = choices
             .into_iter()
             .map(|c| per_choice(state.clone(), c, sink.clone()));

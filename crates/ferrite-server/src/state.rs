@@ -25,6 +25,8 @@ pub struct AppState {
     pub grammars: Result<ferrite_grammar::SharedGrammars, String>,
     /// Set on shutdown: /health answers 503 and new requests are refused.
     pub draining: AtomicBool,
+    /// Past this many waiting engine requests, new calls get 503 with `Retry-After`.
+    pub max_queued_requests: usize,
     pub created: u64,
     /// Conversations of `/v1/responses`, for `previous_response_id`.
     pub responses: ResponseStore,

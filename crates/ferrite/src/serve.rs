@@ -48,6 +48,17 @@ pub struct ServeArgs {
     /// before exiting anyway; a second signal exits at once.
     #[arg(long, default_value_t = 30.0)]
     pub drain_timeout: f64,
+    /// Most engine requests waiting for their first step; past it a call gets 503 with
+    /// `Retry-After` (SGLang's name). High by default: bursts queue, they are not refused.
+    #[arg(long, default_value_t = 4096)]
+    pub max_queued_requests: usize,
+    /// Seconds an HTTP connection with no request in flight stays open (vLLM's
+    /// VLLM_HTTP_TIMEOUT_KEEP_ALIVE, also 5).
+    #[arg(long, default_value_t = 5.0, value_parser = seconds)]
+    pub timeout_keep_alive: f64,
+    /// Seconds a client has to send a request's headers once it starts.
+    #[arg(long, default_value_t = 10.0, value_parser = seconds)]
+    pub header_read_timeout: f64,
     /// `vllm` (the default) uses vLLM's sampling defaults; GGUF files carry no generation config.
     #[arg(long, default_value = "vllm")]
     pub generation_config: String,
@@ -137,6 +148,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         enable_auto_tool_choice: args.enable_auto_tool_choice,
         grammars,
         draining: AtomicBool::new(false),
+        max_queued_requests: args.max_queued_requests,
         created: ferrite_server::protocol::now(),
         responses: Default::default(),
     });
@@ -158,22 +170,31 @@ pub fn run(args: ServeArgs) -> Result<()> {
         let shutdown_state = state.clone();
         let force = Arc::new(tokio::sync::Notify::new());
         let timeout = std::time::Duration::from_secs_f64(args.drain_timeout.max(0.0));
-        let serve = axum::serve(listener, ferrite_server::router(state).layer(cors))
-            .with_graceful_shutdown(drain_on_signal(
-                shutdown_state.clone(),
-                force.clone(),
-                timeout,
-            ));
+        let timeouts = ferrite_server::connection::Timeouts {
+            idle: std::time::Duration::from_secs_f64(args.timeout_keep_alive),
+            header: std::time::Duration::from_secs_f64(args.header_read_timeout),
+        };
+        let serve = ferrite_server::connection::serve(
+            listener,
+            ferrite_server::router(state).layer(cors),
+            timeouts,
+            drain_on_signal(shutdown_state.clone(), force.clone(), timeout),
+        );
         tokio::select! {
-            r = serve => {
-                r?;
-                tracing::info!("drained; exiting");
-            }
+            _ = serve => tracing::info!("drained; exiting"),
             _ = force.notified() => tracing::warn!("exiting before the drain finished"),
         }
         shutdown_state.engine.shutdown();
         Ok(())
     })
+}
+
+/// A positive, finite number of seconds.
+fn seconds(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("`{s}` is not a positive number of seconds")),
+    }
 }
 
 /// On SIGINT or SIGTERM: refuse new requests, let in-flight ones finish, then return so the

@@ -80,7 +80,9 @@ impl<E: Executor> EngineCore<E> {
 
     pub fn abort(&mut self, id: RequestId) {
         self.scheduler.finish(id, FinishReason::Abort);
-        self.states.remove(&id);
+        if self.states.remove(&id).is_some() {
+            self.stats.lock().unwrap().aborted_total += 1;
+        }
     }
 
     pub fn has_work(&self) -> bool {
@@ -104,12 +106,18 @@ impl<E: Executor> EngineCore<E> {
     pub fn step(&mut self) -> bool {
         self.reap_disconnected();
         let output = self.scheduler.schedule();
+        let mut prompt_tokens = 0;
         for r in &output.requests {
             if let Some(st) = self.states.get_mut(&r.req_id) {
                 st.queue_time
                     .get_or_insert_with(|| st.arrival.elapsed().as_secs_f64());
+                prompt_tokens += r
+                    .seq_len()
+                    .min(st.num_prompt_tokens)
+                    .saturating_sub(r.start_pos);
             }
         }
+        self.stats.lock().unwrap().prompt_tokens_computed += prompt_tokens as u64;
         if output.is_empty() {
             self.publish_stats();
             return !self.scheduler.has_work();

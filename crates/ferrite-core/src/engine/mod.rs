@@ -60,7 +60,11 @@ pub struct EngineStats {
     pub num_preemptions: u64,
     pub num_steps: u64,
     pub prompt_tokens_total: u64,
+    /// Prompt tokens run through the model (prefix-cache hits excluded).
+    pub prompt_tokens_computed: u64,
     pub generation_tokens_total: u64,
+    /// Requests aborted before they finished: their client went away (or asked).
+    pub aborted_total: u64,
     /// Prompt tokens looked up in the prefix cache, and found there.
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
