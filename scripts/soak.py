@@ -41,6 +41,8 @@ def post(url, body, timeout=120, read=True):
     except urllib.error.HTTPError as e:
         e.read()
         return e.code
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return 0  # no answer at all: counted as an error
 
 
 def worker(url, rng, stop, counts, lock):

@@ -33,6 +33,21 @@ def test_text_reply_whole_and_streamed(claude):
     assert final.stop_reason == m.stop_reason and final.usage.output_tokens == m.usage.output_tokens
 
 
+def test_a_matched_stop_sequence_is_reported(claude):
+    kw = dict(model=MODEL, max_tokens=24, extra_body={"temperature": 0},
+              messages=[{"role": "user", "content": "Say hello."}])
+    full = claude.messages.create(**kw).content[0].text
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = words[2]
+    m = claude.messages.create(stop_sequences=[stop, "zzzz"], **kw)
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop, m
+    assert stop not in m.content[0].text and full.startswith(m.content[0].text)
+    with claude.messages.stream(stop_sequences=[stop], **kw) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
+
+
 def test_tool_loop(claude):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     kw = dict(model=MODEL, max_tokens=200, extra_body={"temperature": 0}, tools=[WEATHER], tool_choice={"type": "any"})

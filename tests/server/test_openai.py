@@ -126,13 +126,39 @@ def test_tokenize_detokenize_roundtrip(server):
     (dict(response_format={"type": 5}), "response_format"),
     (dict(extra_body={"stop_token_ids": [10 ** 9]}), "stop_token_ids"),
     (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages"),
-    (dict(extra_body={"bad_words": ["cat"]}), "bad_words"),
-    (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
+    (dict(extra_body={"bad_words": "cat"}), "bad_words"),
+    (dict(stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
 ])
 def test_bad_chat_requests_get_400(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**{"model": MODEL, "messages": ASK, **kw})
     assert param in str(e.value)
+
+
+def test_prompt_logprobs_on_chat_and_completions(client, server):
+    ids = requests.post(server.url + "/tokenize", json={"messages": ASK}).json()["tokens"]
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, extra_body={"prompt_logprobs": 2})
+    lps = r.model_extra["prompt_logprobs"]
+    assert len(lps) == len(ids) == r.usage.prompt_tokens and lps[0] is None
+    for tok, entry in zip(ids[1:], lps[1:]):
+        assert str(tok) in entry and 2 <= len(entry) <= 3, entry
+        assert all(e["logprob"] <= 0 and e["rank"] >= 1 and isinstance(e["decoded_token"], str) for e in entry.values())
+    c = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    same = c.choices[0].model_extra["prompt_logprobs"]
+    assert [None if e is None else e[str(t)]["logprob"] for t, e in zip(ids, same)][1:] == \
+        pytest.approx([e[str(t)]["logprob"] for t, e in zip(ids[1:], lps[1:])], abs=1e-4)
+
+
+def test_bad_words_are_never_generated(client):
+    kw = dict(model=MODEL, prompt="The three primary colors are", max_tokens=24, temperature=0)
+    text = client.completions.create(**kw).choices[0].text
+    words = [w.strip(".,;:") for w in text.split() if len(w.strip(".,;:")) >= 4]
+    assert words, text
+    banned = words[:2]
+    again = client.completions.create(**kw, extra_body={"bad_words": banned}).choices[0].text
+    assert again != text
+    for w in banned:
+        assert f" {w}" not in again and not again.startswith(w), (banned, again)
 
 
 def test_other_bad_requests(client, server):

@@ -37,6 +37,8 @@ pub struct RequestOutput {
     /// Sent once, with the first output: entry 0 (the first prompt token) is always `None`.
     pub prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
     pub finish_reason: Option<FinishReason>,
+    /// The stop string that finished the request (`finish_reason` stop), if one did.
+    pub stop_str: Option<String>,
     pub num_prompt_tokens: usize,
     pub num_output_tokens: usize,
     /// Seconds from arrival to first scheduling; sent with the first output.

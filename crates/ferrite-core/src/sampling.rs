@@ -39,6 +39,9 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// Only these tokens may be sampled (vLLM's `allowed_token_ids`).
     pub allowed_token_ids: Option<Vec<u32>>,
+    /// Token sequences never generated (vLLM's `bad_words`, tokenized): the last token of one
+    /// is banned wherever the output ends with the rest of it.
+    pub bad_words: Vec<Vec<u32>>,
 }
 
 impl Default for SamplingParams {
@@ -64,6 +67,7 @@ impl Default for SamplingParams {
             cache_salt: None,
             logit_bias: Vec::new(),
             allowed_token_ids: None,
+            bad_words: Vec::new(),
         }
     }
 }
@@ -72,6 +76,14 @@ impl Default for SamplingParams {
 pub const MAX_LOGPROBS: i64 = 20;
 
 impl SamplingParams {
+    /// The next tokens `bad_words` forbid after `output`.
+    pub fn bad_word_bans<'a>(&'a self, output: &'a [u32]) -> impl Iterator<Item = u32> + 'a {
+        self.bad_words.iter().filter_map(move |w| {
+            let (last, rest) = w.split_last()?;
+            output.ends_with(rest).then_some(*last)
+        })
+    }
+
     pub fn greedy() -> Self {
         Self {
             temperature: 0.0,

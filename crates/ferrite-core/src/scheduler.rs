@@ -393,7 +393,7 @@ impl Scheduler {
         let token_ids: Vec<u32> = (start..start + num_new).map(|i| req.token_at(i)).collect();
         let sample = (start + num_new == req.num_tokens()).then(|| {
             let p = &req.params;
-            let banned = if req.output_token_ids.len() < p.min_tokens() {
+            let mut banned = if req.output_token_ids.len() < p.min_tokens() {
                 let mut b = p.stop_token_ids.clone();
                 if !p.ignore_eos {
                     b.extend(req.eos_token_ids.iter().copied());
@@ -402,6 +402,7 @@ impl Scheduler {
             } else {
                 Vec::new()
             };
+            banned.extend(p.bad_word_bans(&req.output_token_ids));
             SampleSpec {
                 params: p.clone(),
                 output_index: req.output_token_ids.len(),

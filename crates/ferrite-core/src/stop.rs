@@ -13,7 +13,8 @@ pub struct StopStrings {
 #[derive(Debug, PartialEq, Eq)]
 pub struct StopCheck {
     pub text: String,
-    pub stopped: bool,
+    /// The stop string that ended the text, if one did.
+    pub matched: Option<String>,
 }
 
 impl StopStrings {
@@ -30,7 +31,7 @@ impl StopStrings {
         if self.stops.is_empty() {
             return StopCheck {
                 text: delta.to_string(),
-                stopped: false,
+                matched: None,
             };
         }
         // A match can only start in text not yet emitted (everything emitted was checked).
@@ -42,10 +43,10 @@ impl StopStrings {
             .filter_map(|s| {
                 self.text[search_from..]
                     .find(s.as_str())
-                    .map(|p| (search_from + p, s.len()))
+                    .map(|p| (search_from + p, s.len(), s))
             })
             .min();
-        if let Some((pos, len)) = hit {
+        if let Some((pos, len, s)) = hit {
             let end = if self.include_in_output {
                 pos + len
             } else {
@@ -55,7 +56,7 @@ impl StopStrings {
             self.emitted = self.text.len();
             return StopCheck {
                 text: out,
-                stopped: true,
+                matched: Some(s.clone()),
             };
         }
         let safe_end = self.text.len() - self.held_back_len();
@@ -63,7 +64,7 @@ impl StopStrings {
         self.emitted = safe_end;
         StopCheck {
             text: out,
-            stopped: false,
+            matched: None,
         }
     }
 
@@ -105,7 +106,7 @@ mod tests {
         for p in pieces {
             let c = s.push(p);
             out += &c.text;
-            if c.stopped {
+            if c.matched.is_some() {
                 return (out, true);
             }
         }

@@ -111,6 +111,20 @@ impl ModelConfig {
             None if src.is_gguf() => 1e-5,
             None => 1e-6,
         };
+        let rope_theta = src
+            .opt_f32("rope_theta")
+            .or_else(|| src.opt_f32("rope_parameters.rope_theta"))
+            .unwrap_or(10_000.0);
+        if !(rope_theta.is_finite() && rope_theta > 0.0) {
+            bail!(
+                "{}: rope base `rope_theta` is {rope_theta}",
+                src.path().display()
+            );
+        }
+        let context_length = src.opt_usize("max_position_embeddings").unwrap_or(4096);
+        if context_length == 0 {
+            bail!("{}: `max_position_embeddings` is 0", src.path().display());
+        }
         // Qwen2 configs name a window but turn it off.
         let sliding_window = src
             .opt_usize("sliding_window")
@@ -125,14 +139,11 @@ impl ModelConfig {
             head_dim,
             vocab_size: src.opt_usize("vocab_size").unwrap_or(0),
             rms_norm_eps,
-            rope_theta: src
-                .opt_f32("rope_theta")
-                .or_else(|| src.opt_f32("rope_parameters.rope_theta"))
-                .unwrap_or(10_000.0),
+            rope_theta,
             rope_dim,
             rope_style,
             rope_scaling: rope_scaling(src, &["rope_scaling", "rope_parameters"])?,
-            context_length: src.opt_usize("max_position_embeddings").unwrap_or(4096),
+            context_length,
             sliding_window,
             layer_windows: vec![sliding_window; num_layers],
         })
@@ -159,6 +170,9 @@ pub fn rope_scaling(src: &ConfigSource, at: &[&str]) -> Result<RopeScaling> {
         .unwrap_or_default();
     let original = key("original_max_position_embeddings").and_then(|k| src.opt_usize(&k));
     let factor = f("factor", 1.0);
+    if !(factor.is_finite() && factor > 0.0) {
+        bail!("{}: rope scaling factor is {factor}", src.path().display());
+    }
     Ok(match kind.as_str() {
         "" | "default" | "none" => RopeScaling::None,
         "linear" => RopeScaling::Linear(factor),

@@ -1,7 +1,10 @@
 //! `POST /v1/chat/completions`: chat template, tool calls, whole or streamed responses.
 
 use crate::error::ApiError;
-use crate::generation::{check_model, check_n, collect, sampling_params, start_choices, Choice};
+use crate::generation::{
+    check_model, check_n, check_prompt_logprobs, collect, prompt_logprobs_json, sampling_params,
+    start_choices, Choice,
+};
 use crate::prompt_work::{check_text_len, off_runtime};
 use crate::protocol::*;
 use crate::reasoning::{Piece, ReasoningStream};
@@ -27,7 +30,7 @@ const ROLES: &[&str] = &[
 ];
 
 /// Messages as the template sees them: text parts joined, other parts refused.
-fn normalize_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
+pub fn normalize_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::bad_request("`messages` must not be empty").with_param("messages"));
     }
@@ -279,15 +282,18 @@ pub(crate) async fn start(
         }
         (false, None) => None,
     };
-    if req.prompt_logprobs.is_some() {
-        return Err(ApiError::bad_request(
-            "`prompt_logprobs` is not supported on chat completions (use /v1/completions)",
-        )
-        .with_param("prompt_logprobs"));
-    }
+    check_prompt_logprobs(req.common.stream, req.prompt_logprobs)?;
     let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
     let vocab = state.tokenizer.tokenizer.get_vocab_size(true);
-    let params = sampling_params(&req.common, vocab, max_tokens, top, None)?;
+    let encode = |t: &str| state.tokenizer.encode(t, false).unwrap_or_default();
+    let params = sampling_params(
+        &req.common,
+        vocab,
+        &encode,
+        max_tokens,
+        top,
+        req.prompt_logprobs,
+    )?;
     let forced = match (parser, &req.tool_choice) {
         (Some(p), Some(choice)) => forced::spec(
             p,
@@ -350,6 +356,7 @@ pub async fn chat_completions(
     }
     let mut out = Vec::new();
     let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    let mut prompt_logprobs = None;
     let choices = std::mem::take(&mut started.choices);
     let finished =
         futures_util::future::join_all(choices.into_iter().map(|c| collect(&state, c))).await;
@@ -357,6 +364,10 @@ pub async fn chat_completions(
         let f = f?;
         prompt_tokens = f.prompt_tokens;
         completion_tokens += f.completion_tokens;
+        if req.prompt_logprobs.is_some() && prompt_logprobs.is_none() {
+            let lps = f.prompt_logprobs.as_deref().unwrap_or(&[]);
+            prompt_logprobs = Some(prompt_logprobs_json(&state, lps));
+        }
         let (reasoning, content, tool_calls) = started.reply(&state, &f.text);
         let finish = if tool_calls.is_empty() {
             f.finish_reason
@@ -382,6 +393,7 @@ pub async fn chat_completions(
         model: state.model_name.clone(),
         choices: out,
         usage: Usage::new(prompt_tokens, completion_tokens),
+        prompt_logprobs,
     })
     .into_response())
 }

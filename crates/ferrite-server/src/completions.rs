@@ -1,7 +1,10 @@
 //! `POST /v1/completions`: prompts as text or token ids, echo, legacy logprobs.
 
 use crate::error::ApiError;
-use crate::generation::{check_model, check_n, collect, sampling_params, start_choices, Choice};
+use crate::generation::{
+    check_model, check_n, check_prompt_logprobs, collect, prompt_logprobs_json, sampling_params,
+    start_choices, Choice,
+};
 use crate::prompt_work::{check_choices, check_text_len, off_runtime};
 use crate::protocol::*;
 use crate::sse::{sse_response, ChunkSink, WrapChunk};
@@ -70,6 +73,7 @@ pub async fn completions(state: SharedState, req: CompletionRequest) -> Result<R
             );
         }
     }
+    check_prompt_logprobs(req.common.stream, req.prompt_logprobs)?;
     if req.echo && req.common.stream && req.logprobs.is_some() {
         return Err(ApiError::bad_request(
             "`echo` with `logprobs` is not supported when streaming",
@@ -82,7 +86,15 @@ pub async fn completions(state: SharedState, req: CompletionRequest) -> Result<R
         .prompt_logprobs
         .or(if req.echo { req.logprobs } else { None });
     let vocab = state.tokenizer.tokenizer.get_vocab_size(true);
-    let params = sampling_params(&req.common, vocab, max_tokens, req.logprobs, prompt_lp)?;
+    let encode = |t: &str| state.tokenizer.encode(t, false).unwrap_or_default();
+    let params = sampling_params(
+        &req.common,
+        vocab,
+        &encode,
+        max_tokens,
+        req.logprobs,
+        prompt_lp,
+    )?;
     let grammar = structured::compile(&state, structured::spec(&req.common)?).await?;
     let count = match &req.prompt {
         Prompt::Texts(t) => t.len(),
@@ -157,6 +169,9 @@ pub async fn completions(state: SharedState, req: CompletionRequest) -> Result<R
             text: prompt_text + &f.text,
             logprobs,
             finish_reason: Some(f.finish_reason),
+            prompt_logprobs: req
+                .prompt_logprobs
+                .map(|_| prompt_logprobs_json(&state, f.prompt_logprobs.as_deref().unwrap_or(&[]))),
         });
     }
     let usage = serde_json::to_value(Usage::new(prompt_tokens, completion_tokens)).unwrap();
@@ -188,6 +203,7 @@ async fn stream_choice(
             text,
             logprobs: None,
             finish_reason: None,
+            prompt_logprobs: None,
         })
         .await?;
     }
@@ -205,6 +221,7 @@ async fn stream_choice(
                 text: o.text,
                 logprobs,
                 finish_reason: finish,
+                prompt_logprobs: None,
             })
             .await?;
         }

@@ -11,6 +11,7 @@ use ferrite_core::output::{RequestOutput, TokenLogprob};
 use ferrite_core::request::FinishReason;
 use ferrite_core::sampling::SamplingParams;
 use ferrite_grammar::Grammar;
+use serde_json::Value;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 use tokio::sync::watch;
@@ -20,23 +21,17 @@ pub fn finish_reason(r: FinishReason) -> &'static str {
 }
 
 /// Maps the OpenAI fields (and vLLM's extras) onto engine sampling params.
-/// `vocab_size`: the tokenizer's, which `stop_token_ids` must fall within.
+/// `vocab_size`: the tokenizer's, which `stop_token_ids` must fall within; `encode`: text to
+/// token ids without special tokens (for `bad_words`).
 pub fn sampling_params(
     c: &CommonParams,
     vocab_size: usize,
+    encode: &dyn Fn(&str) -> Vec<u32>,
     max_tokens: Option<i64>,
     logprobs: Option<i64>,
     prompt_logprobs: Option<i64>,
 ) -> Result<SamplingParams, ApiError> {
-    if c.bad_words
-        .as_ref()
-        .is_some_and(|b| !(b.is_null() || b.as_array().is_some_and(|a| a.is_empty())))
-    {
-        return Err(ApiError::bad_request(
-            "`bad_words` is not supported: ferrite does not ban token sequences yet",
-        )
-        .with_param("bad_words"));
-    }
+    let bad_words = bad_words(c, encode)?;
     let logit_bias = logit_bias(c, vocab_size)?;
     if let Some(bad) = c
         .allowed_token_ids
@@ -77,9 +72,44 @@ pub fn sampling_params(
         cache_salt: c.cache_salt.clone(),
         logit_bias,
         allowed_token_ids: c.allowed_token_ids.clone(),
+        bad_words,
     };
     p.validate().map_err(ApiError::bad_request)?;
     Ok(p)
+}
+
+/// vLLM's `bad_words`: each word as its tokens alone and, when that tokenizes differently
+/// (another first token, as many tokens), after a space, as vLLM bans both.
+fn bad_words(
+    c: &CommonParams,
+    encode: &dyn Fn(&str) -> Vec<u32>,
+) -> Result<Vec<Vec<u32>>, ApiError> {
+    let bad = |m: &str| ApiError::bad_request(m).with_param("bad_words");
+    let words = match &c.bad_words {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(a)) => a,
+        Some(_) => return Err(bad("`bad_words` must be a list of strings")),
+    };
+    if words.len() > 1024 {
+        return Err(bad("`bad_words` holds more than 1024 words"));
+    }
+    let mut out: Vec<Vec<u32>> = Vec::new();
+    for w in words {
+        let w = w
+            .as_str()
+            .ok_or_else(|| bad("`bad_words` must be a list of strings"))?
+            .trim_start();
+        let plain = encode(w);
+        if plain.is_empty() {
+            continue;
+        }
+        let spaced = encode(&format!(" {w}"));
+        if spaced.len() == plain.len() && spaced.first() != plain.first() {
+            out.push(spaced);
+        }
+        out.push(plain);
+    }
+    Ok(out)
 }
 
 /// OpenAI's `logit_bias`: token ids (as strings) to a bias in [-100, 100].
@@ -262,6 +292,40 @@ impl Choice {
     }
 }
 
+/// vLLM's `prompt_logprobs` output: per prompt token (`null` for the first), the token and
+/// its top alternatives, each `{"logprob", "rank", "decoded_token"}` under its id.
+pub fn prompt_logprobs_json(state: &AppState, lps: &[Option<TokenLogprob>]) -> Value {
+    let entry = |id: u32, logprob: f32, rank: usize| serde_json::json!({"logprob": logprob, "rank": rank, "decoded_token": state.tokenizer.token_text(id)});
+    Value::Array(
+        lps.iter()
+            .map(|lp| {
+                let Some(lp) = lp else { return Value::Null };
+                let mut m = serde_json::Map::new();
+                m.insert(
+                    lp.token_id.to_string(),
+                    entry(lp.token_id, lp.logprob, lp.rank),
+                );
+                for (i, &(id, l)) in lp.top.iter().enumerate() {
+                    m.entry(id.to_string())
+                        .or_insert_with(|| entry(id, l, i + 1));
+                }
+                Value::Object(m)
+            })
+            .collect(),
+    )
+}
+
+/// vLLM refuses prompt logprobs on streams: they would come before any token.
+pub fn check_prompt_logprobs(stream: bool, prompt_logprobs: Option<i64>) -> Result<(), ApiError> {
+    if stream && prompt_logprobs.is_some() {
+        return Err(
+            ApiError::bad_request("`prompt_logprobs` is not available when streaming")
+                .with_param("prompt_logprobs"),
+        );
+    }
+    Ok(())
+}
+
 /// A choice read to its end.
 #[derive(Default)]
 pub struct Finished {
@@ -270,6 +334,8 @@ pub struct Finished {
     pub logprobs: Vec<TokenLogprob>,
     pub prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
     pub finish_reason: &'static str,
+    /// The stop string that ended the choice, if one did.
+    pub stop_str: Option<String>,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
 }
@@ -288,6 +354,7 @@ pub async fn collect(state: &AppState, mut c: Choice) -> Result<Finished, ApiErr
         f.completion_tokens = o.num_output_tokens;
         if let Some(r) = o.finish_reason {
             f.finish_reason = finish_reason(r);
+            f.stop_str = o.stop_str;
             return Ok(f);
         }
     }

@@ -206,11 +206,17 @@ fn to_chat(req: &MessagesRequest) -> Result<ChatCompletionRequest, ApiError> {
     serde_json::from_value(chat).map_err(|e| bad(format!("invalid request: {e}")))
 }
 
-fn stop_reason(called: bool, finish: Option<FinishReason>) -> &'static str {
-    match finish {
-        _ if called => "tool_use",
-        Some(FinishReason::Length) => "max_tokens",
-        _ => "end_turn",
+/// Anthropic's `stop_reason` and `stop_sequence`.
+fn stop_reason(
+    called: bool,
+    finish: Option<FinishReason>,
+    stop: Option<&str>,
+) -> (&'static str, Value) {
+    match (finish, stop) {
+        _ if called => ("tool_use", Value::Null),
+        (Some(FinishReason::Length), _) => ("max_tokens", Value::Null),
+        (_, Some(s)) => ("stop_sequence", json!(s)),
+        _ => ("end_turn", Value::Null),
     }
 }
 
@@ -251,14 +257,15 @@ async fn run(state: SharedState, req: MessagesRequest) -> Result<Response, ApiEr
         "length" => Some(FinishReason::Length),
         _ => None,
     };
+    let (reason, sequence) = stop_reason(!calls.is_empty(), finish, f.stop_str.as_deref());
     Ok(Json(json!({
         "id": id,
         "type": "message",
         "role": "assistant",
         "model": state.model_name,
         "content": blocks,
-        "stop_reason": stop_reason(!calls.is_empty(), finish),
-        "stop_sequence": null,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
         "usage": usage(f.prompt_tokens, f.completion_tokens),
     }))
     .into_response())
@@ -383,9 +390,14 @@ fn stream_reply(
                 }
                 if o.finish_reason.is_some() {
                     ev.close().await?;
-                    ev.send("message_delta", json!({"type": "message_delta",
-                        "delta": {"stop_reason": stop_reason(called, o.finish_reason), "stop_sequence": null},
-                        "usage": usage(o.num_prompt_tokens, o.num_output_tokens)}))
+                    let (reason, sequence) =
+                        stop_reason(called, o.finish_reason, o.stop_str.as_deref());
+                    ev.send(
+                        "message_delta",
+                        json!({"type": "message_delta",
+                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                        "usage": usage(o.num_prompt_tokens, o.num_output_tokens)}),
+                    )
                     .await?;
                     return ev
                         .send("message_stop", json!({"type": "message_stop"}))

@@ -52,7 +52,7 @@ pub struct CommonParams {
     #[serde(default)]
     pub stop_token_ids: Vec<u32>,
     pub allowed_token_ids: Option<Vec<u32>>,
-    /// vLLM's `bad_words`: refused (400) until the sampler bans token sequences.
+    /// vLLM's `bad_words`: words whose tokens are never generated.
     pub bad_words: Option<Value>,
     pub skip_special_tokens: Option<bool>,
     #[serde(default)]
@@ -199,6 +199,9 @@ pub struct ChatCompletion {
     pub model: String,
     pub choices: Vec<ChatChoice>,
     pub usage: Usage,
+    /// vLLM's, when asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<Value>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -268,6 +271,9 @@ pub struct CompletionChoice {
     pub text: String,
     pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<&'static str>,
+    /// vLLM's, when asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<Value>,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -174,14 +174,14 @@ impl<E: Executor> EngineCore<E> {
             let piece = st.detok.push(&self.tokenizer, token);
             let mut check = st.stop.push(&piece);
             let mut finish = u.finished;
-            if check.stopped {
+            if check.matched.is_some() {
                 finish = Some(FinishReason::Stop);
                 self.scheduler.finish(u.req_id, FinishReason::Stop);
             } else if finish.is_some() {
                 let tail = st.detok.flush(&self.tokenizer);
                 let c = st.stop.push(&tail);
                 check.text += &c.text;
-                if !c.stopped {
+                if c.matched.is_none() {
                     check.text += &st.stop.flush();
                 }
             }
@@ -196,6 +196,7 @@ impl<E: Executor> EngineCore<E> {
                     st.prompt_logprobs.take()
                 },
                 finish_reason: finish,
+                stop_str: check.matched,
                 num_prompt_tokens: st.num_prompt_tokens,
                 num_output_tokens: st.num_output_tokens,
                 queue_time: if st.first_output_sent {

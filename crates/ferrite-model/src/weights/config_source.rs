@@ -163,8 +163,20 @@ impl ConfigSource {
     }
 
     pub fn usize(&self, key: &str) -> Result<usize> {
-        self.opt_usize(key)
-            .ok_or_else(|| anyhow!("{} has no integer `{key}`", self.path().display()))
+        self.opt_usize(key).ok_or_else(|| {
+            let stored = match self {
+                Self::Gguf { .. } => GGUF_KEYS
+                    .iter()
+                    .find(|(hf, _)| *hf == key)
+                    .map(|(_, g)| format!(" (GGUF `{}.{g}`)", self.architecture())),
+                Self::Hf { .. } => None,
+            };
+            anyhow!(
+                "{} has no integer `{key}`{}",
+                self.path().display(),
+                stored.unwrap_or_default()
+            )
+        })
     }
 
     pub fn opt_f32(&self, key: &str) -> Option<f32> {

@@ -1,6 +1,6 @@
 //! A GGUF file: metadata accessors and tensor loading through candle's quantized tensors.
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::Device;
 use std::fs::File;
@@ -16,9 +16,16 @@ pub struct GgufFile {
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
         let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        let len = file.metadata()?.len();
         let mut reader = BufReader::new(file);
-        let content = gguf_file::Content::read(&mut reader)
-            .map_err(|e| anyhow!("{} is not a readable GGUF file: {e}", path.display()))?;
+        let bad = |e: String| anyhow!("{} is not a readable GGUF file: {e}", path.display());
+        // candle's reader panics on a few malformed headers (an alignment of 0): an error here.
+        let content = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            gguf_file::Content::read(&mut reader)
+        }))
+        .map_err(|_| bad("its header makes the reader fail".into()))?
+        .map_err(|e| bad(e.to_string()))?;
+        check_layout(&content, len).map_err(|e| bad(format!("{e:#}")))?;
         Ok(Self {
             path: path.to_path_buf(),
             content,
@@ -139,6 +146,67 @@ impl GgufFile {
             .map(|t| t.shape.elem_count() / t.ggml_dtype.block_size() * t.ggml_dtype.type_size())
             .sum()
     }
+}
+
+/// Every tensor's bytes lie inside the file, aligned and packed one after the other as GGUF
+/// writers lay them out: a changed type or shape, a moved offset or a truncated file is an
+/// error naming the tensor, never weights read from the wrong bytes.
+fn check_layout(c: &gguf_file::Content, file_len: u64) -> Result<()> {
+    use gguf_file::Value;
+    let alignment = match c.metadata.get("general.alignment") {
+        None => 32,
+        Some(Value::U8(v)) => *v as u64,
+        Some(Value::U16(v)) => *v as u64,
+        Some(Value::U32(v)) => *v as u64,
+        Some(Value::I8(v)) => *v as u64,
+        Some(Value::I16(v)) => *v as u64,
+        Some(Value::I32(v)) => *v as u64,
+        Some(v) => bail!("`general.alignment` is {v:?}, not an integer"),
+    };
+    ensure!(
+        alignment.is_power_of_two(),
+        "`general.alignment` is {alignment}, not a power of two"
+    );
+    let data = file_len
+        .checked_sub(c.tensor_data_offset)
+        .context("the file ends inside its header")?;
+    let mut spans = Vec::with_capacity(c.tensor_infos.len());
+    for (name, t) in &c.tensor_infos {
+        let elems = t
+            .shape
+            .dims()
+            .iter()
+            .try_fold(1u64, |n, &d| n.checked_mul(d as u64))
+            .with_context(|| format!("tensor `{name}`: its shape {:?} overflows", t.shape))?;
+        let block = t.ggml_dtype.block_size() as u64;
+        ensure!(
+            elems % block == 0,
+            "tensor `{name}`: {elems} values are not whole {:?} blocks of {block}",
+            t.ggml_dtype
+        );
+        spans.push((
+            t.offset,
+            elems / block * t.ggml_dtype.type_size() as u64,
+            name,
+        ));
+    }
+    spans.sort();
+    let mut next = 0u64;
+    for (at, bytes, name) in spans {
+        ensure!(
+            at == next,
+            "tensor `{name}` starts at byte {at} of the data, where {next} was expected after \
+             the tensor before it: its offset, type or shape does not match the data"
+        );
+        let end = at
+            .checked_add(bytes)
+            .filter(|&e| e <= data)
+            .with_context(|| {
+                format!("tensor `{name}` ({bytes} bytes at {at}) runs past the end of the file")
+            })?;
+        next = end.div_ceil(alignment) * alignment;
+    }
+    Ok(())
 }
 
 impl ferrite_tokenizer::Metadata for GgufFile {
