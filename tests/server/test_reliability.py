@@ -288,3 +288,30 @@ def test_idle_and_half_sent_connections_are_closed_busy_ones_kept():
         assert time.time() - t > 1.5 and chunks[-1] == b"data: [DONE]"
     finally:
         s.stop()
+
+
+def test_health_calls_a_step_that_runs_too_long_wedged():
+    # A 1,500-token prefill in one step takes longer than 50 ms on any CPU.
+    s = Server("--health-step-timeout", "0.05", "--max-num-batched-tokens", "2048")
+    try:
+        seen = []
+        done = threading.Event()
+
+        def poll():
+            while not done.is_set():
+                r = requests.get(s.url + "/health")
+                seen.append((r.status_code, r.text))
+                time.sleep(0.01)
+
+        t = threading.Thread(target=poll)
+        t.start()
+        text = " ".join(f"w{i}" for i in range(500))
+        r = requests.post(s.url + "/v1/completions", json={"prompt": text, "max_tokens": 1})
+        done.set()
+        t.join()
+        assert r.status_code == 200
+        wedged = [body for code, body in seen if code == 503]
+        assert wedged and "wedged" in wedged[0], seen[:5]
+        assert requests.get(s.url + "/health").status_code == 200
+    finally:
+        s.stop()

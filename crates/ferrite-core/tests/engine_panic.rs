@@ -86,3 +86,45 @@ fn a_panicking_step_fails_its_requests_and_the_engine_lives_on() {
     });
     assert!(idle, "blocks not returned: {:?}", engine.stats());
 }
+
+/// Sleeps a while in every step.
+struct Slow;
+
+impl Executor for Slow {
+    fn execute(&mut self, out: &SchedulerOutput) -> Result<StepOutput, ExecError> {
+        std::thread::sleep(std::time::Duration::from_millis(600));
+        Fragile.execute(out)
+    }
+}
+
+#[test]
+fn a_running_step_shows_since_when_so_a_wedged_engine_is_seen() {
+    let config = SchedulerConfig {
+        max_num_batched_tokens: 64,
+        max_num_seqs: 8,
+        max_model_len: 64,
+        block_size: 4,
+        num_blocks: 32,
+        prefix_caching: None,
+        kv_groups: vec![None],
+        state_slots: 0,
+        state_checkpoints: 0,
+    };
+    let engine = EngineHandle::spawn(config, Slow, tokenizer(), vec![]);
+    assert!(engine.stats().step_started.is_none());
+    let e = engine.clone();
+    let t = std::thread::spawn(move || run(&e, vec![2, 3]));
+    let longest = (0..100)
+        .filter_map(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            engine.stats().step_started.map(|s| s.elapsed())
+        })
+        .max()
+        .expect("a step was seen running");
+    assert!(
+        longest >= std::time::Duration::from_millis(300),
+        "{longest:?}"
+    );
+    assert_eq!(t.join().unwrap().unwrap(), 4);
+    assert!(engine.stats().step_started.is_none());
+}

@@ -1,4 +1,4 @@
-//! A corpus of broken model files, made from the tiny Qwen3 GGUF: every one fails to load with
+//! A corpus of broken model files (56), made from the tiny Qwen3 GGUF: every one fails to load with
 //! an error naming what is wrong; none panics and none loads weights from the wrong bytes.
 //! Metadata that contradicts the tensors (zero or inconsistent heads, layers, sizes; NaN, zero
 //! or negative numbers; wrong value types), and bytes that contradict the header (magic,
@@ -150,6 +150,19 @@ fn every_broken_model_file_fails_with_the_problem_named() {
         "`num_hidden_layers` is 0",
     );
     meta("layers3", "qwen3.block_count", Value::U32(3), "blk.2");
+    // Found by the fuzzer: 318M layers took minutes and gigabytes before the first missing one.
+    meta(
+        "layers_huge",
+        "qwen3.block_count",
+        Value::U32(318_767_106),
+        "layers in a file of 25 tensors",
+    );
+    meta(
+        "hidden_huge",
+        "qwen3.embedding_length",
+        Value::U64(1 << 40),
+        "larger than any tensor dimension",
+    );
     meta("hidden0", "qwen3.embedding_length", Value::U32(0), "");
     meta("hidden65", "qwen3.embedding_length", Value::U32(65), "");
     meta(

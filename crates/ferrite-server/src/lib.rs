@@ -160,7 +160,20 @@ async fn auth(State(s): State<SharedState>, req: Request, next: Next) -> Respons
 }
 
 async fn health(State(s): State<SharedState>) -> Response {
-    if s.engine.stats().alive && !s.draining.load(Ordering::Relaxed) {
+    let st = s.engine.stats();
+    let stuck = st
+        .step_started
+        .map(|t| t.elapsed())
+        .filter(|&d| d > s.step_timeout);
+    if let Some(d) = stuck {
+        return ApiError::unavailable(format!(
+            "the engine is wedged: its step has run for {:.0} s (--health-step-timeout {:.0})",
+            d.as_secs_f64(),
+            s.step_timeout.as_secs_f64()
+        ))
+        .into_response();
+    }
+    if st.alive && !s.draining.load(Ordering::Relaxed) {
         StatusCode::OK.into_response()
     } else {
         ApiError::unavailable("the engine is not running").into_response()

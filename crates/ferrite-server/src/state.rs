@@ -27,6 +27,8 @@ pub struct AppState {
     pub draining: AtomicBool,
     /// Past this many waiting engine requests, new calls get 503 with `Retry-After`.
     pub max_queued_requests: usize,
+    /// A model step running longer than this makes `/health` answer 503 (a wedged engine).
+    pub step_timeout: std::time::Duration,
     pub created: u64,
     /// Conversations of `/v1/responses`, for `previous_response_id`.
     pub responses: ResponseStore,

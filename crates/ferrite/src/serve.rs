@@ -52,6 +52,9 @@ pub struct ServeArgs {
     /// `Retry-After` (SGLang's name). High by default: bursts queue, they are not refused.
     #[arg(long, default_value_t = 4096)]
     pub max_queued_requests: usize,
+    /// Seconds one model step may run before `/health` calls the engine wedged (503).
+    #[arg(long, default_value_t = 300.0, value_parser = seconds)]
+    pub health_step_timeout: f64,
     /// Seconds an HTTP connection with no request in flight stays open (vLLM's
     /// VLLM_HTTP_TIMEOUT_KEEP_ALIVE, also 5).
     #[arg(long, default_value_t = 5.0, value_parser = seconds)]
@@ -149,6 +152,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         grammars,
         draining: AtomicBool::new(false),
         max_queued_requests: args.max_queued_requests,
+        step_timeout: std::time::Duration::from_secs_f64(args.health_step_timeout),
         created: ferrite_server::protocol::now(),
         responses: Default::default(),
     });

@@ -124,6 +124,7 @@ impl<E: Executor> EngineCore<E> {
         }
         // A panic in the model (a bug, never bad input) fails this step's requests and leaves
         // the engine serving the others.
+        self.stats.lock().unwrap().step_started = Some(Instant::now());
         let executor = &mut self.executor;
         let run =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| executor.execute(&output)))
@@ -218,6 +219,7 @@ impl<E: Executor> EngineCore<E> {
 
     fn publish_stats(&self) {
         let mut s = self.stats.lock().unwrap();
+        s.step_started = None;
         s.num_running = self.scheduler.num_running();
         s.num_waiting = self.scheduler.num_waiting();
         s.kv_usage = self.scheduler.kv_usage();

@@ -65,6 +65,9 @@ pub struct EngineStats {
     pub generation_tokens_total: u64,
     /// Requests aborted before they finished: their client went away (or asked).
     pub aborted_total: u64,
+    /// When the model step now running began (`None` between steps): a step that never ends
+    /// is a wedged engine.
+    pub step_started: Option<std::time::Instant>,
     /// Prompt tokens looked up in the prefix cache, and found there.
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,

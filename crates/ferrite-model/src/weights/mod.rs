@@ -76,6 +76,25 @@ pub(crate) fn gguf_name(arch: &str, name: &str) -> Option<String> {
 }
 
 impl WeightSource {
+    /// How many tensors there are and their largest dimension (`None` for dummy weights):
+    /// what a config's layer count and sizes must fit before anything is sized by them.
+    pub fn extent(&self) -> Option<(usize, usize)> {
+        let (count, largest) = match self {
+            Self::Gguf { file, .. } => {
+                let infos = &file.content.tensor_infos;
+                let dims = infos.values().flat_map(|t| t.shape.dims().to_vec());
+                (infos.len(), dims.max())
+            }
+            Self::Safetensors { files, .. } => {
+                let all = files.tensors();
+                let dims = all.iter().flat_map(|(_, t)| t.shape().to_vec());
+                (all.len(), dims.max())
+            }
+            Self::Dummy => return None,
+        };
+        Some((count, largest.unwrap_or(0)))
+    }
+
     pub fn gguf(file: GgufFile) -> Result<Self> {
         let arch = file.string("general.architecture")?;
         Ok(Self::Gguf {
