@@ -8,8 +8,8 @@ scripts/fetch-model.sh smollm2 >/dev/null
 cargo test --release --workspace "$@"
 cargo build --release -p ferrite
 venv=target/test-venv
-if [ ! -x "$venv/bin/pytest" ] || ! "$venv/bin/python" -c 'import jsonschema, anthropic' 2>/dev/null; then
+if [ ! -x "$venv/bin/pytest" ] || ! "$venv/bin/python" -c 'import jsonschema, anthropic, prometheus_client' 2>/dev/null; then
   python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check openai==2.* anthropic pytest requests jsonschema
+  "$venv/bin/pip" install --quiet --disable-pip-version-check openai==2.* anthropic pytest requests jsonschema prometheus_client
 fi
 "$venv/bin/pytest" -q tests/server

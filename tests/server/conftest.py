@@ -23,8 +23,10 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(os.path.join(ROOT, "target", f"serve-{self.port}.log"), "w")
+        # model=None: the model given as vLLM's `--model` flag instead of the positional.
+        where = ["--model", MODEL] if model is None else [model]
         self.proc = subprocess.Popen(
-            [BINARY, "serve", model, "--port", str(self.port), "--served-model-name", name,
+            [BINARY, "serve", *where, "--port", str(self.port), "--served-model-name", name,
              "--max-model-len", str(max_model_len), "--kv-cache-memory", str(kv_bytes), "--seed", "0", *extra],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 120

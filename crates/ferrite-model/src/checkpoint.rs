@@ -44,16 +44,49 @@ pub fn open_weights(model: &Path, format: LoadFormat) -> Result<(ConfigSource, W
     if format == LoadFormat::Dummy {
         return Ok((config_source(model)?, WeightSource::Dummy));
     }
-    if is_gguf(model) {
+    let (src, weights) = if is_gguf(model) {
         let gguf = GgufFile::open(model)?;
-        return Ok((ConfigSource::from_gguf(&gguf)?, WeightSource::gguf(gguf)?));
+        (ConfigSource::from_gguf(&gguf)?, WeightSource::gguf(gguf)?)
+    } else {
+        let path = hf_config_path(model);
+        let dir = path.parent().unwrap_or(Path::new("."));
+        (
+            ConfigSource::from_hf(&path)?,
+            WeightSource::safetensors(dir)?,
+        )
+    };
+    check_extent(&src, &weights)?;
+    Ok((src, weights))
+}
+
+/// Each layer has tensors, and every size is some tensor's dimension: a config the file cannot
+/// hold (a corrupted layer count, a width of 2^40) is refused before it sizes anything.
+pub fn check_extent(src: &ConfigSource, weights: &WeightSource) -> Result<()> {
+    let Some((count, largest)) = weights.extent() else {
+        return Ok(());
+    };
+    if let Some(layers) = src.opt_usize("num_hidden_layers") {
+        anyhow::ensure!(
+            layers <= count,
+            "{}: {layers} layers in a file of {count} tensors",
+            src.path().display()
+        );
     }
-    let path = hf_config_path(model);
-    let dir = path.parent().unwrap_or(Path::new("."));
-    Ok((
-        ConfigSource::from_hf(&path)?,
-        WeightSource::safetensors(dir)?,
-    ))
+    for key in [
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "head_dim",
+    ] {
+        if let Some(v) = src.opt_usize(key) {
+            anyhow::ensure!(
+                v <= largest,
+                "{}: `{key}` is {v}, larger than any tensor dimension ({largest})",
+                src.path().display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The tokenizer of `MODEL`: GGUF metadata, or `tokenizer.json` and its companions.

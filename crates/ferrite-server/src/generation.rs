@@ -215,7 +215,13 @@ pub fn start_choices(
             let (stream, deferred) = if leader {
                 let s = state
                     .engine
-                    .add_constrained(prompt.clone(), p, constraint)?;
+                    .add_constrained(prompt.clone(), p.clone(), constraint)?;
+                if state.log_requests {
+                    tracing::info!(
+                        "request {} received: {} prompt tokens, max_tokens {:?}, temperature {}, top_p {}, seed {:?}",
+                        s.id, prompt.len(), p.max_tokens, p.temperature, p.top_p, p.seed
+                    );
+                }
                 (Some(s), None)
             } else {
                 // Validated now, so a deferred start cannot be refused later.
@@ -277,12 +283,24 @@ impl Choice {
                 }
                 self.last = Some(now);
                 if let Some(r) = o.finish_reason {
+                    if state.log_requests {
+                        tracing::info!(
+                            "request {} finished ({}): {} prompt + {} generated tokens in {:.3} s",
+                            self.stream.as_ref().map_or(0, |s| s.id),
+                            finish_reason(r),
+                            o.num_prompt_tokens,
+                            o.num_output_tokens,
+                            (now - self.start).as_secs_f64()
+                        );
+                    }
                     state.metrics.record(&RequestTimes {
                         queue: self.queue,
                         ttft: (self.first.unwrap_or(now) - self.start).as_secs_f64(),
                         itls: std::mem::take(&mut self.itls),
                         e2e: (now - self.start).as_secs_f64(),
                         finish_reason: finish_reason(r),
+                        prompt_tokens: o.num_prompt_tokens,
+                        generation_tokens: o.num_output_tokens,
                     });
                 }
                 Ok(o)

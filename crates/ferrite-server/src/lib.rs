@@ -46,26 +46,85 @@ fn parse<T: DeserializeOwned>(body: &Result<Bytes, BytesRejection>) -> Result<T,
         .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
 }
 
-/// CORS as vLLM's `--allowed-origins` sets it: `*` or a list of origins, any method and
-/// header, so browser front-ends can call the API.
-pub fn cors(allowed_origins: &[String]) -> anyhow::Result<tower_http::cors::CorsLayer> {
-    use tower_http::cors::{AllowOrigin, Any, CorsLayer};
-    let origin = if allowed_origins.iter().any(|o| o == "*") {
-        AllowOrigin::any()
-    } else {
-        let list = allowed_origins
-            .iter()
+/// CORS as vLLM's `--allowed-origins`, `--allowed-methods`, `--allowed-headers` and
+/// `--allow-credentials` set it (each list `*` by default), so browser front-ends can call
+/// the API. With credentials, a `*` answers with what the request asked for (as Starlette
+/// does: browsers refuse a literal `*` beside credentials).
+pub struct Cors {
+    pub origins: Vec<String>,
+    pub methods: Vec<String>,
+    pub headers: Vec<String>,
+    pub credentials: bool,
+}
+
+/// vLLM's list flags: a JSON list (`'["a", "b"]'`) or comma-separated.
+pub fn flag_list(v: &str) -> Vec<String> {
+    serde_json::from_str(v).unwrap_or_else(|_| {
+        v.split(',')
+            .map(|o| o.trim().to_string())
+            .filter(|o| !o.is_empty())
+            .collect()
+    })
+}
+
+pub fn cors(c: &Cors) -> anyhow::Result<tower_http::cors::CorsLayer> {
+    use tower_http::cors::{AllowHeaders, AllowMethods, AllowOrigin, Any, CorsLayer};
+    let any = |l: &[String]| l.iter().any(|o| o == "*");
+    let values = |flag: &str, l: &[String]| {
+        l.iter()
             .map(|o| {
                 o.parse::<header::HeaderValue>()
-                    .map_err(|e| anyhow::anyhow!("--allowed-origins: `{o}` is not an origin: {e}"))
+                    .map_err(|e| anyhow::anyhow!("--{flag}: `{o}` is not valid: {e}"))
             })
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        AllowOrigin::list(list)
+            .collect::<anyhow::Result<Vec<_>>>()
+    };
+    let origin = match (any(&c.origins), c.credentials) {
+        (true, false) => AllowOrigin::any(),
+        (true, true) => AllowOrigin::mirror_request(),
+        (false, _) => AllowOrigin::list(values("allowed-origins", &c.origins)?),
+    };
+    let methods = match (any(&c.methods), c.credentials) {
+        (true, false) => AllowMethods::from(Any),
+        (true, true) => AllowMethods::mirror_request(),
+        (false, _) => {
+            let list = c.methods.iter().map(|m| {
+                m.parse::<axum::http::Method>()
+                    .map_err(|e| anyhow::anyhow!("--allowed-methods: `{m}`: {e}"))
+            });
+            AllowMethods::list(list.collect::<anyhow::Result<Vec<_>>>()?)
+        }
+    };
+    let headers = match (any(&c.headers), c.credentials) {
+        (true, false) => AllowHeaders::from(Any),
+        (true, true) => AllowHeaders::mirror_request(),
+        (false, _) => {
+            let list = c.headers.iter().map(|h| {
+                h.parse::<header::HeaderName>()
+                    .map_err(|e| anyhow::anyhow!("--allowed-headers: `{h}`: {e}"))
+            });
+            AllowHeaders::list(list.collect::<anyhow::Result<Vec<_>>>()?)
+        }
     };
     Ok(CorsLayer::new()
         .allow_origin(origin)
-        .allow_methods(Any)
-        .allow_headers(Any))
+        .allow_methods(methods)
+        .allow_headers(headers)
+        .allow_credentials(c.credentials))
+}
+
+/// The routes also under `root` (`--root-path`), for a proxy that forwards the prefix.
+pub fn with_root_path(router: Router, root: Option<&str>) -> anyhow::Result<Router> {
+    let Some(root) = root
+        .map(|r| r.trim_end_matches('/'))
+        .filter(|r| !r.is_empty())
+    else {
+        return Ok(router);
+    };
+    anyhow::ensure!(
+        root.starts_with('/'),
+        "--root-path `{root}` must start with `/`"
+    );
+    Ok(Router::new().nest(root, router.clone()).merge(router))
 }
 
 pub fn router(state: SharedState) -> Router {
@@ -188,7 +247,9 @@ async fn models(State(s): State<SharedState>) -> Json<Value> {
 }
 
 async fn metrics(State(s): State<SharedState>) -> Response {
-    let body = s.metrics.render(&s.model_name, &s.engine.stats());
+    let body = s
+        .metrics
+        .render(&s.model_name, &s.engine.stats(), s.engine.info());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 

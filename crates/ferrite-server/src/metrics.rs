@@ -1,6 +1,6 @@
 //! Prometheus metrics with vLLM's names and meanings, so existing dashboards work.
 
-use ferrite_core::engine::EngineStats;
+use ferrite_core::engine::{EngineInfo, EngineStats, ITERATION_TOKEN_BUCKETS};
 use std::fmt::Write;
 use std::sync::Mutex;
 
@@ -11,17 +11,31 @@ const LATENCY_BUCKETS: &[f64] = &[
 
 #[derive(Default, Clone)]
 struct Histogram {
+    /// `LATENCY_BUCKETS` unless set.
+    buckets: Option<&'static [f64]>,
     counts: Vec<u64>,
     sum: f64,
     count: u64,
 }
 
 impl Histogram {
-    fn observe(&mut self, v: f64) {
-        if self.counts.is_empty() {
-            self.counts = vec![0; LATENCY_BUCKETS.len()];
+    fn of(buckets: &'static [f64]) -> Self {
+        Self {
+            buckets: Some(buckets),
+            ..Self::default()
         }
-        for (i, b) in LATENCY_BUCKETS.iter().enumerate() {
+    }
+
+    fn bounds(&self) -> &'static [f64] {
+        self.buckets.unwrap_or(LATENCY_BUCKETS)
+    }
+
+    fn observe(&mut self, v: f64) {
+        let bounds = self.bounds();
+        if self.counts.is_empty() {
+            self.counts = vec![0; bounds.len()];
+        }
+        for (i, b) in bounds.iter().enumerate() {
             if v <= *b {
                 self.counts[i] += 1;
             }
@@ -32,7 +46,7 @@ impl Histogram {
 
     fn render(&self, out: &mut String, name: &str, help: &str, labels: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        for (i, b) in LATENCY_BUCKETS.iter().enumerate() {
+        for (i, b) in self.bounds().iter().enumerate() {
             let c = self.counts.get(i).copied().unwrap_or(0);
             let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{b}\"}} {c}");
         }
@@ -42,18 +56,39 @@ impl Histogram {
     }
 }
 
+/// vLLM's buckets of the per-request token-count histograms.
+const TOKEN_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0,
+    50000.0, 100000.0,
+];
+
 #[derive(Default)]
 struct Inner {
     ttft: Histogram,
     itl: Histogram,
     e2e: Histogram,
     queue: Histogram,
+    prefill: Histogram,
+    decode: Histogram,
+    prompt_tokens: Histogram,
+    generation_tokens: Histogram,
     success: std::collections::BTreeMap<&'static str, u64>,
 }
 
-#[derive(Default)]
 pub struct Metrics {
     inner: Mutex<Inner>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            inner: Mutex::new(Inner {
+                prompt_tokens: Histogram::of(TOKEN_BUCKETS),
+                generation_tokens: Histogram::of(TOKEN_BUCKETS),
+                ..Inner::default()
+            }),
+        }
+    }
 }
 
 /// Timeline of one finished request, as the server saw it.
@@ -63,6 +98,8 @@ pub struct RequestTimes {
     pub itls: Vec<f64>,
     pub e2e: f64,
     pub finish_reason: &'static str,
+    pub prompt_tokens: usize,
+    pub generation_tokens: usize,
 }
 
 impl Metrics {
@@ -74,10 +111,15 @@ impl Metrics {
             m.itl.observe(g);
         }
         m.e2e.observe(t.e2e);
+        // vLLM's phases: prefill from the first step to the first token, decode after it.
+        m.prefill.observe((t.ttft - t.queue).max(0.0));
+        m.decode.observe((t.e2e - t.ttft).max(0.0));
+        m.prompt_tokens.observe(t.prompt_tokens as f64);
+        m.generation_tokens.observe(t.generation_tokens as f64);
         *m.success.entry(t.finish_reason).or_default() += 1;
     }
 
-    pub fn render(&self, model: &str, s: &EngineStats) -> String {
+    pub fn render(&self, model: &str, s: &EngineStats, info: &EngineInfo) -> String {
         let l = format!("model_name=\"{model}\"");
         let mut out = String::new();
         let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
@@ -182,6 +224,57 @@ impl Metrics {
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
             &l,
+        );
+        m.itl.render(
+            &mut out,
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            &l,
+        );
+        m.prefill.render(
+            &mut out,
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            &l,
+        );
+        m.decode.render(
+            &mut out,
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            &l,
+        );
+        m.prompt_tokens.render(
+            &mut out,
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            &l,
+        );
+        m.generation_tokens.render(
+            &mut out,
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            &l,
+        );
+        drop(m);
+        let name = "vllm:iteration_tokens_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Histogram of number of tokens per engine_step.\n# TYPE {name} histogram"
+        );
+        for (count, le) in s.iteration_tokens.iter().zip(ITERATION_TOKEN_BUCKETS) {
+            let _ = writeln!(out, "{name}_bucket{{{l},le=\"{le}.0\"}} {count}");
+        }
+        let n = s.iteration_tokens_count;
+        let _ = writeln!(out, "{name}_bucket{{{l},le=\"+Inf\"}} {n}");
+        let _ = writeln!(out, "{name}_sum{{{l}}} {}.0", s.iteration_tokens_sum);
+        let _ = writeln!(out, "{name}_count{{{l}}} {n}");
+        let _ = writeln!(
+            out,
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\n\
+             vllm:cache_config_info{{block_size=\"{}\",cache_dtype=\"auto\",enable_prefix_caching=\"{}\",num_gpu_blocks=\"{}\",num_cpu_blocks=\"0\"}} 1.0",
+            info.block_size,
+            if info.prefix_caching { "True" } else { "False" },
+            info.num_blocks,
         );
         out
     }

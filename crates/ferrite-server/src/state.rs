@@ -29,6 +29,8 @@ pub struct AppState {
     pub max_queued_requests: usize,
     /// A model step running longer than this makes `/health` answer 503 (a wedged engine).
     pub step_timeout: std::time::Duration,
+    /// `--enable-log-requests`: a log line per request as it starts and as it finishes.
+    pub log_requests: bool,
     pub created: u64,
     /// Conversations of `/v1/responses`, for `previous_response_id`.
     pub responses: ResponseStore,

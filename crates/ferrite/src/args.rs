@@ -15,7 +15,16 @@ pub struct EngineFlags {
     /// A GGUF file, a Hugging Face folder (config.json, *.safetensors), or a Hugging Face id
     /// read from the local Hugging Face cache: `org/name`, or `org/name:Q4_K_M` for one GGUF
     /// file of the repository.
-    pub model: PathBuf,
+    #[arg(value_name = "MODEL", required_unless_present = "model_flag")]
+    model_arg: Option<PathBuf>,
+    /// The model, as a flag (vLLM's `--model`), instead of the positional MODEL.
+    #[arg(
+        long = "model",
+        id = "model_flag",
+        value_name = "MODEL",
+        conflicts_with = "model_arg"
+    )]
+    model_flag: Option<PathBuf>,
     /// Branch, tag or commit when MODEL is a Hugging Face id.
     #[arg(long)]
     pub revision: Option<String>,
@@ -51,6 +60,10 @@ pub struct EngineFlags {
     /// dequantizes to bf16 (faster), `auto` takes bf16 if it needs at most half the GPU.
     #[arg(long, default_value = "auto", value_parser = parse_weight_format)]
     pub weight_format: WeightFormat,
+    /// vLLM's compute type: `auto` (the device's: the int8 path on the CPU, bf16 on CUDA),
+    /// `float32`/`float` (CPU: f32 weights, as `--weight-format f32`), `bfloat16` (CUDA).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "float32", "float", "bfloat16", "float16", "half"])]
+    pub dtype: String,
     /// Reuse the KV blocks of earlier requests with the same prefix (on by default).
     #[arg(long, overrides_with = "no_enable_prefix_caching")]
     pub enable_prefix_caching: bool,
@@ -82,9 +95,40 @@ fn parse_weight_format(s: &str) -> Result<WeightFormat, String> {
 }
 
 impl EngineFlags {
+    /// `--dtype` as this device computes, folded into the weight format.
+    pub fn check_dtype(&self) -> anyhow::Result<()> {
+        let cuda = matches!(self.device, DeviceKind::Cuda(_));
+        match self.dtype.as_str() {
+            "auto" => Ok(()),
+            "float32" | "float" if !cuda => match self.weight_format {
+                WeightFormat::Native => anyhow::bail!(
+                    "--dtype {} needs f32 weights, not --weight-format native",
+                    self.dtype
+                ),
+                _ => Ok(()),
+            },
+            "bfloat16" if cuda => Ok(()),
+            d => anyhow::bail!(
+                "--dtype {d} is not a type the {} backend computes in ({})",
+                if cuda { "CUDA" } else { "CPU" },
+                if cuda {
+                    "auto or bfloat16"
+                } else {
+                    "auto: int8 activations; float32: f32"
+                }
+            ),
+        }
+    }
+
+    /// MODEL, given as the positional or as `--model`.
+    pub fn model(&self) -> &std::path::Path {
+        let m = self.model_arg.as_ref().or(self.model_flag.as_ref());
+        m.expect("clap requires one of them")
+    }
+
     pub fn engine_args(&self) -> EngineArgs {
         EngineArgs {
-            model: self.model.clone(),
+            model: self.model().to_path_buf(),
             revision: self.revision.clone(),
             max_model_len: self.max_model_len,
             max_num_seqs: self.max_num_seqs,
@@ -97,7 +141,10 @@ impl EngineFlags {
             kv_cache_memory: self.kv_cache_memory,
             seed: self.seed,
             threads: self.threads.map(usize::from),
-            weight_format: self.weight_format,
+            weight_format: match self.dtype.as_str() {
+                "float32" | "float" => WeightFormat::F32,
+                _ => self.weight_format,
+            },
             prefix_caching: (!self.no_enable_prefix_caching)
                 .then_some(self.prefix_caching_hash_algo),
             device: self.device,

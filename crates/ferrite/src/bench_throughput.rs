@@ -54,7 +54,7 @@ pub fn run(a: ThroughputArgs) -> Result<()> {
         bail!("--num-prompts and --output-len must be positive");
     }
     if let Some(path) = &a.dump_prompts {
-        let vocab = ferrite_model::checkpoint::read_config(&a.engine.model)?.vocab_size;
+        let vocab = ferrite_model::checkpoint::read_config(a.engine.model())?.vocab_size;
         let json = serde_json::to_string(&prompts(&a, vocab))?;
         std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
         println!("{} prompts written to {}", a.num_prompts, path.display());

@@ -44,9 +44,28 @@ pub struct ServeArgs {
     /// (`'["https://a.example"]'`) or comma-separated; `*` (the default) allows any.
     #[arg(long, default_value = "*")]
     pub allowed_origins: String,
+    /// Methods browsers may use (CORS), a JSON list or comma-separated; `*` allows any.
+    #[arg(long, default_value = "*")]
+    pub allowed_methods: String,
+    /// Request headers browsers may send (CORS); `*` allows any.
+    #[arg(long, default_value = "*")]
+    pub allowed_headers: String,
+    /// Let browsers send cookies and credentials (CORS).
+    #[arg(long)]
+    pub allow_credentials: bool,
+    /// The path prefix a reverse proxy serves the API under (vLLM's `--root-path`): routes
+    /// answer under it as well as without it.
+    #[arg(long)]
+    pub root_path: Option<String>,
+    /// Log each request as it arrives and as it finishes (vLLM's flag; off by default).
+    #[arg(long, overrides_with = "disable_log_requests")]
+    pub enable_log_requests: bool,
+    /// Do not log requests (the default; vLLM's older flag).
+    #[arg(long)]
+    pub disable_log_requests: bool,
     /// Seconds a shutdown (SIGINT/SIGTERM) waits for in-flight requests and open connections
     /// before exiting anyway; a second signal exits at once.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, alias = "shutdown-timeout", default_value_t = 30.0)]
     pub drain_timeout: f64,
     /// Most engine requests waiting for their first step; past it a call gets 503 with
     /// `Retry-After` (SGLang's name). High by default: bursts queue, they are not refused.
@@ -92,14 +111,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if args.generation_config != "vllm" && args.generation_config != "auto" {
         bail!("--generation-config: only `vllm` and `auto` are supported for GGUF models");
     }
-    let origins: Vec<String> = serde_json::from_str(&args.allowed_origins).unwrap_or_else(|_| {
-        args.allowed_origins
-            .split(',')
-            .map(|o| o.trim().to_string())
-            .filter(|o| !o.is_empty())
-            .collect()
-    });
-    let cors = ferrite_server::cors(&origins)?;
+    let cors = ferrite_server::cors(&ferrite_server::Cors {
+        origins: ferrite_server::flag_list(&args.allowed_origins),
+        methods: ferrite_server::flag_list(&args.allowed_methods),
+        headers: ferrite_server::flag_list(&args.allowed_headers),
+        credentials: args.allow_credentials,
+    })?;
     let started = start(&args.engine)?;
     let tok = started.tokenizer.clone();
     let source = match &args.chat_template {
@@ -121,7 +138,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .transpose()?;
     let model_name = args.served_model_name.clone().unwrap_or_else(|| {
         args.engine
-            .model
+            .model()
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".into())
@@ -143,7 +160,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         tokenizer: tok.clone(),
         template,
         model_name: model_name.clone(),
-        model_root: args.engine.model.display().to_string(),
+        model_root: args.engine.model().display().to_string(),
         api_key: args.api_key.clone(),
         metrics: Metrics::default(),
         tool_parser,
@@ -153,6 +170,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         draining: AtomicBool::new(false),
         max_queued_requests: args.max_queued_requests,
         step_timeout: std::time::Duration::from_secs_f64(args.health_step_timeout),
+        log_requests: args.enable_log_requests && !args.disable_log_requests,
         created: ferrite_server::protocol::now(),
         responses: Default::default(),
     });
@@ -174,13 +192,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
         let shutdown_state = state.clone();
         let force = Arc::new(tokio::sync::Notify::new());
         let timeout = std::time::Duration::from_secs_f64(args.drain_timeout.max(0.0));
+        let root_path = args.root_path.clone();
         let timeouts = ferrite_server::connection::Timeouts {
             idle: std::time::Duration::from_secs_f64(args.timeout_keep_alive),
             header: std::time::Duration::from_secs_f64(args.header_read_timeout),
         };
         let serve = ferrite_server::connection::serve(
             listener,
-            ferrite_server::router(state).layer(cors),
+            ferrite_server::with_root_path(ferrite_server::router(state), root_path.as_deref())?
+                .layer(cors),
             timeouts,
             drain_on_signal(shutdown_state.clone(), force.clone(), timeout),
         );

@@ -16,12 +16,13 @@ pub struct Started {
 }
 
 pub fn start(flags: &EngineFlags) -> Result<Started> {
+    flags.check_dtype()?;
     let bar = ProgressBar::new(0).with_style(
         ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers")
             .unwrap()
             .progress_chars("=> "),
     );
-    bar.set_message(flags.model.display().to_string());
+    bar.set_message(flags.model().display().to_string());
     let loaded = loader::load(&flags.engine_args(), |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
@@ -36,7 +37,7 @@ pub fn start(flags: &EngineFlags) -> Result<Started> {
     } = loaded?;
     tracing::info!(
         "model {} ({}, {} layers, {} heads / {} KV heads), max_model_len {}, {}",
-        flags.model.display(),
+        flags.model().display(),
         config.architecture,
         config.num_layers,
         config.num_heads,

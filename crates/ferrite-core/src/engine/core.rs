@@ -1,7 +1,7 @@
 //! The synchronous engine core: scheduler and executor, each step's results turned into
 //! detokenized, stop-checked request outputs.
 
-use super::{EngineError, EngineStats, Executor, OutputSink};
+use super::{EngineError, EngineStats, Executor, OutputSink, ITERATION_TOKEN_BUCKETS};
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::output::{RequestOutput, StepOutput, TokenLogprob};
 use crate::request::{FinishReason, Request, RequestId};
@@ -117,7 +117,22 @@ impl<E: Executor> EngineCore<E> {
                     .saturating_sub(r.start_pos);
             }
         }
-        self.stats.lock().unwrap().prompt_tokens_computed += prompt_tokens as u64;
+        {
+            let mut st = self.stats.lock().unwrap();
+            st.prompt_tokens_computed += prompt_tokens as u64;
+            let tokens: u64 = output
+                .requests
+                .iter()
+                .map(|r| r.token_ids.len() as u64)
+                .sum();
+            if tokens > 0 {
+                st.iteration_tokens_sum += tokens;
+                st.iteration_tokens_count += 1;
+                for (count, &le) in st.iteration_tokens.iter_mut().zip(&ITERATION_TOKEN_BUCKETS) {
+                    *count += (tokens <= le) as u64;
+                }
+            }
+        }
         if output.is_empty() {
             self.publish_stats();
             return !self.scheduler.has_work();

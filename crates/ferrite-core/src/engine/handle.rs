@@ -19,6 +19,10 @@ pub struct EngineInfo {
     pub max_model_len: usize,
     pub prefix_caching: bool,
     pub eos_token_ids: Arc<[u32]>,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
 }
 
 /// Cheap to clone; every clone talks to the same engine thread.
@@ -84,6 +88,10 @@ impl EngineHandle {
             max_model_len: config.max_model_len,
             prefix_caching: config.prefix_caching.is_some(),
             eos_token_ids: eos_token_ids.into(),
+            block_size: config.block_size,
+            num_blocks: config.num_blocks,
+            max_num_seqs: config.max_num_seqs,
+            max_num_batched_tokens: config.max_num_batched_tokens,
         };
         let admission = Arc::new(Scheduler::new(config.clone()));
         let mut core = EngineCore::new(config, executor, tokenizer.clone());

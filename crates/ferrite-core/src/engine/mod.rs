@@ -51,6 +51,11 @@ pub(crate) enum Command {
     Shutdown,
 }
 
+/// vLLM's buckets of `vllm:iteration_tokens_total`.
+pub const ITERATION_TOKEN_BUCKETS: [u64; 13] = [
+    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+];
+
 /// Counters the engine publishes after every step.
 #[derive(Clone, Debug, Default)]
 pub struct EngineStats {
@@ -68,6 +73,11 @@ pub struct EngineStats {
     /// When the model step now running began (`None` between steps): a step that never ends
     /// is a wedged engine.
     pub step_started: Option<std::time::Instant>,
+    /// Tokens per model step, counted in [`ITERATION_TOKEN_BUCKETS`] (cumulative, as
+    /// Prometheus buckets), with their sum and the number of steps.
+    pub iteration_tokens: [u64; ITERATION_TOKEN_BUCKETS.len()],
+    pub iteration_tokens_sum: u64,
+    pub iteration_tokens_count: u64,
     /// Prompt tokens looked up in the prefix cache, and found there.
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,

@@ -134,36 +134,6 @@ pub fn config(src: &ConfigSource) -> Result<ModelConfig> {
 }
 
 /// Loads the checkpoint's family onto `backend`; `progress(done, total)` follows the layers.
-/// Each layer has tensors, and every size is some tensor's dimension: a config the file cannot
-/// hold (a corrupted layer count, a width of 2^40) is refused before it sizes anything.
-fn check_extent(src: &ConfigSource, weights: &WeightSource) -> Result<()> {
-    let Some((count, largest)) = weights.extent() else {
-        return Ok(());
-    };
-    if let Some(layers) = src.opt_usize("num_hidden_layers") {
-        anyhow::ensure!(
-            layers <= count,
-            "{}: {layers} layers in a file of {count} tensors",
-            src.path().display()
-        );
-    }
-    for key in [
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "head_dim",
-    ] {
-        if let Some(v) = src.opt_usize(key) {
-            anyhow::ensure!(
-                v <= largest,
-                "{}: `{key}` is {v}, larger than any tensor dimension ({largest})",
-                src.path().display()
-            );
-        }
-    }
-    Ok(())
-}
-
 pub fn load<B: Backend + 'static>(
     backend: B,
     src: &ConfigSource,
@@ -171,7 +141,6 @@ pub fn load<B: Backend + 'static>(
     max_positions: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Decoder<B>> {
-    check_extent(src, weights)?;
     let mut config = config(src)?;
     let layout = KvLayout::new(&config.layer_windows);
     let family: Box<dyn Family<B>> = match kind(src)? {
