@@ -19,7 +19,10 @@ impl GgufFile {
         let len = file.metadata()?.len();
         let mut reader = BufReader::new(file);
         let bad = |e: String| anyhow!("{} is not a readable GGUF file: {e}", path.display());
-        // candle's reader panics on a few malformed headers (an alignment of 0): an error here.
+        if zero_alignment(&mut reader)? {
+            return Err(bad("`general.alignment` is 0".into()));
+        }
+        // Should candle's reader still panic on a malformed header: an error here.
         let content = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             gguf_file::Content::read(&mut reader)
         }))
@@ -146,6 +149,34 @@ impl GgufFile {
             .map(|t| t.shape.elem_count() / t.ggml_dtype.block_size() * t.ggml_dtype.type_size())
             .sum()
     }
+}
+
+/// Whether the header sets `general.alignment` to 0, which candle's reader divides by: the
+/// key, as GGUF stores it, looked for in the first 16 MiB (where the metadata is).
+fn zero_alignment(reader: &mut BufReader<File>) -> Result<bool> {
+    use std::io::{Read, Seek};
+    let mut head = Vec::new();
+    reader.by_ref().take(16 << 20).read_to_end(&mut head)?;
+    reader.rewind()?;
+    let mut key = 17u64.to_le_bytes().to_vec();
+    key.extend(b"general.alignment");
+    let Some(at) = head.windows(key.len()).position(|w| w == key.as_slice()) else {
+        return Ok(false);
+    };
+    let rest = &head[at + key.len()..];
+    // The integer types candle reads the alignment from: u8, i8, u16, i16, u32, i32.
+    let width = match rest
+        .get(..4)
+        .map(|t| u32::from_le_bytes(t.try_into().unwrap()))
+    {
+        Some(0 | 1) => 1,
+        Some(2 | 3) => 2,
+        Some(4 | 5) => 4,
+        _ => return Ok(false),
+    };
+    Ok(rest
+        .get(4..4 + width)
+        .is_some_and(|v| v.iter().all(|&b| b == 0)))
 }
 
 /// Every tensor's bytes lie inside the file, aligned and packed one after the other as GGUF
