@@ -1,6 +1,10 @@
 """`--reasoning-parser` on the real server: the text inside <think>...</think> is
 `reasoning_content`, the rest content (and tool calls), whole and streamed alike. The test model
-does not think on its own, so a regex constraint makes it write a think block."""
+does not think on its own, so under `qwen3` (an output may open a block) a regex constraint
+makes it write one; under `deepseek_r1` (the prompt opened the block) a grammar starts only
+once the block has closed, as vLLM applies it."""
+import json
+
 import openai
 import pytest
 
@@ -13,7 +17,14 @@ THINK = r"<think>[a-z ]{3,20}</think>"
 
 @pytest.fixture(scope="module")
 def client():
-    s = Server("--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    s = Server("--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused")
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def r1():
+    s = Server("--reasoning-parser", "deepseek_r1")
     yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused")
     s.stop()
 
@@ -43,11 +54,24 @@ def test_think_block_becomes_reasoning_content(client):
     assert streamed(client, **kw)[:2] == (m.reasoning_content, m.content)
 
 
-def test_unconstrained_output_without_an_end_is_all_reasoning(client):
+def test_unconstrained_output_without_an_end_is_all_reasoning(r1):
     # DeepSeek-R1's template opens <think> in the prompt: output that never closes it is thinking.
-    m = client.chat.completions.create(model=MODEL, messages=ask("Say hi."), temperature=0,
-                                       max_tokens=12).choices[0].message
+    m = r1.chat.completions.create(model=MODEL, messages=ask("Say hi."), temperature=0,
+                                   max_tokens=12).choices[0].message
     assert m.reasoning_content and m.content is None, m
+
+
+def test_the_grammar_waits_for_the_reasoning_to_end(r1):
+    kw = dict(model=MODEL, temperature=0, max_tokens=24, response_format={"type": "json_object"})
+    # Still thinking (the test model never writes </think>): nothing is constrained yet.
+    m = r1.chat.completions.create(messages=ask("Describe a cat."), **kw).choices[0].message
+    assert m.reasoning_content and m.content is None, m
+    # A block the prompt already closed: the answer is constrained from its first token.
+    closed = ask("Describe a cat.") + [{"role": "assistant", "content": "<think>A cat.</think>"}]
+    m = r1.chat.completions.create(messages=closed, extra_body={"continue_final_message": True,
+                                                                "add_generation_prompt": False},
+                                   **kw).choices[0].message
+    assert getattr(m, "reasoning_content", None) is None and isinstance(json.loads(m.content), dict), m
 
 
 def test_reasoning_then_a_tool_call(client):

@@ -10,7 +10,7 @@ mod vocab;
 use anyhow::{anyhow, Result};
 use ferrite_core::constraint::{Constraint, TokenConstraint};
 use llguidance::api::TopLevelGrammar;
-use llguidance::toktrie::TokEnv;
+use llguidance::toktrie::{TokEnv, TokTrie};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -73,7 +73,51 @@ pub struct Grammars {
     factory: ParserFactory,
     eos: Vec<u32>,
     cache: Mutex<HashMap<String, Matcher>>,
+    vocab: Arc<Vocabulary>,
 }
+
+/// What the reasoning gate reads of the vocabulary.
+struct Vocabulary {
+    env: TokEnv,
+    /// Tokens that open a reasoning block (`<think>` after any whitespace).
+    opens: Vec<u32>,
+    /// Mask words covering the vocabulary.
+    words: usize,
+}
+
+impl Vocabulary {
+    /// A token's text as bytes (special tokens without their marker).
+    fn bytes(&self, t: u32) -> &[u8] {
+        let b = self.env.tok_trie().token(t);
+        b.strip_prefix(&[TokTrie::SPECIAL_TOKEN_MARKER])
+            .unwrap_or(b)
+    }
+}
+
+/// How a reasoning model's output relates to its grammar, as vLLM applies one with a
+/// reasoning parser: the grammar starts once the reasoning block has closed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reasoning {
+    /// The template opened the block in the prompt (DeepSeek-R1): the grammar waits for
+    /// `</think>`.
+    Opened,
+    /// The output may open a block (Qwen3): if it starts with a `<think>` token the grammar
+    /// waits for `</think>`, otherwise it applies from the first token.
+    Optional,
+}
+
+/// Where a matcher stands with respect to the model's reasoning.
+#[derive(Clone, Debug)]
+enum Gate {
+    /// The grammar applies.
+    Open,
+    /// Nothing drawn yet; a `<think>` token may open a block.
+    Undecided,
+    /// Inside the block: anything goes; the last bytes drawn, to see `</think>`.
+    Thinking(Vec<u8>),
+}
+
+const CLOSE: &[u8] = b"</think>";
 
 /// Compiled specs kept for reuse.
 const CACHE: usize = 64;
@@ -88,10 +132,22 @@ impl Grammars {
         let env: TokEnv = vocab::env(tokenizer, vocab_size, first)?;
         let mut factory = ParserFactory::new_simple(&env)?;
         factory.quiet();
+        let trie = env.tok_trie();
+        let opens = (0..trie.vocab_size() as u32)
+            .filter(|&t| {
+                let b = trie.token(t);
+                let b = b
+                    .strip_prefix(&[TokTrie::SPECIAL_TOKEN_MARKER])
+                    .unwrap_or(b);
+                b.trim_ascii_start() == b"<think>"
+            })
+            .collect();
+        let words = trie.vocab_size().div_ceil(32);
         Ok(Self {
             factory,
             eos: eos.to_vec(),
             cache: Mutex::default(),
+            vocab: Arc::new(Vocabulary { env, opens, words }),
         })
     }
 
@@ -117,6 +173,8 @@ impl Grammars {
     fn grammar(&self, matcher: Matcher) -> Grammar {
         Grammar {
             matcher,
+            gate: Gate::Open,
+            vocab: self.vocab.clone(),
             eos: self.eos.clone(),
         }
     }
@@ -125,6 +183,8 @@ impl Grammars {
 /// One request's matcher.
 pub struct Grammar {
     matcher: Matcher,
+    gate: Gate,
+    vocab: Arc<Vocabulary>,
     /// Every end-of-sequence id; the first is the one the grammar knows.
     eos: Vec<u32>,
 }
@@ -134,8 +194,21 @@ impl Grammar {
     pub fn fork(&self) -> Grammar {
         Grammar {
             matcher: self.matcher.deep_clone(),
+            gate: self.gate.clone(),
+            vocab: self.vocab.clone(),
             eos: self.eos.clone(),
         }
+    }
+
+    /// The grammar held back while the model reasons. `closed_in_prompt`: the prompt already
+    /// ended the block (a template that turns thinking off writes an empty one).
+    pub fn after_reasoning(mut self, r: Reasoning, closed_in_prompt: bool) -> Grammar {
+        self.gate = match (r, closed_in_prompt) {
+            (_, true) => Gate::Open,
+            (Reasoning::Opened, false) => Gate::Thinking(Vec::new()),
+            (Reasoning::Optional, false) => Gate::Undecided,
+        };
+        self
     }
 
     pub fn into_constraint(self) -> Constraint {
@@ -145,6 +218,44 @@ impl Grammar {
 
 impl TokenConstraint for Grammar {
     fn allowed(&mut self) -> Vec<u32> {
+        match &self.gate {
+            Gate::Open => self.grammar_mask(),
+            Gate::Thinking(_) => vec![u32::MAX; self.vocab.words],
+            Gate::Undecided => {
+                let mut words = self.grammar_mask();
+                for &t in &self.vocab.opens {
+                    set_bit(&mut words, t);
+                }
+                words
+            }
+        }
+    }
+
+    fn commit(&mut self, token: u32) {
+        match &mut self.gate {
+            Gate::Open => {}
+            Gate::Undecided if self.vocab.opens.contains(&token) => {
+                self.gate = Gate::Thinking(Vec::new());
+                return;
+            }
+            Gate::Undecided => self.gate = Gate::Open,
+            Gate::Thinking(tail) => {
+                tail.extend_from_slice(self.vocab.bytes(token));
+                if tail.windows(CLOSE.len()).any(|w| w == CLOSE) {
+                    self.gate = Gate::Open;
+                } else if tail.len() > CLOSE.len() {
+                    tail.drain(..tail.len() - CLOSE.len());
+                }
+                return;
+            }
+        }
+        self.grammar_commit(token);
+    }
+}
+
+impl Grammar {
+    /// The grammar's own mask; every end-of-sequence id allowed once it accepts.
+    fn grammar_mask(&mut self) -> Vec<u32> {
         let mut words = match self.matcher.compute_mask_or_eos() {
             Ok(mask) => mask.as_slice().to_vec(),
             Err(e) => {
@@ -152,25 +263,18 @@ impl TokenConstraint for Grammar {
                 Vec::new()
             }
         };
-        let set = |w: &mut Vec<u32>, t: u32| {
-            let i = t as usize / 32;
-            if w.len() <= i {
-                w.resize(i + 1, 0);
-            }
-            w[i] |= 1 << (t % 32);
-        };
         let first = self.eos[0];
         let accepting =
             words.is_empty() || ferrite_core::constraint::is_allowed(&words, first as usize);
         if accepting {
             for &t in &self.eos {
-                set(&mut words, t);
+                set_bit(&mut words, t);
             }
         }
         words
     }
 
-    fn commit(&mut self, token: u32) {
+    fn grammar_commit(&mut self, token: u32) {
         // Any end-of-sequence id is the one the grammar knows.
         let token = if self.eos.contains(&token) {
             self.eos[0]
@@ -181,6 +285,14 @@ impl TokenConstraint for Grammar {
             tracing::warn!("structured output: token {token}: {e}");
         }
     }
+}
+
+fn set_bit(words: &mut Vec<u32>, t: u32) {
+    let i = t as usize / 32;
+    if words.len() <= i {
+        words.resize(i + 1, 0);
+    }
+    words[i] |= 1 << (t % 32);
 }
 
 /// A shareable compiler, for the server's handlers.

@@ -92,3 +92,54 @@ fn a_schema_that_does_not_compile_is_an_error_naming_it() {
     assert!(format!("{err:#}").contains("wizard"), "{err:#}");
     assert!(grammars.compile(&Spec::Regex("(open".into())).is_err());
 }
+
+/// With a reasoning parser, the grammar waits for the reasoning block (vLLM's order): every
+/// token allowed inside `<think>...</think>`, the grammar's mask after it; a block the prompt
+/// already closed, or (Qwen3) an output that does not open one, is constrained from the start.
+#[test]
+fn the_grammar_starts_after_the_reasoning_block() {
+    use ferrite_core::constraint::{is_allowed, TokenConstraint};
+    use ferrite_grammar::Reasoning;
+    let mut tok = ferrite_model::checkpoint::open_tokenizer(&model_path()).unwrap();
+    let added = [
+        tokenizers::AddedToken::from("<think>", true),
+        tokenizers::AddedToken::from("</think>", true),
+    ];
+    tok.tokenizer.add_special_tokens(added).unwrap();
+    let id = |t: &str| tok.tokenizer.token_to_id(t).unwrap();
+    let (open, close, word) = (id("<think>"), id("</think>"), id("hello"));
+    let vocab = tok.tokenizer.get_vocab_size(true);
+    let grammars = Grammars::new(&tok.tokenizer, vocab, &tok.eos_token_ids).unwrap();
+    let brace = tok.tokenizer.encode("{", false).unwrap().get_ids()[0];
+    let json = || grammars.compile(&Spec::JsonObject).unwrap();
+    let free = |m: &[u32]| {
+        [word, brace, close]
+            .iter()
+            .all(|&t| is_allowed(m, t as usize))
+    };
+    let constrained = |m: &[u32]| is_allowed(m, brace as usize) && !is_allowed(m, word as usize);
+
+    let mut g = json().after_reasoning(Reasoning::Opened, false);
+    assert!(free(&g.allowed()));
+    for t in [word, word, close] {
+        g.commit(t);
+    }
+    assert!(constrained(&g.allowed()), "after </think>");
+    let mut g = json().after_reasoning(Reasoning::Opened, true);
+    assert!(constrained(&g.allowed()), "closed in the prompt");
+
+    let mut g = json().after_reasoning(Reasoning::Optional, false);
+    let first = g.allowed();
+    assert!(is_allowed(&first, open as usize) && constrained(&first));
+    g.commit(open);
+    assert!(free(&g.allowed()), "inside an opened block");
+    g.commit(close);
+    assert!(constrained(&g.allowed()));
+    let mut g = json().after_reasoning(Reasoning::Optional, false);
+    g.commit(brace);
+    let m = g.allowed();
+    assert!(
+        !is_allowed(&m, open as usize) && !is_allowed(&m, word as usize),
+        "no block opened"
+    );
+}

@@ -7,7 +7,7 @@ use crate::generation::{
 };
 use crate::prompt_work::{check_text_len, off_runtime};
 use crate::protocol::*;
-use crate::reasoning::{Piece, ReasoningStream};
+use crate::reasoning::{Piece, ReasoningParser, ReasoningStream};
 use crate::sse::{sse_response, ChunkSink, WrapChunk};
 use crate::state::{AppState, SharedState};
 use crate::structured;
@@ -15,6 +15,7 @@ use crate::tools::{forced, CallStream, ToolEvent, ToolParser};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use ferrite_core::output::TokenLogprob;
+use ferrite_grammar::Reasoning;
 use minijinja::Value as JinjaValue;
 use serde_json::Value;
 use std::sync::Arc;
@@ -160,6 +161,17 @@ fn tool_mode(
         .with_param("tool_choice"));
     }
     Ok((Some(parser), true))
+}
+
+/// Whether the prompt's last reasoning block is closed (a template that turns thinking off
+/// writes an empty `<think></think>`): then the output has none.
+fn closed_in_prompt(state: &AppState, prompt: &[u32]) -> bool {
+    let tail = &prompt[prompt.len().saturating_sub(64)..];
+    let text = state.tokenizer.decode(tail, false).unwrap_or_default();
+    match (text.rfind("<think>"), text.rfind("</think>")) {
+        (open, Some(close)) => open.is_none_or(|o| o < close),
+        _ => false,
+    }
 }
 
 pub fn render_prompt(
@@ -312,12 +324,26 @@ pub(crate) async fn start(
         }
         (f, s) => f.or(s),
     };
-    let constrained = spec.is_some();
+    let mut constrained = spec.is_some();
     let grammar = structured::compile(state, spec).await?;
     let req = Arc::new(req);
     let prompt = {
         let req = req.clone();
         off_runtime(state, move |s| render_prompt(s, &req, with_tools)).await?
+    };
+    // With a reasoning parser the grammar starts once the reasoning block has closed, as vLLM
+    // applies it; the reply then reads like an unconstrained one.
+    let grammar = match (grammar, state.reasoning_parser) {
+        (Some(g), Some(r)) => {
+            let closed = closed_in_prompt(state, &prompt);
+            let mode = match r {
+                ReasoningParser::DeepSeekR1 => Reasoning::Opened,
+                ReasoningParser::Qwen3 => Reasoning::Optional,
+            };
+            constrained = closed;
+            Some(g.after_reasoning(mode, closed))
+        }
+        (g, _) => g,
     };
     let choices = start_choices(state, vec![prompt], &params, n, grammar.as_ref())?;
     Ok(Started {

@@ -9,8 +9,9 @@ use crate::tools::partial_suffix;
 pub enum ReasoningParser {
     /// DeepSeek-R1: the template opens `<think>` in the prompt, so the output starts inside the
     /// reasoning (a leading `<think>` is skipped); it ends at `</think>`, or with the output.
-    /// A constrained reply (structured output, forced tool calls) begins with the constraint's
-    /// language, so there only an explicit `<think>...</think>` is reasoning.
+    /// A grammar (structured output, forced tool calls) starts after `</think>`; when the
+    /// prompt already closed the block the reply is the grammar's from its first token, and
+    /// only an explicit `<think>...</think>` is reasoning.
     DeepSeekR1,
     /// Qwen3: reasoning only inside an explicit `<think>...</think>` at the start of the output
     /// (none with `enable_thinking: false`); an output that does not open one is all content.
