@@ -25,6 +25,9 @@ pub struct StepOutput {
     pub sampled: HashMap<RequestId, SampledToken>,
     /// Logprobs of the prompt tokens computed this step, in prompt order.
     pub prompt_logprobs: HashMap<RequestId, Vec<TokenLogprob>>,
+    /// Rows that failed after the forward pass (a bug in sampling or a grammar, never bad
+    /// input): only these requests fail, with the reason.
+    pub failed: HashMap<RequestId, String>,
 }
 
 /// One streamed piece of a request's result.

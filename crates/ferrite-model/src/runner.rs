@@ -63,6 +63,18 @@ pub enum RowDraw {
     },
 }
 
+/// `f`'s value, or the message of its panic: a row's failure stays that row's.
+fn catch<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
+        let msg = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        format!("internal error while sampling: {msg}")
+    })
+}
+
 pub struct ModelRunner {
     pub model: Box<dyn StepModel>,
     sampler: Sampler,
@@ -216,10 +228,11 @@ impl Executor for ModelRunner {
         let (logits, masks) = std::thread::scope(|scope| {
             let masks = (!constrained.is_empty()).then(|| {
                 scope.spawn(|| {
+                    // A grammar that fails fails its row only (an empty mask marks it).
                     constrained
                         .iter()
-                        .map(|(row, c)| (*row, c.allowed()))
-                        .collect::<HashMap<usize, Vec<u32>>>()
+                        .map(|(row, c)| (*row, catch(|| c.allowed())))
+                        .collect::<HashMap<usize, Result<Vec<u32>, String>>>()
                 })
             });
             let logits = model.forward(&step);
@@ -234,12 +247,26 @@ impl Executor for ModelRunner {
                 RowUse::Sample(i) => {
                     let r = &out.requests[i];
                     let spec = r.sample.as_ref().expect("sampled row has a spec");
-                    let mask = masks.get(&n).map(Vec::as_slice);
-                    let sampled = self.sampler.sample(row, spec, mask);
-                    if let Some(c) = &spec.constraint {
-                        c.commit(sampled.token_id);
+                    let sampler = &mut self.sampler;
+                    let drawn = match masks.get(&n) {
+                        Some(Err(e)) => Err(e.clone()),
+                        Some(Ok(mask)) => catch(|| sampler.sample(row, spec, Some(mask))),
+                        None => catch(|| sampler.sample(row, spec, None)),
+                    };
+                    let drawn = drawn.and_then(|sampled| {
+                        if let Some(c) = &spec.constraint {
+                            catch(|| c.commit(sampled.token_id))?;
+                        }
+                        Ok(sampled)
+                    });
+                    match drawn {
+                        Ok(sampled) => {
+                            result.sampled.insert(r.req_id, sampled);
+                        }
+                        Err(e) => {
+                            result.failed.insert(r.req_id, e);
+                        }
                     }
-                    result.sampled.insert(r.req_id, sampled);
                 }
                 RowUse::PromptLogprob(i, target, k) => {
                     let lse = log_sum_exp(row);

@@ -143,3 +143,37 @@ fn the_grammar_starts_after_the_reasoning_block() {
         "no block opened"
     );
 }
+
+/// A grammar that panics (a bug, never bad input) fails its own request only; the requests
+/// sharing its steps finish as if it were not there.
+#[test]
+fn a_failing_row_fails_its_request_only() {
+    use ferrite_core::constraint::{Constraint, TokenConstraint};
+    struct Broken;
+    impl TokenConstraint for Broken {
+        fn allowed(&mut self) -> Vec<u32> {
+            panic!("grammar bug")
+        }
+        fn commit(&mut self, _: u32) {}
+    }
+    let (engine, tok) = engine(256, 64);
+    let prompt = tok.encode("Once upon a time", true).unwrap();
+    let params = SamplingParams {
+        max_tokens: Some(8),
+        ignore_eos: true,
+        ..SamplingParams::greedy()
+    };
+    let others: Vec<_> = (0..3)
+        .map(|_| engine.add_request(prompt.clone(), params.clone()).unwrap())
+        .collect();
+    let broken = engine.add_constrained(
+        prompt.clone(),
+        params.clone(),
+        Some(Constraint::new(Box::new(Broken))),
+    );
+    let err = collect(broken.unwrap()).unwrap_err();
+    assert!(format!("{err}").contains("grammar bug"), "{err}");
+    for s in others {
+        assert_eq!(tokens_of(&collect(s).unwrap()).len(), 8);
+    }
+}

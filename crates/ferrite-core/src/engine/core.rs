@@ -168,6 +168,13 @@ impl<E: Executor> EngineCore<E> {
     }
 
     fn apply(&mut self, output: &SchedulerOutput, mut result: StepOutput) {
+        for (id, e) in result.failed.drain() {
+            tracing::error!("request {id} failed in the model step: {e}");
+            if let Some(st) = self.states.remove(&id) {
+                let _ = st.sink.send(Err(EngineError::Step(e)));
+            }
+            self.scheduler.finish(id, FinishReason::Abort);
+        }
         for (id, lps) in result.prompt_logprobs.drain() {
             if let Some(Some(v)) = self.states.get_mut(&id).map(|s| s.prompt_logprobs.as_mut()) {
                 v.extend(lps.into_iter().map(Some));
