@@ -42,6 +42,21 @@ fn tokenizer() -> Arc<Tokenizer> {
     Arc::new(Tokenizer::new(model))
 }
 
+/// 32 blocks of 4 tokens, 8 requests a step.
+fn small_pool() -> SchedulerConfig {
+    SchedulerConfig {
+        max_num_batched_tokens: 64,
+        max_num_seqs: 8,
+        max_model_len: 64,
+        block_size: 4,
+        num_blocks: 32,
+        prefix_caching: None,
+        kv_groups: vec![None],
+        state_slots: 0,
+        state_checkpoints: 0,
+    }
+}
+
 fn run(engine: &EngineHandle, prompt: Vec<u32>) -> Result<usize, EngineError> {
     let params = SamplingParams {
         max_tokens: Some(4),
@@ -62,18 +77,7 @@ fn run(engine: &EngineHandle, prompt: Vec<u32>) -> Result<usize, EngineError> {
 
 #[test]
 fn a_panicking_step_fails_its_requests_and_the_engine_lives_on() {
-    let config = SchedulerConfig {
-        max_num_batched_tokens: 64,
-        max_num_seqs: 8,
-        max_model_len: 64,
-        block_size: 4,
-        num_blocks: 32,
-        prefix_caching: None,
-        kv_groups: vec![None],
-        state_slots: 0,
-        state_checkpoints: 0,
-    };
-    let engine = EngineHandle::spawn(config, Fragile, tokenizer(), vec![]);
+    let engine = EngineHandle::spawn(small_pool(), Fragile, tokenizer(), vec![]);
     match run(&engine, vec![2, 13, 5]) {
         Err(EngineError::Step(msg)) => assert!(msg.contains("kernel bug"), "{msg}"),
         other => panic!("expected a step error, got {other:?}"),
@@ -99,18 +103,7 @@ impl Executor for Slow {
 
 #[test]
 fn a_running_step_shows_since_when_so_a_wedged_engine_is_seen() {
-    let config = SchedulerConfig {
-        max_num_batched_tokens: 64,
-        max_num_seqs: 8,
-        max_model_len: 64,
-        block_size: 4,
-        num_blocks: 32,
-        prefix_caching: None,
-        kv_groups: vec![None],
-        state_slots: 0,
-        state_checkpoints: 0,
-    };
-    let engine = EngineHandle::spawn(config, Slow, tokenizer(), vec![]);
+    let engine = EngineHandle::spawn(small_pool(), Slow, tokenizer(), vec![]);
     assert!(engine.stats().step_started.is_none());
     let e = engine.clone();
     let t = std::thread::spawn(move || run(&e, vec![2, 3]));

@@ -2,8 +2,8 @@
 
 use crate::error::ApiError;
 use crate::generation::{
-    check_model, check_n, check_prompt_logprobs, collect, prompt_logprobs_json, sampling_params,
-    start_choices, Choice,
+    check_model, check_n, check_prompt_logprobs, collect, model_sampling_params,
+    prompt_logprobs_json, start_choices, Choice,
 };
 use crate::prompt_work::{check_text_len, off_runtime};
 use crate::protocol::*;
@@ -296,16 +296,7 @@ pub(crate) async fn start(
     };
     check_prompt_logprobs(req.common.stream, req.prompt_logprobs)?;
     let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
-    let vocab = state.tokenizer.tokenizer.get_vocab_size(true);
-    let encode = |t: &str| state.tokenizer.encode(t, false).unwrap_or_default();
-    let params = sampling_params(
-        &req.common,
-        vocab,
-        &encode,
-        max_tokens,
-        top,
-        req.prompt_logprobs,
-    )?;
+    let params = model_sampling_params(state, &req.common, max_tokens, top, req.prompt_logprobs)?;
     let forced = match (parser, &req.tool_choice) {
         (Some(p), Some(choice)) => forced::spec(
             p,

@@ -2,8 +2,8 @@
 
 use crate::error::ApiError;
 use crate::generation::{
-    check_model, check_n, check_prompt_logprobs, collect, prompt_logprobs_json, sampling_params,
-    start_choices, Choice,
+    check_model, check_n, check_prompt_logprobs, collect, model_sampling_params,
+    prompt_logprobs_json, start_choices, Choice,
 };
 use crate::prompt_work::{check_choices, check_text_len, off_runtime};
 use crate::protocol::*;
@@ -85,16 +85,7 @@ pub async fn completions(state: SharedState, req: CompletionRequest) -> Result<R
     let prompt_lp = req
         .prompt_logprobs
         .or(if req.echo { req.logprobs } else { None });
-    let vocab = state.tokenizer.tokenizer.get_vocab_size(true);
-    let encode = |t: &str| state.tokenizer.encode(t, false).unwrap_or_default();
-    let params = sampling_params(
-        &req.common,
-        vocab,
-        &encode,
-        max_tokens,
-        req.logprobs,
-        prompt_lp,
-    )?;
+    let params = model_sampling_params(&state, &req.common, max_tokens, req.logprobs, prompt_lp)?;
     let grammar = structured::compile(&state, structured::spec(&req.common)?).await?;
     let count = match &req.prompt {
         Prompt::Texts(t) => t.len(),

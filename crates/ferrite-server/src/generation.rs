@@ -78,6 +78,19 @@ pub fn sampling_params(
     Ok(p)
 }
 
+/// [`sampling_params`] against the served model's tokenizer.
+pub fn model_sampling_params(
+    state: &AppState,
+    c: &CommonParams,
+    max_tokens: Option<i64>,
+    logprobs: Option<i64>,
+    prompt_logprobs: Option<i64>,
+) -> Result<SamplingParams, ApiError> {
+    let vocab = state.tokenizer.tokenizer.get_vocab_size(true);
+    let encode = |t: &str| state.tokenizer.encode(t, false).unwrap_or_default();
+    sampling_params(c, vocab, &encode, max_tokens, logprobs, prompt_logprobs)
+}
+
 /// vLLM's `bad_words`: each word as its tokens alone and, when that tokenizes differently
 /// (another first token, as many tokens), after a space, as vLLM bans both.
 fn bad_words(
