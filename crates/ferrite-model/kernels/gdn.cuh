@@ -92,6 +92,15 @@ extern "C" __global__ void gdn_conv_window(const bf16* proj, int P, float* state
         gdn_window_row(proj, P, window, conv_dim, K, r0, n, m, c, fresh);
 }
 
+// Token t's write strength beta = sigmoid(b) and log decay -A softplus(a + dt_bias) of value
+// head h, from `ba` = its b [nv] then a [nv] in the input projection.
+__device__ __forceinline__ void gdn_gates(const bf16* ba, int nv, int h, float A, float dt,
+                                          float& beta, float& log_decay) {
+  const float b = __bfloat162float(ba[h]), a = __bfloat162float(ba[nv + h]) + dt;
+  beta = 1.f / (1.f + __expf(-b));
+  log_decay = -A * (a > 20.f ? a : log1pf(__expf(a)));
+}
+
 // The delta rule, one warp per (request i, value head h, 32 of its dv columns): lane j keeps
 // column j of the head's [dk, dv] matrix S in registers and walks the request's tokens in
 // order: S *= decay, delta = (v - S^T k) * beta, S += k delta^T, o = S^T q, with q and k
@@ -132,11 +141,10 @@ __device__ void gdn_rule(const float* qkv, const bf16* proj, int P, float* state
     kk = warp_sum(kk);
     __syncwarp();
     const float qn = rsqrtf(qq + 1e-6f) * scale, kn = rsqrtf(kk + 1e-6f);
-    const bf16* p = proj + (size_t)t * P + conv_dim;
     const float v = col ? row[2 * kd + h * dv + j] : 0.f;
-    const float b = __bfloat162float(p[vd + h]), a = __bfloat162float(p[vd + nv + h]) + dt;
-    const float beta = 1.f / (1.f + __expf(-b));
-    const float decay = __expf(-A * (a > 20.f ? a : log1pf(__expf(a))));
+    float beta, decay;
+    gdn_gates(proj + (size_t)t * P + conv_dim + vd, nv, h, A, dt, beta, decay);
+    decay = __expf(decay);
     float mem = 0.f;
 #pragma unroll
     for (int e = 0; e < DK; e++) {
@@ -175,6 +183,192 @@ GDN_RULE(16)
 GDN_RULE(32)
 GDN_RULE(64)
 GDN_RULE(128)
+
+// The delta rule in its chunk-parallel form, for steps with prefill chunks: a request's tokens
+// in chunks of GDN_CHUNK (also cut at its checkpoint), each solved as matrices from the state S0
+// at the chunk's start. With g_t the cumulative log decay within the chunk, the values written
+// U solve (I + A) U = beta (V - e^g K S0), A[t, s] = beta_t e^(g_t - g_s) k_t.k_s (s < t);
+// then O = e^g Q S0 + (e^(g_t - g_s) q_t.k_s, s <= t) U and the next S0 = e^g_n S0 + K'^T U,
+// K'_t = e^(g_n - g_t) k_t. Every exponent is <= 0. Same arguments and output as gdn_rule;
+// a block of 256 threads per (request i, value head h, 32 of its dv columns), whose tile of S
+// stays in shared memory across the chunks. Grid: (B, v_heads, dv / 32 rounded up).
+// Its shared memory, laid out below, is sized by `chunk_shared_bytes` in gdn.rs.
+#define GDN_CHUNK 64
+#define GDN_COLS 32
+
+template <int DK>
+__device__ void gdn_chunked(const float* qkv, const bf16* proj, int P, float* state, int elems,
+                            int conv_offset, const bf16* a_log, const bf16* dt_bias, int nk,
+                            int nv, int dv, const uint32_t* cu, const uint32_t* positions,
+                            const uint32_t* slots, const uint32_t* saves, float* o_out) {
+  constexpr int C = GDN_CHUNK, W = GDN_COLS, KS = DK + 1, CS = C + 1;
+  extern __shared__ float smem[];
+  float* Q = smem;            // [C][KS] normed q (times 1/sqrt(dk))
+  float* K = Q + C * KS;      // [C][KS] normed k
+  float* S = K + C * KS;      // [DK][W] the state's tile
+  float* Am = S + DK * W;     // [C][CS] A
+  float* Pm = Am + C * CS;    // [C][CS] the intra-chunk attention
+  float* U = Pm + C * CS;     // [C][W] v, then the right-hand side, then U
+  float* g = U + C * W;       // [C] cumulative log decay
+  float* beta = g + C;        // [C]
+  float* wk = beta + C;       // [C] e^(g_n - g_t)
+  const int i = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int c = lane, j = blockIdx.z * W + lane;
+  const bool col = j < dv;
+  const int kh = h / (nv / nk), kd = nk * DK, conv_dim = 2 * kd + nv * dv, vd = nv * dv;
+  wait_for_previous_kernel();
+  const int r0 = cu[i], r1 = cu[i + 1];
+  if (r0 == r1) return;
+  const size_t head = conv_offset + (size_t)h * DK * dv;
+  float* own = state + (size_t)slots[i] * elems + head;
+  const bool saving = saves && saves[2 * i + 1] != 0xffffffffu;
+  const int save_end = saving ? r0 + (int)saves[2 * i] : -1;
+  float* save = saving ? state + (size_t)saves[2 * i + 1] * elems + head : nullptr;
+  const bool fresh = positions[r0] == 0;
+  // Thread (warp, lane) owns S[e][c] for e = warp + 8m.
+  for (int e = warp; e < DK; e += 8) S[e * W + c] = fresh || !col ? 0.f : own[(size_t)e * dv + j];
+  const float Ah = __expf(__bfloat162float(a_log[h])), dt = __bfloat162float(dt_bias[h]);
+  const float scale = rsqrtf((float)DK);
+  for (int start = r0; start < r1;) {
+    int end = min(start + C, r1);
+    if (start < save_end) end = min(end, save_end);
+    const int n = end - start;
+    // Rows of q, k, v and the gates; rows past n are zeros.
+    for (int t = warp; t < C; t += 8) {
+      const float* row = qkv + (size_t)(start + t) * conv_dim;
+      float qq = 0.f, kk = 0.f;
+      for (int e = lane; e < DK; e += 32) {
+        const float a = t < n ? row[kh * DK + e] : 0.f, b = t < n ? row[kd + kh * DK + e] : 0.f;
+        Q[t * KS + e] = a, K[t * KS + e] = b;
+        qq += a * a, kk += b * b;
+      }
+      qq = warp_sum(qq);
+      kk = warp_sum(kk);
+      const float qn = rsqrtf(qq + 1e-6f) * scale, kn = rsqrtf(kk + 1e-6f);
+      for (int e = lane; e < DK; e += 32) Q[t * KS + e] *= qn, K[t * KS + e] *= kn;
+      U[t * W + c] = t < n && col ? row[2 * kd + h * dv + j] : 0.f;
+      if (lane == 0) {
+        float b = 0.f, l = 0.f;
+        if (t < n) gdn_gates(proj + (size_t)(start + t) * P + conv_dim + vd, nv, h, Ah, dt, b, l);
+        beta[t] = b, g[t] = l;
+      }
+    }
+    __syncthreads();
+    if (warp == 0) {  // inclusive scan of the log decays, two per lane
+      float x0 = g[2 * lane], x1 = x0 + g[2 * lane + 1], run = x1;
+      for (int d = 1; d < 32; d <<= 1) {
+        const float y = __shfl_up_sync(0xffffffffu, run, d);
+        if (lane >= d) run += y;
+      }
+      const float before = run - x1;
+      g[2 * lane] = before + x0, g[2 * lane + 1] = run;
+    }
+    __syncthreads();
+    // A and the intra-chunk attention: thread owns rows 4 * (tid / 16) + x, columns tid % 16 + 16y.
+    {
+      const int rb = 4 * (tid >> 4), cb = tid & 15;
+      if (rb < n) {
+        float kk[4][4] = {}, qk[4][4] = {};
+        for (int e = 0; e < DK; e++) {
+          float kr[4], qr[4], kc[4];
+#pragma unroll
+          for (int x = 0; x < 4; x++) {
+            kr[x] = K[(rb + x) * KS + e], qr[x] = Q[(rb + x) * KS + e];
+            kc[x] = K[(cb + 16 * x) * KS + e];
+          }
+#pragma unroll
+          for (int x = 0; x < 4; x++)
+#pragma unroll
+            for (int y = 0; y < 4; y++) kk[x][y] += kr[x] * kc[y], qk[x][y] += qr[x] * kc[y];
+        }
+#pragma unroll
+        for (int x = 0; x < 4; x++)
+#pragma unroll
+          for (int y = 0; y < 4; y++) {
+            const int r = rb + x, s = cb + 16 * y;
+            const float d = __expf(g[r] - g[min(s, r)]);
+            Am[r * CS + s] = s < r ? beta[r] * d * kk[x][y] : 0.f;
+            Pm[r * CS + s] = s <= r ? d * qk[x][y] : 0.f;
+          }
+      }
+    }
+    // The right-hand side beta (v - e^g K S0), and e^g Q S0 into registers: thread owns
+    // rows t = warp + 8m of column c.
+    float o[C / 8];
+#pragma unroll
+    for (int m = 0; m < C / 8; m++) {
+      const int t = warp + 8 * m;
+      float ks = 0.f, qs = 0.f;
+      if (t < n)
+        for (int e = 0; e < DK; e++) {
+          const float s = S[e * W + c];
+          ks += K[t * KS + e] * s, qs += Q[t * KS + e] * s;
+        }
+      const float eg = __expf(g[t]);
+      U[t * W + c] = beta[t] * (U[t * W + c] - eg * ks);
+      o[m] = eg * qs;
+    }
+    __syncthreads();
+    // Forward substitution in blocks of 16 rows: warp 0 solves a diagonal block (each lane its
+    // own column), then every thread takes the block out of the rows below it.
+    for (int b0 = 0; b0 < n; b0 += 16) {
+      if (warp == 0) {
+        float x[16];
+#pragma unroll
+        for (int r = 0; r < 16; r++) {
+          float v = U[(b0 + r) * W + c];
+#pragma unroll
+          for (int s = 0; s < r; s++) v -= Am[(b0 + r) * CS + b0 + s] * x[s];
+          x[r] = v;
+          U[(b0 + r) * W + c] = v;
+        }
+      }
+      __syncthreads();
+      for (int t = b0 + 16 + warp; t < n; t += 8) {
+        float v = U[t * W + c];
+#pragma unroll
+        for (int s = 0; s < 16; s++) v -= Am[t * CS + b0 + s] * U[(b0 + s) * W + c];
+        U[t * W + c] = v;
+      }
+      __syncthreads();
+    }
+    if (lane == 0)
+      for (int t = warp; t < C; t += 8) wk[t] = __expf(g[n - 1] - g[t]);
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < C / 8; m++) {
+      const int t = warp + 8 * m;
+      if (t >= n) continue;
+      float v = o[m];
+      for (int s = 0; s <= t; s++) v += Pm[t * CS + s] * U[s * W + c];
+      if (col) o_out[(size_t)(start + t) * vd + h * dv + j] = v;
+    }
+    const float en = __expf(g[n - 1]);
+    for (int e = warp; e < DK; e += 8) {
+      float v = en * S[e * W + c];
+      for (int t = 0; t < n; t++) v += wk[t] * K[t * KS + e] * U[t * W + c];
+      S[e * W + c] = v;
+      if (end == save_end && col) save[(size_t)e * dv + j] = v;
+    }
+    __syncthreads();
+    start = end;
+  }
+  if (col)
+    for (int e = warp; e < DK; e += 8) own[(size_t)e * dv + j] = S[e * W + c];
+}
+
+#define GDN_CHUNKED(DK)                                                                       \
+  extern "C" __global__ void __launch_bounds__(256) gdn_chunked_k##DK##_f32(                   \
+      const float* qkv, const bf16* proj, int P, float* state, int elems, int conv_offset,     \
+      const bf16* a_log, const bf16* dt_bias, int nk, int nv, int dv, const uint32_t* cu,      \
+      const uint32_t* positions, const uint32_t* slots, const uint32_t* saves, float* o) {     \
+    gdn_chunked<DK>(qkv, proj, P, state, elems, conv_offset, a_log, dt_bias, nk, nv, dv, cu,   \
+                    positions, slots, saves, o);                                              \
+  }
+GDN_CHUNKED(16)
+GDN_CHUNKED(32)
+GDN_CHUNKED(64)
+GDN_CHUNKED(128)
 
 // out[t, h] = rms_norm(o[t, h]) * norm * silu(z[t, h]) per value head of dv, bf16. Grid:
 // (T, v_heads), dv threads rounded up to whole warps.

@@ -10,12 +10,13 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use ferrite_model::backend::cuda::graph::GraphShape;
 use ferrite_model::backend::cuda::kernels::attention::{AttentionMeta, AttentionShape, QkvParams};
+use ferrite_model::backend::cuda::kernels::gdn::GdnStep;
 use ferrite_model::backend::cuda::kernels::matmul::MatIn;
 use ferrite_model::backend::cuda::kernels::sample::draw_params;
 use ferrite_model::backend::cuda::kernels::Kernels;
 use ferrite_model::backend::cuda::linear::Linear;
 use ferrite_model::backend::cuda::CudaBackend;
-use ferrite_model::backend::Activation;
+use ferrite_model::backend::{Activation, GdnSpec};
 use ferrite_model::checkpoint::open_weights;
 use ferrite_model::config::{ModelConfig, RopeStyle};
 use ferrite_model::loader::{load_cpu_decoder, LoadFormat, WeightFormat};
@@ -23,7 +24,7 @@ use ferrite_model::models::{self, Decoder};
 use ferrite_model::rope::{RopeSpec, RopeTable};
 use ferrite_model::runner::{RowDraw, StepModel};
 use ferrite_model::sampler::argmax;
-use ferrite_model::step::PackedStep;
+use ferrite_model::step::{PackedStep, NO_SLOT};
 use ferrite_model::tokenizer::ModelTokenizer;
 use ferrite_model::weights::gguf::GgufFile;
 use rand::rngs::StdRng;
@@ -1445,6 +1446,95 @@ fn gated_delta_net_prefix_hit_from_a_checkpoint_matches_a_cold_prefill() {
     println!("qwen3_5 prefix hit on the GPU: mean |dlogit| {mean:.2e}, max {worst:.2e} (largest logit {scale:.2})");
     assert!(mean < 0.01 * scale, "mean {mean}");
     assert!(worst < 0.1 * scale, "max {worst}");
+}
+
+/// The delta rule's chunk-parallel form (steps with prefill chunks) against its recurrent form
+/// (decode steps) on the same random inputs: requests over several chunks, one resuming from a
+/// state, checkpoints inside a chunk and at a chunk's end, at the real models' key heads of 128
+/// and a tiny shape with value heads that are not a multiple of 32.
+#[test]
+fn gated_delta_chunked_form_matches_the_recurrent_form() {
+    let dev = device();
+    let k = kernels(&dev);
+    let randn = |shape: &[usize], mean: f32, std: f32| {
+        Tensor::randn(mean, std, shape, &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap()
+    };
+    for (nk, nv, dk, dv) in [(2, 4, 128, 128), (1, 2, 16, 40)] {
+        let spec = GdnSpec {
+            num_k_heads: nk,
+            num_v_heads: nv,
+            k_dim: dk,
+            v_dim: dv,
+            conv_kernel: 4,
+            eps: 1e-6,
+        };
+        // (tokens, first position, checkpoint after n tokens into slot)
+        let reqs = [
+            (200, 0, Some((100, 4))),
+            (77, 64, None),
+            (1, 5, None),
+            (130, 0, Some((64, 5))),
+        ];
+        let mut cu = vec![0u32];
+        let mut positions = Vec::new();
+        let mut saves = Vec::new();
+        for (n, p0, save) in reqs {
+            cu.push(cu.last().unwrap() + n);
+            positions.extend(p0..p0 + n);
+            let (at, slot) = save.unwrap_or((0, NO_SLOT));
+            saves.extend([at, slot]);
+        }
+        let t = *cu.last().unwrap() as usize;
+        let proj = randn(&[t, spec.proj_dim()], 0.0, 1.0);
+        let conv = randn(&[spec.conv_dim(), spec.conv_kernel], 0.0, 0.5);
+        // Slow decays (A = e^a_log around 0.05), so a request's early tokens and its starting
+        // state still count at its end.
+        let a_log = randn(&[nv], -3.0, 0.5);
+        let dt_bias = randn(&[nv], 0.0, 0.5);
+        let norm = randn(&[dv], 1.0, 0.1);
+        let start = Tensor::randn(0f32, 0.1, (6, spec.state_elems()), &dev).unwrap();
+        let (cu, positions) = (u32s(&cu, &dev), u32s(&positions, &dev));
+        let slots = u32s(&[0, 1, 2, 3], &dev);
+        let restores = u32s(&[NO_SLOT; 4], &dev);
+        let saves = u32s(&saves, &dev);
+        let run = |prefill: bool| {
+            let state = start.copy().unwrap();
+            let step = GdnStep {
+                cu_seqlens: &cu,
+                positions: &positions,
+                slots: &slots,
+                restores: Some(&restores),
+                saves: Some(&saves),
+                num_seqs: 4,
+                prefill,
+            };
+            let out = k
+                .gated_delta(&step, &proj, &spec, &state, &conv, &a_log, &dt_bias, &norm)
+                .unwrap();
+            (host(&out), host(&state))
+        };
+        let (chunked, chunked_state) = run(true);
+        let (recurrent, recurrent_state) = run(false);
+        let worst = |a: &[f32], b: &[f32]| {
+            let d = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            (d, b.iter().map(|x| x.abs()).fold(0f32, f32::max))
+        };
+        let (d_out, out_scale) = worst(&chunked, &recurrent);
+        let (d_state, state_scale) = worst(&chunked_state, &recurrent_state);
+        println!(
+            "delta rule dk {dk} dv {dv}: chunked vs recurrent max |d out| {d_out:.2e} (largest {out_scale:.2}), max |d state| {d_state:.2e} (largest {state_scale:.2})"
+        );
+        // The output is bf16 (its rounding: 2^-8 relative); the states stay f32.
+        assert!(d_out <= 1e-2 * out_scale, "output differs by {d_out}");
+        assert!(d_state <= 1e-4 * state_scale, "state differs by {d_state}");
+    }
 }
 
 /// Mean and largest |got - want|, and the largest |want|.

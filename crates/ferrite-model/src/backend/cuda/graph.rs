@@ -253,6 +253,7 @@ impl DecodeGraphs {
             groups,
             num_seqs: bucket,
             num_tokens: bucket,
+            max_query_len: 1,
             max_seq_len: self.max_seq_len,
             splits: Some(kernels.splits(tiles * hkv, self.max_seq_len)),
         };

@@ -29,6 +29,8 @@ pub struct StepInputs {
     pub groups: Vec<GroupInputs>,
     pub num_seqs: usize,
     pub num_tokens: usize,
+    /// Most tokens of one request.
+    pub max_query_len: usize,
     /// Longest K/V length, or the longest the inputs may ever hold (graphs).
     pub max_seq_len: usize,
     /// Fixed attention splits (graphs); `None`: chosen from the shape.
@@ -72,6 +74,12 @@ impl StepInputs {
             groups,
             num_seqs: step.num_seqs(),
             num_tokens: step.num_tokens(),
+            max_query_len: step
+                .cu_seqlens_q
+                .windows(2)
+                .map(|w| (w[1] - w[0]) as usize)
+                .max()
+                .unwrap_or(0),
             max_seq_len: step.seq_lens_k.iter().copied().max().unwrap_or(0) as usize,
             splits: None,
         })

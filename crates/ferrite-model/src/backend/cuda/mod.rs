@@ -454,6 +454,7 @@ impl Backend for CudaBackend {
             restores: i.state_moves.as_ref().map(|m| &m.0),
             saves: i.state_moves.as_ref().map(|m| &m.1),
             num_seqs: i.num_seqs,
+            prefill: i.max_query_len > 1,
         };
         let o = self.kernels.gated_delta(
             &step,

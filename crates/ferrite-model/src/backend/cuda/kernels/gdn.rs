@@ -10,6 +10,20 @@ use candle_core::{DType, Tensor};
 /// registers: `gdn_rule_k*_f32`).
 pub const RULE_KEY_DIMS: [usize; 4] = [16, 32, 64, 128];
 
+/// Tokens per chunk and state columns per block of `gdn_chunked_k*_f32`.
+const CHUNK: usize = 64;
+const COLS: usize = 32;
+
+/// Shared memory of `gdn_chunked_k*_f32`: q and k rows padded by one, the state's tile, A and
+/// the intra-chunk attention padded by one, the values, and three per-token scalars.
+pub fn chunk_shared_bytes(k_dim: usize) -> usize {
+    4 * (2 * CHUNK * (k_dim + 1)
+        + k_dim * COLS
+        + 2 * CHUNK * (CHUNK + 1)
+        + CHUNK * COLS
+        + 3 * CHUNK)
+}
+
 /// A step's view for the delta-net kernels.
 pub struct GdnStep<'a> {
     pub cu_seqlens: &'a Tensor,
@@ -19,6 +33,8 @@ pub struct GdnStep<'a> {
     pub restores: Option<&'a Tensor>,
     pub saves: Option<&'a Tensor>,
     pub num_seqs: usize,
+    /// Some request has more than one token: the rule's chunk-parallel form.
+    pub prefill: bool,
 }
 
 impl Kernels {
@@ -107,17 +123,21 @@ impl Kernels {
                 )
             })?;
         let o = self.output((t, vd), DType::F32)?;
-        self.launch_chained(
-            &self.gdn_rule[rule],
-            cfg(
-                (
-                    s.num_seqs as u32,
-                    spec.num_v_heads as u32,
-                    spec.v_dim.div_ceil(32) as u32,
-                ),
-                32,
-                0,
+        let grid = (
+            s.num_seqs as u32,
+            spec.num_v_heads as u32,
+            spec.v_dim.div_ceil(COLS) as u32,
+        );
+        let (rule, launch) = match s.prefill {
+            true => (
+                &self.gdn_chunked[rule],
+                cfg(grid, 256, chunk_shared_bytes(spec.k_dim) as u32),
             ),
+            false => (&self.gdn_rule[rule], cfg(grid, 32, 0)),
+        };
+        self.launch_chained(
+            rule,
+            launch,
             &[
                 Arg::P(ptr(&y)?),
                 Arg::P(ptr(proj)?),

@@ -54,6 +54,8 @@ pub struct Kernels {
     gdn_conv_window: CudaFunction,
     /// For key heads of 16, 32, 64 and 128 ([`gdn::RULE_KEY_DIMS`]).
     gdn_rule: [CudaFunction; 4],
+    /// The rule's chunk-parallel form, for steps with prefill chunks, same key head sizes.
+    gdn_chunked: [CudaFunction; 4],
     gdn_gated_norm: CudaFunction,
     gate_sigmoid: CudaFunction,
     moe_gemv_gate_up: CudaFunction,
@@ -174,6 +176,20 @@ impl Kernels {
                 matmul::GEMV_MAX_SHARED as i32,
             )?;
         }
+        let gdn_chunked: Vec<CudaFunction> = gdn::RULE_KEY_DIMS
+            .iter()
+            .map(|&d| {
+                let g = f(&format!("gdn_chunked_k{d}_f32"))?;
+                g.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    gdn::chunk_shared_bytes(d) as i32,
+                )?;
+                Ok(g)
+            })
+            .collect::<Result<_>>()?;
+        let gdn_chunked = gdn_chunked
+            .try_into()
+            .map_err(|_| anyhow::anyhow!("one chunked delta-rule kernel per key head size"))?;
         let multiprocessors = stream.context().attribute(
             candle_core::cuda::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as u32;
@@ -213,6 +229,7 @@ impl Kernels {
                 f("gdn_rule_k64_f32")?,
                 f("gdn_rule_k128_f32")?,
             ],
+            gdn_chunked,
             gdn_gated_norm: f("gdn_gated_norm_bf16")?,
             gate_sigmoid: f("gate_sigmoid_bf16")?,
             moe_gemv_gate_up: f("moe_gemv_gate_up_bf16")?,
