@@ -55,8 +55,18 @@ def start_server(binary, model, extra):
     raise RuntimeError("server did not start")
 
 
+def valid(text):
+    """Whether `text` is what SCHEMA allows."""
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(v, list) and len(v) == ITEMS and all(isinstance(x, int) and 0 <= x <= 9 for x in v)
+
+
 def one(url, constrained, i, free_tokens=2 * ITEMS + 1):
-    """One streamed chat request: (time to first token, time after it, completion tokens)."""
+    """One streamed chat request: (time to first token, time after it, completion tokens, the
+    output kept to the schema: None for a free request)."""
     body = dict(model="m", messages=[{"role": "user", "content": f"List {ITEMS} digits, request {i}."}],
                 temperature=0.7, seed=i, stream=True, stream_options={"include_usage": True})
     if constrained:
@@ -66,19 +76,21 @@ def one(url, constrained, i, free_tokens=2 * ITEMS + 1):
         body["max_tokens"] = free_tokens
         body["ignore_eos"] = True
     t0 = time.perf_counter()
-    first, tokens = None, 0
+    first, tokens, text = None, 0, []
     with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             c = json.loads(line[6:])
-            if c.get("choices") and c["choices"][0]["delta"].get("content") and first is None:
-                first = time.perf_counter()
+            if c.get("choices") and c["choices"][0]["delta"].get("content"):
+                text.append(c["choices"][0]["delta"]["content"])
+                if first is None:
+                    first = time.perf_counter()
             if c.get("usage"):
                 tokens = c["usage"]["completion_tokens"]
     end = time.perf_counter()
-    return first - t0, end - first, tokens
+    return first - t0, end - first, tokens, valid("".join(text)) if constrained else None
 
 
 def level(url, constrained, c, n, free_tokens):
@@ -88,7 +100,7 @@ def level(url, constrained, c, n, free_tokens):
     wall = time.perf_counter() - t0
     tokens = sum(r[2] for r in res)
     itl = statistics.mean(r[1] / max(r[2] - 1, 1) for r in res)
-    return tokens / wall, itl, tokens / n
+    return tokens / wall, itl, tokens / n, sum(r[3] is True for r in res)
 
 
 def main():
@@ -131,8 +143,9 @@ def main():
             proc.wait()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     where = ("Constrained rows are masked by llguidance and drawn on the device: the masks are computed "
-             "(in parallel) before the step, uploaded, and applied by `mask_rows_f32` before `sample_rows_f32`, "
-             "in the decode graphs too." if "cuda" in a.serve_args else
+             "(in parallel, straight into page-locked memory) while the forward pass runs on the GPU, copied "
+             "asynchronously, and applied by `mask_rows_f32` before `sample_rows_f32` (a second CUDA graph "
+             "after the forward's, in decode steps)." if "cuda" in a.serve_args else
              "Constrained rows are masked by llguidance (the mask computed on another thread during the model "
              "step) and sampled on the host.")
     with open(a.out, "w") as f:
@@ -146,11 +159,11 @@ temperature 0.7. Constrained: `response_format` json_schema = an array of exactl
 integers (a fixed-length output); free: the same prompts with `max_tokens` set to the
 constrained output's length and `ignore_eos`, so both decode the same number of tokens. {where}
 
-| C | free tokens/s | constrained tokens/s | tokens/s ratio | free ITL ms | constrained ITL ms | decode speed ratio = free ITL / constrained ITL (target >= 0.95) | tokens per request (free / constrained) |
-|---:|---:|---:|---:|---:|---:|---:|---:|
+| C | free tokens/s | constrained tokens/s | tokens/s ratio | free ITL ms | constrained ITL ms | decode speed ratio = free ITL / constrained ITL (target >= 0.95) | tokens per request (free / constrained) | constrained outputs valid |
+|---:|---:|---:|---:|---:|---:|---:|---:|---:|
 """)
         for c, free, cons in rows:
-            f.write(f"| {c} | {free[0]:.1f} | {cons[0]:.1f} | {cons[0] / free[0]:.2f}x | {free[1] * 1e3:.2f} | {cons[1] * 1e3:.2f} | **{free[1] / cons[1]:.2f}x** | {free[2]:.0f} / {cons[2]:.0f} |\n")
+            f.write(f"| {c} | {free[0]:.1f} | {cons[0]:.1f} | {cons[0] / free[0]:.2f}x | {free[1] * 1e3:.2f} | {cons[1] * 1e3:.2f} | **{free[1] / cons[1]:.2f}x** | {free[2]:.0f} / {cons[2]:.0f} | {cons[3]} / {a.requests} |\n")
         f.write(f"""
 Time of a one-token request with a schema never seen before (compiled in the request) against
 the same schema again (compiled grammar reused): median {statistics.median(firsts) * 1e3:.1f} ms vs

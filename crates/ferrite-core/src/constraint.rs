@@ -16,22 +16,40 @@ pub trait TokenConstraint: Send {
 
 /// A request's grammar, shared between its scheduled rows and the executor.
 #[derive(Clone)]
-pub struct Constraint(Arc<Mutex<Box<dyn TokenConstraint>>>);
+pub struct Constraint(Arc<Mutex<Shared>>);
+
+struct Shared {
+    grammar: Box<dyn TokenConstraint>,
+    /// Tokens drawn since the last mask, not yet told to the grammar.
+    drawn: Vec<u32>,
+}
 
 impl Constraint {
     pub fn new(c: Box<dyn TokenConstraint>) -> Self {
-        Self(Arc::new(Mutex::new(c)))
+        Self(Arc::new(Mutex::new(Shared {
+            grammar: c,
+            drawn: Vec::new(),
+        })))
     }
 
+    /// The next mask, after the grammar has taken the tokens drawn since the last one. The
+    /// executor asks while the model step runs, so the grammar's work stays off the step.
     pub fn allowed(&self) -> Vec<u32> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).allowed()
+        let mut s = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let Shared { grammar, drawn } = &mut *s;
+        for t in drawn.drain(..) {
+            grammar.commit(t);
+        }
+        grammar.allowed()
     }
 
+    /// `token` was drawn; the grammar takes it before the next mask.
     pub fn commit(&self, token: u32) {
         self.0
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .commit(token)
+            .drawn
+            .push(token)
     }
 }
 

@@ -120,17 +120,14 @@ extern "C" __global__ void sample_rows_f32(const float* x, const uint32_t* param
 
 // Grammar masks (structured output): logits of the tokens whose bit in the row's mask
 // (`words` u32 per row, bit t % 32 of word t / 32) is clear become -inf, in rows whose draw
-// parameters say they are masked. Grid: one block per row.
+// parameters say they are masked. Grid: (rows, blocks per row), one token per thread and pass
+// (coalesced): one block per row took 43 us on a 49K vocabulary, as long as the sampling.
 extern "C" __global__ void mask_rows_f32(float* x, const uint32_t* params, const uint32_t* masks,
                                          int n, int words) {
   const size_t r = blockIdx.x;
   if (params[DRAW_PARAMS * r + DRAW_PARAMS - 1] == 0) return;
   float* row = x + r * n;
   const uint32_t* m = masks + r * words;
-  for (int w = threadIdx.x; w < words; w += blockDim.x) {
-    const uint32_t bits = m[w];
-    if (bits == 0xffffffffu) continue;
-    for (int b = 0; b < 32 && w * 32 + b < n; b++)
-      if (!((bits >> b) & 1u)) row[w * 32 + b] = -INFINITY;
-  }
+  for (int t = blockIdx.y * blockDim.x + threadIdx.x; t < n; t += gridDim.y * blockDim.x)
+    if (!((m[t >> 5] >> (t & 31)) & 1u)) row[t] = -INFINITY;
 }

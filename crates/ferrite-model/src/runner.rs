@@ -39,12 +39,21 @@ pub trait StepModel: Send {
     fn describe(&self) -> String;
 }
 
-/// The tokens of a step drawn on the device: how each row draws, and the grammar mask each
-/// row must keep to (`masks` empty, or one entry per row; bit `t % 32` of word `t / 32`).
+/// The tokens of a step drawn on the device: how each row draws, and the grammar masks
+/// (`None`: no row has a grammar).
 #[derive(Clone, Copy)]
 pub struct DeviceDraws<'a> {
     pub rows: &'a [RowDraw],
-    pub masks: &'a [Option<Vec<u32>>],
+    pub masks: Option<Masks<'a>>,
+}
+
+/// A step's grammar masks: which rows have one, and how to write them.
+#[derive(Clone, Copy)]
+pub struct Masks<'a> {
+    pub rows: &'a [bool],
+    /// Writes each masked row's mask into `out` (`[rows, words]` u32, bit `t % 32` of word
+    /// `t / 32`); a device calls it while its forward pass runs.
+    pub fill: &'a (dyn Fn(&mut [u32], usize) + Sync),
 }
 
 /// How one logits row becomes a token on the device.
@@ -166,45 +175,71 @@ impl Executor for ModelRunner {
         if let Some(specs) = specs.filter(|s| s.iter().all(|s| drawable(s))) {
             let constrained = specs.iter().any(|s| s.constraint.is_some());
             let tokens = if specs.iter().all(|s| s.params.is_greedy()) && !constrained {
-                Some(self.model.forward_argmax(&step)?)
+                Some((self.model.forward_argmax(&step)?, HashMap::new()))
             } else if self.model.draws_on_device() {
                 let draws: Vec<RowDraw> = specs.iter().map(|s| self.draw(s)).collect();
-                // Before the step here: the device draws inside it. A mask takes microseconds.
-                let masks: Vec<Option<Vec<u32>>> = if constrained {
-                    specs
-                        .par_iter()
-                        .map(|s| s.constraint.as_ref().map(|c| c.allowed()))
-                        .collect()
-                } else {
-                    Vec::new()
+                // A grammar that fails fails its row only: drawn unmasked, then dropped.
+                let failed = std::sync::Mutex::new(HashMap::new());
+                let mask = |row: usize, dst: &mut [u32], s: &SampleSpec| {
+                    let Some(c) = &s.constraint else {
+                        return;
+                    };
+                    match catch(|| c.allowed()) {
+                        Ok(m) => {
+                            let n = m.len().min(dst.len());
+                            dst[..n].copy_from_slice(&m[..n]);
+                            dst[n..].fill(0);
+                        }
+                        Err(e) => {
+                            dst.fill(u32::MAX);
+                            failed.lock().unwrap().insert(row, e);
+                        }
+                    }
+                };
+                let masked: Vec<bool> = specs.iter().map(|s| s.constraint.is_some()).collect();
+                // A few rows are masked here: waking the pool's threads costs about a mask.
+                let few = masked.iter().filter(|&&m| m).count() < 4;
+                let fill = |out: &mut [u32], words: usize| {
+                    if few {
+                        let rows = out.chunks_mut(words).zip(&specs).enumerate();
+                        rows.for_each(|(row, (dst, s))| mask(row, dst, s));
+                    } else {
+                        let rows = out.par_chunks_mut(words).zip(&specs).enumerate();
+                        rows.for_each(|(row, (dst, s))| mask(row, dst, s));
+                    }
                 };
                 let d = DeviceDraws {
                     rows: &draws,
-                    masks: &masks,
+                    masks: constrained.then_some(Masks {
+                        rows: &masked,
+                        fill: &fill,
+                    }),
                 };
-                Some(self.model.forward_draw(&step, d)?)
+                let tokens = self.model.forward_draw(&step, d)?;
+                Some((tokens, failed.into_inner().unwrap()))
             } else {
                 None
             };
-            if let Some(tokens) = tokens {
-                // Grammars advance in parallel: a commit costs about what a mask does.
-                if constrained {
-                    specs.par_iter().zip(&tokens).for_each(|(s, &t)| {
-                        if let Some(c) = &s.constraint {
-                            c.commit(t);
-                        }
-                    });
-                }
-                for (token_id, u) in tokens.into_iter().zip(uses) {
-                    if let RowUse::Sample(i) = u {
-                        result.sampled.insert(
-                            out.requests[i].req_id,
-                            SampledToken {
-                                token_id,
-                                logprobs: None,
-                            },
-                        );
+            if let Some((tokens, failed)) = tokens {
+                for (row, (token_id, u)) in tokens.into_iter().zip(uses).enumerate() {
+                    let RowUse::Sample(i) = u else {
+                        unreachable!("only sampled rows are drawn")
+                    };
+                    let req_id = out.requests[i].req_id;
+                    if let Some(e) = failed.get(&row) {
+                        result.failed.insert(req_id, e.clone());
+                        continue;
                     }
+                    if let Some(c) = &specs[row].constraint {
+                        c.commit(token_id);
+                    }
+                    result.sampled.insert(
+                        req_id,
+                        SampledToken {
+                            token_id,
+                            logprobs: None,
+                        },
+                    );
                 }
                 return Ok(result);
             }

@@ -328,7 +328,7 @@ impl<B: Backend> StepModel for Decoder<B> {
             let greedy = vec![RowDraw::Greedy; step.logits_indices.len()];
             let d = DeviceDraws {
                 rows: &greedy,
-                masks: &[],
+                masks: None,
             };
             return self.forward_draw(step, d);
         }

@@ -4,18 +4,21 @@
 //! with rows that read one key and write their K/V into a scratch block outside the
 //! scheduler's pool. Everything a graph bakes in is fixed per bucket: input buffers at fixed
 //! addresses (filled before each launch), block tables as wide as the longest request,
-//! attention splits sized for the longest context, and cuBLAS's workspace.
+//! attention splits sized for the longest context, and cuBLAS's workspace. The draw (grammar
+//! masks, sampling) is a second graph, so the host makes the masks while the forward runs.
 
 use super::inputs::{u32s, GroupInputs, StepInputs};
 use super::kernels::attention::attention_tiles;
-use super::kernels::sample::{draw_params, flat_masks, mask_words};
+use super::kernels::sample::{draw_params, mask_words};
 use super::kernels::{ptr, Arena, Kernels};
 use crate::runner::DeviceDraws;
 use crate::step::{KvTables, PackedStep};
 use anyhow::{ensure, Context, Result};
 use candle_core::cuda::cudarc::cublas::sys::{cublasSetWorkspace_v2, cublasStatus_t};
 use candle_core::cuda::cudarc::cublas::CudaBlas;
-use candle_core::cuda::cudarc::driver::{result, sys, CudaGraph, CudaSlice, CudaStream, DevicePtr};
+use candle_core::cuda::cudarc::driver::{
+    result, sys, CudaGraph, CudaSlice, CudaStream, DevicePtr, HostSlice, PinnedHostSlice,
+};
 use candle_core::{CudaDevice, DType, Device, Tensor};
 
 /// The forward pass a graph captures: launches every op over the inputs, returns the logits.
@@ -30,20 +33,25 @@ pub const MAX_GRAPH_BATCH: usize = 256;
 const MAX_ARENA_BYTES: usize = 64 << 20;
 
 pub struct DecodeGraph {
-    // Declared first: the graph goes before the tensors it allocated.
-    graph: CudaGraph,
+    // Declared first: the graphs go before the tensors they allocated.
+    forward: CudaGraph,
+    /// Masks and samples `logits` into `tokens`.
+    draw: CudaGraph,
     inputs: StepInputs,
     /// `[bucket * DRAW_PARAMS]` u32 draw parameters of each row, filled before each launch.
     draws: Tensor,
-    /// `[bucket, words]` u32 grammar masks, filled before a launch with masked rows.
+    /// `[bucket, words]` u32 grammar masks, filled before a draw with masked rows.
     masks: Tensor,
+    /// Page-locked host copy of `masks`: the masks are written there and copied
+    /// asynchronously.
+    staged: PinnedHostSlice<u32>,
     words: usize,
     /// `[bucket, vocab]` f32, written by each launch.
     pub logits: Tensor,
     /// `[bucket]` u32 tokens drawn from `logits`.
     pub tokens: Tensor,
-    /// What the graph's outputs were carved from, if they were.
-    _arena: Option<Arena>,
+    /// What the graphs' outputs were carved from (the forward's, if they were).
+    _arenas: (Option<Arena>, Arena),
 }
 
 // SAFETY: CUDA graphs may move between threads as long as calls on one graph are serialized
@@ -180,7 +188,6 @@ impl DecodeGraphs {
                 }
             }
         }
-        let g = &self.graphs[&bucket];
         let Device::Cuda(dev) = dev else {
             unreachable!("a CUDA device")
         };
@@ -191,6 +198,7 @@ impl DecodeGraphs {
             p.resize(bucket, fill);
             p
         };
+        let g = self.graphs.get_mut(&bucket).expect("captured above");
         copy_in(&stream, &g.inputs.ids, &pad(&step.input_ids, 0))?;
         copy_in(&stream, &g.inputs.positions, &pad(&step.positions, 0))?;
         for (kv, gi) in step.kv.iter().zip(&g.inputs.groups) {
@@ -205,12 +213,18 @@ impl DecodeGraphs {
                 &pad(&step.state_slots, scratch),
             )?;
         }
-        let masked: Vec<bool> = draws.masks.iter().map(Option::is_some).collect();
-        copy_in(&stream, &g.draws, &draw_params(draws.rows, bucket, &masked))?;
-        if let Some(m) = flat_masks(draws.masks, g.words) {
-            copy_in(&stream, &g.masks, &m)?;
+        let masked = draws.masks.map_or(&[][..], |m| m.rows);
+        copy_in(&stream, &g.draws, &draw_params(draws.rows, bucket, masked))?;
+        g.forward.launch()?;
+        if let Some(m) = draws.masks {
+            let n = b * g.words;
+            (m.fill)(&mut g.staged.as_mut_slice()?[..n], g.words);
+            // SAFETY: used on `stream` only; the guard records the copy's end, which the next
+            // `as_mut_slice` waits for.
+            let (src, _copied) = unsafe { g.staged.stream_synced_slice(&stream) };
+            unsafe { result::memcpy_htod_async(ptr(&g.masks)?, &src[..n], stream.cu_stream()) }?;
         }
-        g.graph.launch()?;
+        g.draw.launch()?;
         Ok(Some(g))
     }
 
@@ -259,50 +273,64 @@ impl DecodeGraphs {
         };
         let draws = u32s(&draw_params(&[], bucket, &[]), dev)?;
         // An eager run first, so every module is loaded outside the capture; it also measures
-        // the outputs the graph will carve from an arena.
-        let (words, sizes) = kernels.count_outputs(|| {
-            let logits = forward(&inputs)?;
-            let words = mask_words(logits.dim(1)?);
-            let masks = u32s(&vec![0; bucket * words], dev)?;
-            kernels.sample_rows(&logits, &draws, Some(&masks))?;
-            Ok(words)
-        })?;
+        // the outputs the graphs will carve from arenas.
+        let (logits, sizes) = kernels.count_outputs(|| forward(&inputs))?;
+        let words = mask_words(logits.dim(1)?);
         let masks = u32s(&vec![0; bucket * words], dev)?;
+        let (_, draw_sizes) =
+            kernels.count_outputs(|| kernels.sample_rows(&logits, &draws, Some(&masks)))?;
+        drop(logits);
         // Small steps (the ones that gain from chained launches) carve their outputs from an
         // arena, larger ones let the graph allocate and free (memory reused inside the graph).
         let arena = (sizes.bytes() <= MAX_ARENA_BYTES)
             .then(|| Arena::new(sizes, kernels))
             .transpose()?;
         let stream = cuda.cuda_stream();
-        stream.synchronize()?;
-        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        // Only ferrite's kernels and cuBLAS in here: candle's launches copy their shapes from
-        // host memory, which a replay would read after it is gone.
-        let mut run = || {
-            forward(&inputs).and_then(|l| Ok((kernels.sample_rows(&l, &draws, Some(&masks))?, l)))
-        };
-        let captured = match &arena {
-            Some(a) => kernels.carve_outputs(a, run),
-            None => run(),
-        };
-        // Always end the capture, so a failure leaves the stream usable.
-        let graph = stream.end_capture(
-            sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
-        );
-        let (tokens, logits) = captured?;
-        let graph = graph?.context("the capture recorded nothing")?;
-        graph.upload()?;
+        let (forward_graph, logits) = capture_graph(&stream, || match &arena {
+            Some(a) => kernels.carve_outputs(a, || forward(&inputs)),
+            None => forward(&inputs),
+        })?;
+        let draw_arena = Arena::new(draw_sizes, kernels)?;
+        let (draw, tokens) = capture_graph(&stream, || {
+            kernels.carve_outputs(&draw_arena, || {
+                kernels.sample_rows(&logits, &draws, Some(&masks))
+            })
+        })?;
+        // SAFETY: written before each read (`replay` fills the rows it copies).
+        let staged = unsafe { stream.context().alloc_pinned::<u32>(bucket * words)? };
         Ok(DecodeGraph {
-            graph,
+            forward: forward_graph,
+            draw,
             inputs,
             draws,
             masks,
+            staged,
             words,
             logits,
             tokens,
-            _arena: arena,
+            _arenas: (arena, draw_arena),
         })
     }
+}
+
+/// Captures what `run` launches on `stream` as a graph, and what it returned.
+fn capture_graph<T>(
+    stream: &Arc<CudaStream>,
+    run: impl FnOnce() -> Result<T>,
+) -> Result<(CudaGraph, T)> {
+    stream.synchronize()?;
+    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+    // Only ferrite's kernels and cuBLAS in here: candle's launches copy their shapes from
+    // host memory, which a replay would read after it is gone.
+    let out = run();
+    // Always end the capture, so a failure leaves the stream usable.
+    let graph = stream.end_capture(
+        sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+    );
+    let out = out?;
+    let graph = graph?.context("the capture recorded nothing")?;
+    graph.upload()?;
+    Ok((graph, out))
 }
 
 /// Host to device into a fixed buffer, ordered on the stream.

@@ -27,7 +27,7 @@ use inputs::{u32s, StepInputs};
 use kernels::attention::{AttentionShape, QkvParams};
 use kernels::gdn::GdnStep;
 use kernels::matmul::MatIn;
-use kernels::sample::{draw_params, flat_masks, mask_words};
+use kernels::sample::{draw_params, mask_words};
 use kernels::Kernels;
 use linear::Linear;
 use std::sync::Arc;
@@ -323,7 +323,7 @@ impl Backend for CudaBackend {
         (self.logits, self.tokens) = (None, None);
         let none = DeviceDraws {
             rows: &[],
-            masks: &[],
+            masks: None,
         };
         if self.replay(host, draws.unwrap_or(none), &mut forward)? {
             return Ok(());
@@ -337,12 +337,18 @@ impl Backend for CudaBackend {
             },
         )?;
         if let Some(d) = draws {
-            let masked: Vec<bool> = d.masks.iter().map(Option::is_some).collect();
-            let params = u32s(&draw_params(d.rows, d.rows.len(), &masked), &self.device)?;
             let logits = self.device_logits()?;
             let words = mask_words(logits.dim(1)?);
-            let masks = flat_masks(d.masks, words)
-                .map(|m| u32s(&m, &self.device))
+            let masked = d.masks.map_or(&[][..], |m| m.rows);
+            let params = u32s(&draw_params(d.rows, d.rows.len(), masked), &self.device)?;
+            // The kernels above are still running: the masks are made meanwhile.
+            let masks = d
+                .masks
+                .map(|m| {
+                    let mut out = vec![0u32; d.rows.len() * words];
+                    (m.fill)(&mut out, words);
+                    u32s(&out, &self.device)
+                })
                 .transpose()?;
             let tokens = self.kernels.sample_rows(logits, &params, masks.as_ref())?;
             self.tokens = Some(tokens);

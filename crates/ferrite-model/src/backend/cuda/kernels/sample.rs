@@ -26,7 +26,11 @@ impl Kernels {
             ensure!(m.dim(0)? >= r * words, "grammar masks for {r} rows");
             self.launch(
                 &self.mask_rows,
-                cfg((r as u32, 1, 1), 256, 0),
+                cfg(
+                    (r as u32, n.div_ceil(MASK_TOKENS_PER_BLOCK) as u32, 1),
+                    256,
+                    0,
+                ),
                 &[
                     Arg::P(ptr(logits)?),
                     Arg::P(ptr(params)?),
@@ -52,6 +56,9 @@ impl Kernels {
         Ok(out)
     }
 }
+
+/// Tokens of a row each block of `mask_rows` covers (8 per thread).
+const MASK_TOKENS_PER_BLOCK: usize = 2048;
 
 /// u32 parameters per row of `sample_rows` (the kernel's `DRAW_PARAMS`).
 pub const DRAW_PARAMS: usize = 7;
@@ -89,20 +96,4 @@ pub fn draw_params(draws: &[RowDraw], rows: usize, masked: &[bool]) -> Vec<u32> 
         }
     }
     p
-}
-
-/// The rows' masks as one `[rows, words]` buffer (rows without a mask: zeros, never read);
-/// `None` when no row has one.
-pub fn flat_masks(masks: &[Option<Vec<u32>>], words: usize) -> Option<Vec<u32>> {
-    if masks.iter().all(Option::is_none) {
-        return None;
-    }
-    let mut out = vec![0u32; masks.len() * words];
-    for (m, dst) in masks.iter().zip(out.chunks_mut(words)) {
-        if let Some(m) = m {
-            let n = m.len().min(words);
-            dst[..n].copy_from_slice(&m[..n]);
-        }
-    }
-    Some(out)
 }
