@@ -12,6 +12,7 @@ pub mod prefix_hash;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;
+pub mod spec_decode;
 pub mod state_checkpoints;
 pub mod state_pool;
 pub mod stop;

@@ -22,7 +22,8 @@ pub struct SampledToken {
 /// The runner's answer to one [`crate::scheduler::SchedulerOutput`].
 #[derive(Clone, Debug, Default)]
 pub struct StepOutput {
-    pub sampled: HashMap<RequestId, SampledToken>,
+    /// Each sampled request's tokens: one, or with a draft the accepted drafts and one more.
+    pub sampled: HashMap<RequestId, Vec<SampledToken>>,
     /// Logprobs of the prompt tokens computed this step, in prompt order.
     pub prompt_logprobs: HashMap<RequestId, Vec<TokenLogprob>>,
     /// Rows that failed after the forward pass (a bug in sampling or a grammar, never bad

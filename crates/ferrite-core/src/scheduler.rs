@@ -8,6 +8,7 @@ use crate::kv_layout::{max_blocks, GroupWindow};
 use crate::prefix_hash::HashAlgo;
 use crate::request::{FinishReason, Request, RequestId, RequestStatus};
 use crate::sampling::SamplingParams;
+use crate::spec_decode::{SpecStats, Speculation};
 use crate::state_checkpoints::StateCheckpoints;
 use crate::state_pool::{StatePool, StateSlot};
 use std::collections::{HashMap, VecDeque};
@@ -31,6 +32,9 @@ pub struct SchedulerConfig {
     /// Slots after those for checkpoints of the state at cached prefixes (see
     /// [`crate::state_checkpoints`]); with recurrent state, prefix caching needs some.
     pub state_checkpoints: usize,
+    /// Draft tokens for decodes (n-gram prompt lookup), verified in the same step; `None`:
+    /// off. Models with recurrent state cannot roll a rejected draft back and keep it off.
+    pub speculation: Option<Speculation>,
 }
 
 /// What the sampler needs for a row that produces a token this step.
@@ -78,6 +82,9 @@ pub struct ScheduledRequest {
     pub state_save: Option<(usize, StateSlot)>,
     /// Present when the step reaches the last known token, so a new token is sampled.
     pub sample: Option<SampleSpec>,
+    /// Draft tokens fed after the last known one (`token_ids` ends with them): each of the
+    /// last `draft.len() + 1` rows is sampled, and drafts are kept while they match.
+    pub draft: Vec<u32>,
     pub prompt_logprobs: Option<PromptLogprobSpec>,
 }
 
@@ -106,7 +113,9 @@ impl SchedulerOutput {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RequestUpdate {
     pub req_id: RequestId,
-    pub new_token: Option<u32>,
+    /// Tokens appended this step (more than one when drafts were accepted), up to the one
+    /// that finished the request.
+    pub new_tokens: Vec<u32>,
     pub finished: Option<FinishReason>,
 }
 
@@ -144,6 +153,7 @@ pub struct Scheduler {
     num_preemptions: u64,
     /// Per request: rows before this position already had prompt logprobs computed.
     prompt_logprobs_done: HashMap<RequestId, usize>,
+    spec_stats: SpecStats,
 }
 
 impl Scheduler {
@@ -169,6 +179,7 @@ impl Scheduler {
             running: Vec::new(),
             num_preemptions: 0,
             prompt_logprobs_done: HashMap::new(),
+            spec_stats: SpecStats::default(),
         }
     }
 
@@ -235,6 +246,40 @@ impl Scheduler {
         self.num_preemptions
     }
 
+    pub fn spec_stats(&self) -> &SpecStats {
+        &self.spec_stats
+    }
+
+    /// Draft tokens for a decode of `req` (at most `budget`), when speculation is on, the
+    /// batch is small enough and nothing about the request changes from token to token
+    /// inside a window (grammars, penalties, bans, logprobs).
+    fn draft(&self, req: &Request, budget: usize) -> Vec<u32> {
+        let Some(spec) = &self.config.speculation else {
+            return Vec::new();
+        };
+        let p = &req.params;
+        let plain = req.constraint.is_none()
+            && p.logprobs.is_none()
+            && !p.has_penalties()
+            && p.bad_words.is_empty()
+            && req.output_token_ids.len() >= p.min_tokens();
+        if !plain || self.running.len() > spec.disable_by_batch_size || !self.states.is_empty() {
+            return Vec::new();
+        }
+        // Each step yields the accepted drafts and one token more.
+        let limit = (req
+            .max_output_tokens
+            .saturating_sub(req.output_token_ids.len() + 1))
+        .min(
+            self.config
+                .max_model_len
+                .saturating_sub(req.num_tokens() + 1),
+        )
+        .min(budget);
+        let tokens: Vec<u32> = (0..req.num_tokens()).map(|i| req.token_at(i)).collect();
+        spec.propose(&tokens, limit)
+    }
+
     pub fn kv_usage(&self) -> f64 {
         self.kv.usage()
     }
@@ -276,7 +321,7 @@ impl Scheduler {
         self.checkpoints.abandon();
         self.restores.clear();
         let mut budget = self.config.max_num_batched_tokens;
-        let mut planned: Vec<(RequestId, usize)> = Vec::new();
+        let mut planned: Vec<(RequestId, usize, Vec<u32>)> = Vec::new();
         let mut preempted = Vec::new();
 
         let mut i = 0;
@@ -284,6 +329,11 @@ impl Scheduler {
             let id = self.running[i];
             let req = &self.requests[&id];
             let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
+            let draft = match req.num_tokens() - req.num_computed_tokens {
+                1 => self.draft(req, budget - 1),
+                _ => Vec::new(),
+            };
+            let num_new = num_new + draft.len();
             let (next, target) = (req.num_computed_tokens, req.num_computed_tokens + num_new);
             let mut scheduled = true;
             while !self.kv.allocate_slots(id, next, target, &Vec::new()) {
@@ -299,7 +349,7 @@ impl Scheduler {
             if !scheduled {
                 break;
             }
-            planned.push((id, num_new));
+            planned.push((id, num_new, draft));
             budget -= num_new;
             i += 1;
         }
@@ -351,7 +401,7 @@ impl Scheduler {
                 req.num_computed_tokens = computed;
                 req.status = RequestStatus::Running;
                 self.running.push(id);
-                planned.push((id, num_new));
+                planned.push((id, num_new, Vec::new()));
                 budget -= num_new;
             }
         }
@@ -360,7 +410,7 @@ impl Scheduler {
         let busy: Vec<StateSlot> = self.restores.values().copied().collect();
         let requests = planned
             .into_iter()
-            .map(|(id, n)| self.scheduled_request(id, n, &busy))
+            .map(|(id, n, draft)| self.scheduled_request(id, n, draft, &busy))
             .collect();
         SchedulerOutput {
             requests,
@@ -373,6 +423,7 @@ impl Scheduler {
         &mut self,
         id: RequestId,
         num_new: usize,
+        draft: Vec<u32>,
         busy: &[StateSlot],
     ) -> ScheduledRequest {
         let req = &self.requests[&id];
@@ -390,8 +441,10 @@ impl Scheduler {
                 .and_then(|h| self.checkpoints.reserve(h, busy))
                 .map(|slot| (end - start, slot)),
         };
-        let token_ids: Vec<u32> = (start..start + num_new).map(|i| req.token_at(i)).collect();
-        let sample = (start + num_new == req.num_tokens()).then(|| {
+        let known = num_new - draft.len();
+        let mut token_ids: Vec<u32> = (start..start + known).map(|i| req.token_at(i)).collect();
+        token_ids.extend(&draft);
+        let sample = (start + known == req.num_tokens()).then(|| {
             let p = &req.params;
             let mut banned = if req.output_token_ids.len() < p.min_tokens() {
                 let mut b = p.stop_token_ids.clone();
@@ -437,6 +490,7 @@ impl Scheduler {
             state_restore: self.restores.get(&id).copied(),
             state_save,
             sample,
+            draft,
             prompt_logprobs,
         }
     }
@@ -452,12 +506,13 @@ impl Scheduler {
         self.waiting.push_front(id);
     }
 
-    /// Applies a step's results: advances progress, appends sampled tokens, finishes
-    /// requests that hit EOS, a stop id or a length limit.
+    /// Applies a step's results: advances progress, appends sampled tokens (a request with
+    /// a draft gets its accepted drafts and one more), finishes requests that hit EOS, a stop
+    /// id or a length limit.
     pub fn update(
         &mut self,
         output: &SchedulerOutput,
-        sampled: &HashMap<RequestId, u32>,
+        sampled: &HashMap<RequestId, Vec<u32>>,
     ) -> Vec<RequestUpdate> {
         self.checkpoints.commit();
         let mut updates = Vec::with_capacity(output.requests.len());
@@ -465,17 +520,30 @@ impl Scheduler {
             let Some(req) = self.requests.get_mut(&s.req_id) else {
                 continue; // finished by an abort while the step ran
             };
-            req.num_computed_tokens += s.token_ids.len();
-            self.kv.cache_blocks(req);
-            let new_token = sampled.get(&s.req_id).copied();
+            let drawn = sampled.get(&s.req_id).map_or(&[][..], Vec::as_slice);
+            let mut new_tokens = Vec::with_capacity(drawn.len());
             let mut finished = None;
-            if let Some(t) = new_token {
+            for &t in drawn {
                 req.output_token_ids.push(t);
+                new_tokens.push(t);
                 finished = req.check_stop(self.config.max_model_len);
+                if finished.is_some() {
+                    break;
+                }
             }
+            req.num_computed_tokens = if s.draft.is_empty() {
+                req.num_computed_tokens + s.token_ids.len()
+            } else {
+                // K/V holds the last known token and the accepted drafts; a rejected draft's
+                // slots are written over by the next step.
+                let accepted = drawn.len().saturating_sub(1).min(s.draft.len());
+                self.spec_stats.record(s.draft.len(), accepted);
+                (s.start_pos + 1 + accepted).min(req.num_tokens())
+            };
+            self.kv.cache_blocks(req);
             updates.push(RequestUpdate {
                 req_id: s.req_id,
-                new_token,
+                new_tokens,
                 finished,
             });
             if let Some(reason) = finished {

@@ -22,10 +22,10 @@ impl Executor for Fragile {
         for r in out.requests.iter().filter(|r| r.sample.is_some()) {
             step.sampled.insert(
                 r.req_id,
-                SampledToken {
+                vec![SampledToken {
                     token_id: 1,
                     logprobs: None,
-                },
+                }],
             );
         }
         Ok(step)
@@ -54,6 +54,7 @@ fn small_pool() -> SchedulerConfig {
         kv_groups: vec![None],
         state_slots: 0,
         state_checkpoints: 0,
+        speculation: None,
     }
 }
 

@@ -99,8 +99,8 @@ fn run(cfg: SchedulerConfig, jobs: &[Job], one_at_a_time: bool) -> RunResult {
         assert!(out.num_batched_tokens <= cfg.max_num_batched_tokens);
         let sampled = mock.execute(&out);
         for u in sched.update(&out, &sampled) {
-            if let Some(t) = u.new_token {
-                outputs.entry(u.req_id).or_default().push(t);
+            if !u.new_tokens.is_empty() {
+                outputs.entry(u.req_id).or_default().extend(&u.new_tokens);
             }
             finished += u.finished.is_some() as usize;
         }
@@ -150,6 +150,7 @@ fn cfg(num_blocks: usize, bs: usize, budget: usize, prefix: Option<HashAlgo>) ->
         kv_groups: vec![None],
         state_slots: 0,
         state_checkpoints: 0,
+        speculation: None,
     }
 }
 

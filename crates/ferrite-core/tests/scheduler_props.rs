@@ -11,6 +11,7 @@ use ferrite_core::kv_layout::{first_needed_block, GroupWindow};
 use ferrite_core::request::{FinishReason, Request};
 use ferrite_core::sampling::SamplingParams;
 use ferrite_core::scheduler::{Scheduler, SchedulerConfig};
+use ferrite_core::spec_decode::Speculation;
 mod common;
 
 use common::MockModel;
@@ -117,8 +118,8 @@ fn run(cfg: SchedulerConfig, work: &[Arrival]) -> (HashMap<u64, Vec<u32>>, u64) 
         }
         let sampled = model.execute(&out);
         for u in sched.update(&out, &sampled) {
-            if let Some(t) = u.new_token {
-                outputs.entry(u.req_id).or_default().push(t);
+            if !u.new_tokens.is_empty() {
+                outputs.entry(u.req_id).or_default().extend(&u.new_tokens);
             }
             if let Some(reason) = u.finished {
                 assert_ne!(reason, FinishReason::Abort);
@@ -134,7 +135,13 @@ fn run(cfg: SchedulerConfig, work: &[Arrival]) -> (HashMap<u64, Vec<u32>>, u64) 
     assert!(!sched.has_work());
     assert_eq!(sched.num_blocks_in_use(), 0, "blocks leaked");
     assert_eq!(sched.num_free_blocks(), cfg.num_blocks);
+    DRAFTS.with(|d| d.set(d.get() + sched.spec_stats().num_drafts));
     (outputs, sched.num_preemptions())
+}
+
+thread_local! {
+    /// Drafts the scheduler made in this thread's runs (a test of speculation checks some were).
+    static DRAFTS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 proptest! {
@@ -162,6 +169,7 @@ proptest! {
             kv_groups: vec![None],
             state_slots: 0,
             state_checkpoints: 0,
+            speculation: None,
         };
         let (got, _) = run(cfg.clone(), &work);
         // Reference: a pool so large nothing is ever preempted.
@@ -170,6 +178,89 @@ proptest! {
         prop_assert_eq!(preemptions, 0);
         prop_assert_eq!(got, want);
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Drafts verified in the step (accepted while they are the mock's next token) change no
+    /// output, on a tiny pool that preempts and with window groups: a rejected draft's K/V
+    /// slots are written over, never read.
+    #[test]
+    fn speculation_changes_no_output(
+        work in arrivals(),
+        groups in windows(),
+        block_size in 1usize..6,
+        extra_blocks in 0usize..6,
+        budget in 1usize..48,
+        k in 1usize..5,
+        min_n in 1usize..3,
+        pause_above in 1usize..6,
+    ) {
+        let longest = work.iter().map(|a| a.prompt.len() + a.max_tokens).max().unwrap();
+        let need = ferrite_core::kv_layout::max_blocks(&groups, longest, block_size, budget);
+        let off = SchedulerConfig {
+            max_num_batched_tokens: budget,
+            max_num_seqs: 4,
+            max_model_len: 64,
+            block_size,
+            num_blocks: need + extra_blocks,
+            prefix_caching: None,
+            kv_groups: groups,
+            state_slots: 0,
+            state_checkpoints: 0,
+            speculation: None,
+        };
+        let on = SchedulerConfig {
+            speculation: Some(Speculation { k, min_n, max_n: 3, disable_by_batch_size: pause_above }),
+            ..off.clone()
+        };
+        let (want, _) = run(off, &work);
+        let (got, _) = run(on, &work);
+        prop_assert_eq!(got, want);
+    }
+}
+
+#[test]
+fn speculation_drafts_under_the_property_tests_workloads() {
+    // The mock's tokens repeat often enough in 50 ids that n-gram lookups find matches.
+    let work: Vec<Arrival> = (0..6)
+        .map(|i| Arrival {
+            step: i,
+            prompt: (1..12).map(|t| (t * (i as u32 + 2)) % 7 + 1).collect(),
+            max_tokens: 19,
+            min_tokens: 0,
+        })
+        .collect();
+    let cfg = SchedulerConfig {
+        max_num_batched_tokens: 32,
+        max_num_seqs: 4,
+        max_model_len: 64,
+        block_size: 4,
+        num_blocks: 64,
+        prefix_caching: None,
+        kv_groups: vec![None],
+        state_slots: 0,
+        state_checkpoints: 0,
+        speculation: Some(Speculation {
+            k: 3,
+            min_n: 1,
+            max_n: 3,
+            disable_by_batch_size: 8,
+        }),
+    };
+    DRAFTS.with(|d| d.set(0));
+    let (got, _) = run(cfg.clone(), &work);
+    let drafts = DRAFTS.with(|d| d.get());
+    assert!(drafts > 10, "{drafts} drafts");
+    let (want, _) = run(
+        SchedulerConfig {
+            speculation: None,
+            ..cfg
+        },
+        &work,
+    );
+    assert_eq!(got, want);
 }
 
 fn windows() -> impl Strategy<Value = Vec<GroupWindow>> {
@@ -209,6 +300,7 @@ proptest! {
             kv_groups: groups,
             state_slots: 0,
             state_checkpoints: 0,
+            speculation: None,
         };
         let (got, _) = run(cfg.clone(), &work);
         let roomy = SchedulerConfig { num_blocks: 8192, max_num_batched_tokens: 4096, max_num_seqs: 64, ..cfg };
@@ -238,6 +330,7 @@ fn preemption_happens_under_pressure_and_changes_nothing() {
         kv_groups: vec![None],
         state_slots: 0,
         state_checkpoints: 0,
+        speculation: None,
     };
     let (got, preemptions) = run(cfg.clone(), &work);
     assert!(preemptions > 0, "the workload should force preemption");
@@ -263,6 +356,7 @@ fn requests_that_can_never_fit_are_refused() {
         kv_groups: vec![None],
         state_slots: 0,
         state_checkpoints: 0,
+        speculation: None,
     });
     let p = |m: i64| SamplingParams {
         max_tokens: Some(m),
@@ -330,8 +424,8 @@ fn run_with_states(
         assert!(sched.num_running() <= cfg.state_slots);
         let sampled = model.execute(&out);
         for u in sched.update(&out, &sampled) {
-            if let Some(t) = u.new_token {
-                outputs.entry(u.req_id).or_default().push(t);
+            if !u.new_tokens.is_empty() {
+                outputs.entry(u.req_id).or_default().extend(&u.new_tokens);
             }
             if u.finished.is_some() {
                 assert!(done.insert(u.req_id));
@@ -374,6 +468,7 @@ proptest! {
             kv_groups: vec![None],
             state_slots: slots,
             state_checkpoints: 0,
+            speculation: None,
         };
         let got = run_with_states(cfg.clone(), &work, &aborts);
         let roomy = SchedulerConfig {

@@ -9,6 +9,7 @@ use anyhow::{bail, Result};
 use ferrite_core::kv_layout::KvLayout;
 use ferrite_core::prefix_hash::HashAlgo;
 use ferrite_core::scheduler::SchedulerConfig;
+use ferrite_core::spec_decode::Speculation;
 use std::path::PathBuf;
 
 /// How weights are kept in memory.
@@ -59,6 +60,8 @@ pub struct EngineArgs {
     pub load_format: LoadFormat,
     /// CUDA: launch every step's kernels one by one, never from a captured graph.
     pub enforce_eager: bool,
+    /// `--speculative-config`, checked; `None`: off.
+    pub speculation: Option<Speculation>,
 }
 
 /// Where the model runs (`--device`).
@@ -130,6 +133,7 @@ impl EngineArgs {
             device: DeviceKind::Cpu,
             load_format: LoadFormat::Auto,
             enforce_eager: false,
+            speculation: None,
         }
     }
 }
@@ -206,6 +210,16 @@ impl EngineArgs {
             kv_groups: layout.groups,
             state_slots: plan.state_slots,
             state_checkpoints: plan.state_checkpoints,
+            speculation: self.speculation.clone().filter(|_| {
+                let fits = plan.state_slots == 0;
+                if !fits {
+                    tracing::warn!(
+                        "speculative decoding is off for this model: its linear-attention \
+                         state cannot take back a rejected draft"
+                    );
+                }
+                fits
+            }),
         };
         Ok((plan, scheduler))
     }

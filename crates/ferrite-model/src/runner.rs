@@ -102,7 +102,8 @@ fn drawable(spec: &SampleSpec) -> bool {
 
 /// What a row of the logits matrix is for.
 enum RowUse {
-    Sample(usize),
+    /// Request index and the row's place in its draft window (0: after the last known token).
+    Sample(usize, usize),
     /// Request index and the prompt token this row predicts.
     PromptLogprob(usize, u32, usize),
 }
@@ -150,10 +151,15 @@ impl ModelRunner {
                     uses.push(RowUse::PromptLogprob(i, target, pl.num_alternatives));
                 }
             }
-            // Prompt-logprob rows end before the last prompt token, so this row is new.
+            // Prompt-logprob rows end before the last prompt token, so these rows are new:
+            // the last known token's and each draft token's.
             if r.sample.is_some() {
-                step.logits_indices.push(step.num_tokens() as u32 - 1);
-                uses.push(RowUse::Sample(i));
+                let end = step.num_tokens();
+                for j in 0..=r.draft.len() {
+                    step.logits_indices
+                        .push((end - 1 - r.draft.len() + j) as u32);
+                    uses.push(RowUse::Sample(i, j));
+                }
             }
         }
         step.finish();
@@ -168,11 +174,15 @@ impl Executor for ModelRunner {
         let specs: Option<Vec<&SampleSpec>> = uses
             .iter()
             .map(|u| match u {
-                RowUse::Sample(i) => out.requests[*i].sample.as_ref(),
+                RowUse::Sample(i, _) => out.requests[*i].sample.as_ref(),
                 RowUse::PromptLogprob(..) => None,
             })
             .collect();
-        if let Some(specs) = specs.filter(|s| s.iter().all(|s| drawable(s))) {
+        // A draft drawn from a distribution is verified against that distribution, on the host.
+        let drafts_sampled = out.requests.iter().any(|r| {
+            !r.draft.is_empty() && r.sample.as_ref().is_some_and(|s| !s.params.is_greedy())
+        });
+        if let Some(specs) = specs.filter(|s| s.iter().all(|s| drawable(s)) && !drafts_sampled) {
             let constrained = specs.iter().any(|s| s.constraint.is_some());
             let tokens = if specs.iter().all(|s| s.params.is_greedy()) && !constrained {
                 Some((self.model.forward_argmax(&step)?, HashMap::new()))
@@ -222,24 +232,31 @@ impl Executor for ModelRunner {
             };
             if let Some((tokens, failed)) = tokens {
                 for (row, (token_id, u)) in tokens.into_iter().zip(uses).enumerate() {
-                    let RowUse::Sample(i) = u else {
+                    let RowUse::Sample(i, j) = u else {
                         unreachable!("only sampled rows are drawn")
                     };
-                    let req_id = out.requests[i].req_id;
+                    let r = &out.requests[i];
                     if let Some(e) = failed.get(&row) {
-                        result.failed.insert(req_id, e.clone());
+                        result.failed.insert(r.req_id, e.clone());
+                        continue;
+                    }
+                    let drawn = result.sampled.entry(r.req_id).or_default();
+                    // Greedy drafts hold while they are the argmax: the first that is not
+                    // ends the window with the argmax instead.
+                    if drawn.len() < j
+                        || drawn
+                            .get(j.wrapping_sub(1))
+                            .is_some_and(|t| t.token_id != r.draft[j - 1])
+                    {
                         continue;
                     }
                     if let Some(c) = &specs[row].constraint {
                         c.commit(token_id);
                     }
-                    result.sampled.insert(
-                        req_id,
-                        SampledToken {
-                            token_id,
-                            logprobs: None,
-                        },
-                    );
+                    drawn.push(SampledToken {
+                        token_id,
+                        logprobs: None,
+                    });
                 }
                 return Ok(result);
             }
@@ -251,7 +268,7 @@ impl Executor for ModelRunner {
             .iter()
             .enumerate()
             .filter_map(|(row, u)| match u {
-                RowUse::Sample(i) => out.requests[*i]
+                RowUse::Sample(i, _) => out.requests[*i]
                     .sample
                     .as_ref()
                     .and_then(|s| s.constraint.clone())
@@ -277,12 +294,47 @@ impl Executor for ModelRunner {
             (logits, masks)
         });
         let logits = logits?;
+        // Requests whose draft window ended at a rejected draft.
+        let mut ended = std::collections::HashSet::new();
         for (n, (row, u)) in logits.chunks_mut(vocab).zip(uses).enumerate() {
             match u {
-                RowUse::Sample(i) => {
+                RowUse::Sample(i, j) => {
                     let r = &out.requests[i];
                     let spec = r.sample.as_ref().expect("sampled row has a spec");
                     let sampler = &mut self.sampler;
+                    if !r.draft.is_empty() {
+                        // Rows after a rejected draft are not looked at.
+                        if !result.failed.contains_key(&r.req_id) && !ended.contains(&i) {
+                            let spec = SampleSpec {
+                                output_index: spec.output_index + j,
+                                ..spec.clone()
+                            };
+                            let drawn = match r.draft.get(j) {
+                                Some(&d) => catch(|| sampler.verify(row, &spec, d)).map(|v| {
+                                    if v.is_err() {
+                                        ended.insert(i);
+                                    }
+                                    v.map_or_else(|t| t, |()| d)
+                                }),
+                                None => catch(|| sampler.sample(row, &spec, None).token_id),
+                            };
+                            match drawn {
+                                Ok(token_id) => {
+                                    result.sampled.entry(r.req_id).or_default().push(
+                                        SampledToken {
+                                            token_id,
+                                            logprobs: None,
+                                        },
+                                    );
+                                }
+                                Err(e) => {
+                                    result.sampled.remove(&r.req_id);
+                                    result.failed.insert(r.req_id, e);
+                                }
+                            }
+                        }
+                        continue;
+                    }
                     let drawn = match masks.get(&n) {
                         Some(Err(e)) => Err(e.clone()),
                         Some(Ok(mask)) => catch(|| sampler.sample(row, spec, Some(mask))),
@@ -296,7 +348,7 @@ impl Executor for ModelRunner {
                     });
                     match drawn {
                         Ok(sampled) => {
-                            result.sampled.insert(r.req_id, sampled);
+                            result.sampled.insert(r.req_id, vec![sampled]);
                         }
                         Err(e) => {
                             result.failed.insert(r.req_id, e);

@@ -56,45 +56,11 @@ impl Sampler {
                 lse,
             )
         });
-        for &b in &spec.banned_token_ids {
-            if let Some(l) = logits.get_mut(b as usize) {
-                *l = f32::NEG_INFINITY;
-            }
-        }
-        for &(t, bias) in &p.logit_bias {
-            if let Some(l) = logits.get_mut(t as usize) {
-                *l += bias;
-            }
-        }
-        if let Some(allowed) = &p.allowed_token_ids {
-            let mut keep = vec![false; logits.len()];
-            for &t in allowed {
-                if let Some(k) = keep.get_mut(t as usize) {
-                    *k = true;
-                }
-            }
-            restrict(logits, |t| keep[t]);
-        }
-        if let Some(mask) = mask {
-            apply_mask(logits, mask);
-        }
-        if let Some((prompt, output)) = &spec.penalty_context {
-            apply_penalties(
-                logits,
-                prompt,
-                output,
-                p.repetition_penalty,
-                p.presence_penalty,
-                p.frequency_penalty,
-            );
-        }
+        prepare(logits, spec, mask);
         let token = if p.is_greedy() {
             argmax(logits)
         } else {
-            let u: f32 = match p.seed {
-                Some(seed) => StdRng::seed_from_u64(mix(seed, spec.output_index as u64)).random(),
-                None => self.rng.random(),
-            };
+            let u = self.uniform(spec, 0);
             draw(logits, p.temperature, p.top_k(), p.top_p, p.min_p, u)
         };
         SampledToken {
@@ -109,6 +75,85 @@ impl Sampler {
                 }
             }),
         }
+    }
+
+    /// A uniform draw for `spec`'s token: from its seed and token index when it has a seed;
+    /// `stream` separates the draws one token needs (1: a draft's acceptance).
+    fn uniform(&mut self, spec: &SampleSpec, stream: u64) -> f32 {
+        match spec.params.seed {
+            Some(seed) => {
+                let key = mix(
+                    seed ^ stream.wrapping_mul(0xD1B5_4A32_D192_ED03),
+                    spec.output_index as u64,
+                );
+                StdRng::seed_from_u64(key).random()
+            }
+            None => self.rng.random(),
+        }
+    }
+
+    /// Speculative verification of a draft token at this row: kept with probability p(draft)
+    /// (the distribution `sample` draws from), else replaced by a draw from p without it. The
+    /// token that results follows p exactly, as if drawn directly; greedy keeps the draft only
+    /// if it is the argmax. `Err` is the replacement.
+    pub fn verify(&mut self, logits: &mut [f32], spec: &SampleSpec, draft: u32) -> Result<(), u32> {
+        let p = &spec.params;
+        prepare(logits, spec, None);
+        if p.is_greedy() {
+            let best = argmax(logits);
+            return if best == draft { Ok(()) } else { Err(best) };
+        }
+        let Some(mut kept) = kept(logits, p.temperature, p.top_k(), p.top_p, p.min_p) else {
+            let best = argmax(logits);
+            return if best == draft { Ok(()) } else { Err(best) };
+        };
+        let p_draft = kept.iter().find(|c| c.0 == draft).map_or(0.0, |c| c.1);
+        if self.uniform(spec, 1) < p_draft {
+            return Ok(());
+        }
+        kept.retain(|c| c.0 != draft);
+        let mass: f32 = kept.iter().map(|c| c.1).sum();
+        if kept.is_empty() || mass.is_nan() || mass <= 0.0 {
+            return Ok(()); // only the draft had mass (rounding): it stays
+        }
+        Err(pick(&kept, mass, self.uniform(spec, 0)))
+    }
+}
+
+/// Bans, biases, allowed ids, the grammar mask and penalties, applied to the logits in place.
+fn prepare(logits: &mut [f32], spec: &SampleSpec, mask: Option<&[u32]>) {
+    let p = &spec.params;
+    for &b in &spec.banned_token_ids {
+        if let Some(l) = logits.get_mut(b as usize) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+    for &(t, bias) in &p.logit_bias {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l += bias;
+        }
+    }
+    if let Some(allowed) = &p.allowed_token_ids {
+        let mut keep = vec![false; logits.len()];
+        for &t in allowed {
+            if let Some(k) = keep.get_mut(t as usize) {
+                *k = true;
+            }
+        }
+        restrict(logits, |t| keep[t]);
+    }
+    if let Some(mask) = mask {
+        apply_mask(logits, mask);
+    }
+    if let Some((prompt, output)) = &spec.penalty_context {
+        apply_penalties(
+            logits,
+            prompt,
+            output,
+            p.repetition_penalty,
+            p.presence_penalty,
+            p.frequency_penalty,
+        );
     }
 }
 
@@ -205,6 +250,33 @@ fn draw(
     min_p: f32,
     u: f32,
 ) -> u32 {
+    match kept(logits, temperature, top_k, top_p, min_p) {
+        Some(kept) => pick(&kept, kept.iter().map(|c| c.1).sum(), u),
+        None => argmax(logits),
+    }
+}
+
+/// The token at `u * mass` of the cumulative probabilities.
+fn pick(kept: &[(u32, f32)], mass: f32, u: f32) -> u32 {
+    let mut target = u * mass;
+    for &(t, p) in kept {
+        target -= p;
+        if target < 0.0 {
+            return t;
+        }
+    }
+    kept[kept.len() - 1].0
+}
+
+/// The tokens the tempered distribution keeps after top-k, min-p and top-p, with their
+/// probabilities (before renormalizing over what is kept); `None` when nothing finite is left.
+fn kept(
+    logits: &[f32],
+    temperature: f32,
+    top_k: Option<usize>,
+    top_p: f32,
+    min_p: f32,
+) -> Option<Vec<(u32, f32)>> {
     let inv_t = 1.0 / temperature;
     let mut cand: Vec<(u32, f32)> = logits
         .iter()
@@ -213,7 +285,7 @@ fn draw(
         .map(|(i, &l)| (i as u32, l * inv_t))
         .collect();
     if cand.is_empty() {
-        return argmax(logits);
+        return None;
     }
     let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
     if let Some(k) = top_k {
@@ -243,7 +315,7 @@ fn draw(
     }
     // Non-finite probabilities (an overflowing scale) leave nothing to draw from.
     if probs.is_empty() || !probs.iter().all(|p| p.is_finite()) {
-        return argmax(logits);
+        return None;
     }
     let mut keep = probs.len();
     if top_p < 1.0 {
@@ -256,15 +328,13 @@ fn draw(
             }
         }
     }
-    let mass: f32 = probs[..keep].iter().sum();
-    let mut target = u * mass;
-    for i in 0..keep {
-        target -= probs[i];
-        if target < 0.0 {
-            return cand[i].0;
-        }
-    }
-    cand[keep - 1].0
+    Some(
+        cand[..keep]
+            .iter()
+            .zip(&probs)
+            .map(|(c, &p)| (c.0, p))
+            .collect(),
+    )
 }
 
 /// Sets every logit whose token `keep` refuses to -inf.

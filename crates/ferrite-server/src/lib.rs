@@ -335,6 +335,28 @@ pub async fn log_stats_periodically(state: SharedState, period: std::time::Durat
                 s.kv_usage * 100.0,
                 s.num_preemptions
             );
+            let drafted = s.spec.num_draft_tokens - last.spec.num_draft_tokens;
+            if drafted > 0 {
+                let drafts = s.spec.num_drafts - last.spec.num_drafts;
+                let accepted = s.spec.num_accepted_tokens - last.spec.num_accepted_tokens;
+                let per_pos: Vec<String> = s
+                    .spec
+                    .accepted_per_pos
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &a)| {
+                        let before = last.spec.accepted_per_pos.get(i).copied().unwrap_or(0);
+                        format!("{:.3}", (a - before) as f64 / drafts.max(1) as f64)
+                    })
+                    .collect();
+                tracing::info!(
+                    "SpecDecoding metrics: Mean acceptance length: {:.2}, Accepted: {accepted} tokens, \
+                     Drafted: {drafted} tokens, Per-position acceptance rate: {}, Avg Draft acceptance rate: {:.1}%",
+                    1.0 + accepted as f64 / drafts.max(1) as f64,
+                    per_pos.join(", "),
+                    100.0 * accepted as f64 / drafted as f64
+                );
+            }
         }
         last = s;
         t = std::time::Instant::now();

@@ -188,6 +188,31 @@ impl Metrics {
             "Prefix cache hits, in terms of number of cached tokens.",
             s.prefix_cache_hits,
         );
+        counter(
+            &mut out,
+            "vllm:spec_decode_num_drafts_total",
+            "Number of spec decoding drafts.",
+            s.spec.num_drafts,
+        );
+        counter(
+            &mut out,
+            "vllm:spec_decode_num_draft_tokens_total",
+            "Number of draft tokens.",
+            s.spec.num_draft_tokens,
+        );
+        counter(
+            &mut out,
+            "vllm:spec_decode_num_accepted_tokens_total",
+            "Number of accepted tokens.",
+            s.spec.num_accepted_tokens,
+        );
+        let _ = writeln!(out, "# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.\n# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter");
+        for (pos, v) in s.spec.accepted_per_pos.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "vllm:spec_decode_num_accepted_tokens_per_pos_total{{{l},position=\"{pos}\"}} {v}"
+            );
+        }
         let m = self.inner.lock().unwrap();
         let _ = writeln!(out, "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter");
         for reason in ["stop", "length", "abort"] {

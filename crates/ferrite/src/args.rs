@@ -3,6 +3,7 @@
 use clap::Args;
 use ferrite_core::prefix_hash::HashAlgo;
 use ferrite_core::sampling::SamplingParams;
+use ferrite_core::spec_decode::{Speculation, SpeculativeConfig};
 use ferrite_model::loader::WeightFormat;
 use ferrite_model::loader::{
     DeviceKind, EngineArgs, LoadFormat, DEFAULT_CPU_MEMORY_UTILIZATION,
@@ -83,6 +84,17 @@ pub struct EngineFlags {
     /// CUDA: never replay decode steps from captured CUDA graphs.
     #[arg(long)]
     pub enforce_eager: bool,
+    /// Speculative decoding, as vLLM's JSON: `{"method": "ngram", "num_speculative_tokens":
+    /// 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 8}`
+    /// (drafts from the request's own tokens, verified in the same step).
+    #[arg(long, value_parser = parse_speculative_config)]
+    pub speculative_config: Option<Speculation>,
+}
+
+fn parse_speculative_config(s: &str) -> Result<Speculation, String> {
+    serde_json::from_str::<SpeculativeConfig>(s)
+        .map_err(|e| format!("not a speculative config: {e}"))?
+        .resolve()
 }
 
 fn parse_weight_format(s: &str) -> Result<WeightFormat, String> {
@@ -150,6 +162,7 @@ impl EngineFlags {
             device: self.device,
             load_format: self.load_format,
             enforce_eager: self.enforce_eager,
+            speculation: self.speculative_config.clone(),
         }
     }
 }

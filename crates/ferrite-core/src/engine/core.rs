@@ -180,46 +180,61 @@ impl<E: Executor> EngineCore<E> {
                 v.extend(lps.into_iter().map(Some));
             }
         }
-        let tokens: HashMap<RequestId, u32> = result
+        let tokens: HashMap<RequestId, Vec<u32>> = result
             .sampled
             .iter()
-            .map(|(&id, s)| (id, s.token_id))
+            .map(|(&id, s)| (id, s.iter().map(|t| t.token_id).collect()))
             .collect();
         let updates = self.scheduler.update(output, &tokens);
         let mut generated = 0u64;
         for u in updates {
-            let Some(token) = u.new_token else { continue };
-            generated += 1;
+            if u.new_tokens.is_empty() {
+                continue;
+            }
             let Some(st) = self.states.get_mut(&u.req_id) else {
                 continue;
             };
-            st.num_output_tokens += 1;
-            let piece = st.detok.push(&self.tokenizer, token);
-            let mut check = st.stop.push(&piece);
+            let mut sampled = result.sampled.remove(&u.req_id).unwrap_or_default();
+            let mut text = String::new();
+            let mut matched = None;
+            let mut emitted = 0;
+            for &token in &u.new_tokens {
+                emitted += 1;
+                let piece = st.detok.push(&self.tokenizer, token);
+                let check = st.stop.push(&piece);
+                text += &check.text;
+                if check.matched.is_some() {
+                    // A stop string inside an accepted draft: the tokens after it are dropped.
+                    matched = check.matched;
+                    break;
+                }
+            }
             let mut finish = u.finished;
-            if check.matched.is_some() {
+            if matched.is_some() {
                 finish = Some(FinishReason::Stop);
                 self.scheduler.finish(u.req_id, FinishReason::Stop);
             } else if finish.is_some() {
                 let tail = st.detok.flush(&self.tokenizer);
                 let c = st.stop.push(&tail);
-                check.text += &c.text;
+                text += &c.text;
                 if c.matched.is_none() {
-                    check.text += &st.stop.flush();
+                    text += &st.stop.flush();
                 }
             }
-            let sampled = result.sampled.remove(&u.req_id);
+            generated += emitted as u64;
+            st.num_output_tokens += emitted;
+            sampled.truncate(emitted);
             let out = RequestOutput {
-                text: check.text,
-                token_ids: vec![token],
-                logprobs: sampled.and_then(|s| s.logprobs).into_iter().collect(),
+                text,
+                token_ids: u.new_tokens[..emitted].to_vec(),
+                logprobs: sampled.into_iter().filter_map(|s| s.logprobs).collect(),
                 prompt_logprobs: if st.first_output_sent || !st.wants_prompt_logprobs {
                     None
                 } else {
                     st.prompt_logprobs.take()
                 },
                 finish_reason: finish,
-                stop_str: check.matched,
+                stop_str: matched,
                 num_prompt_tokens: st.num_prompt_tokens,
                 num_output_tokens: st.num_output_tokens,
                 queue_time: if st.first_output_sent {
@@ -247,6 +262,7 @@ impl<E: Executor> EngineCore<E> {
         s.kv_usage = self.scheduler.kv_usage();
         s.num_preemptions = self.scheduler.num_preemptions();
         (s.prefix_cache_queries, s.prefix_cache_hits) = self.scheduler.prefix_cache_stats();
+        s.spec.clone_from(self.scheduler.spec_stats());
         s.num_steps += 1;
     }
 

@@ -81,5 +81,7 @@ pub struct EngineStats {
     /// Prompt tokens looked up in the prefix cache, and found there.
     pub prefix_cache_queries: u64,
     pub prefix_cache_hits: u64,
+    /// Drafted and accepted tokens of speculative decoding.
+    pub spec: crate::spec_decode::SpecStats,
     pub alive: bool,
 }

@@ -38,7 +38,9 @@ impl MockModel {
         self.groups[g].map_or(0, |w| (pos + 1).saturating_sub(w))..pos + 1
     }
 
-    pub fn execute(&mut self, out: &SchedulerOutput) -> HashMap<u64, u32> {
+    /// Each sampled request's tokens: the next token of its history, or with a draft, the
+    /// drafts while each is the next token of what precedes it, then one more.
+    pub fn execute(&mut self, out: &SchedulerOutput) -> HashMap<u64, Vec<u32>> {
         let mut sampled = HashMap::new();
         for r in &out.requests {
             assert_eq!(r.block_tables.len(), self.groups.len());
@@ -69,17 +71,26 @@ impl MockModel {
                 }
             }
             if r.sample.is_some() {
-                let mut h: u64 = 1469598103934665603;
-                for (g, table) in r.block_tables.iter().enumerate() {
-                    for pos in self.reads(g, r.seq_len() - 1) {
-                        let t = self.slots[self.slot(table, pos)].expect("slot written");
-                        h = (h ^ t as u64).wrapping_mul(1099511628211);
+                let first = r.seq_len() - 1 - r.draft.len();
+                let mut drawn = Vec::new();
+                for (j, pos) in (first..r.seq_len()).enumerate() {
+                    let mut h: u64 = 1469598103934665603;
+                    for (g, table) in r.block_tables.iter().enumerate() {
+                        for p in self.reads(g, pos) {
+                            let t = self.slots[self.slot(table, p)].expect("slot written");
+                            h = (h ^ t as u64).wrapping_mul(1099511628211);
+                        }
+                    }
+                    if let Some(s) = r.state_slot {
+                        h ^= self.states[s as usize];
+                    }
+                    let t = (h % self.vocab as u64) as u32;
+                    drawn.push(t);
+                    if r.draft.get(j) != Some(&t) {
+                        break;
                     }
                 }
-                if let Some(s) = r.state_slot {
-                    h ^= self.states[s as usize];
-                }
-                sampled.insert(r.req_id, (h % self.vocab as u64) as u32);
+                sampled.insert(r.req_id, drawn);
             }
         }
         sampled

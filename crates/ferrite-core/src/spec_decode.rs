@@ -1,0 +1,211 @@
+//! Speculative decoding as the scheduler sees it: which requests get draft tokens this step
+//! and what they are. Drafts come from the request's own tokens (n-gram prompt lookup), so
+//! nothing here touches a tensor; the runner verifies them in the packed step.
+
+use serde::Deserialize;
+
+/// `--speculative-config`, as vLLM takes it.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SpeculativeConfig {
+    pub method: String,
+    /// Draft tokens per request and step (k).
+    pub num_speculative_tokens: usize,
+    /// Longest suffix n-gram looked up in the request's tokens.
+    #[serde(default)]
+    pub prompt_lookup_max: Option<usize>,
+    /// Shortest n-gram that counts as a match.
+    #[serde(default)]
+    pub prompt_lookup_min: Option<usize>,
+    /// Above this many running requests no request drafts: a large batch already fills the
+    /// step, and verifying drafts that fail costs more than it saves.
+    #[serde(default)]
+    pub disable_by_batch_size: Option<usize>,
+    /// A draft model (method `draft_model`); none is served yet.
+    #[serde(default)]
+    pub model: Option<String>,
+}
+
+/// Parsed and checked speculation settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Speculation {
+    pub k: usize,
+    pub min_n: usize,
+    pub max_n: usize,
+    pub disable_by_batch_size: usize,
+}
+
+/// Largest k accepted: the verify rows of a step grow with it, its gain does not.
+pub const MAX_SPECULATIVE_TOKENS: usize = 16;
+
+/// Running requests above which speculation pauses when the config says nothing
+/// (measured: docs/benchmarks/cpu-speculative.md).
+pub const DEFAULT_DISABLE_BY_BATCH_SIZE: usize = 8;
+
+impl SpeculativeConfig {
+    /// Checks the config; an error says what to change.
+    pub fn resolve(&self) -> Result<Speculation, String> {
+        match self.method.as_str() {
+            "ngram" | "prompt_lookup" => {}
+            "draft_model" | "eagle" | "eagle3" | "mtp" | "medusa" => {
+                return Err(format!(
+                    "speculative method `{}` is not served by ferrite yet; use `ngram`",
+                    self.method
+                ))
+            }
+            m => return Err(format!("unknown speculative method `{m}`; use `ngram`")),
+        }
+        if self.model.is_some() {
+            return Err("the `ngram` method takes no `model`".into());
+        }
+        let k = self.num_speculative_tokens;
+        if k == 0 || k > MAX_SPECULATIVE_TOKENS {
+            return Err(format!(
+                "num_speculative_tokens must be 1 to {MAX_SPECULATIVE_TOKENS}, not {k}"
+            ));
+        }
+        let max_n = self.prompt_lookup_max.unwrap_or(4);
+        let min_n = self.prompt_lookup_min.unwrap_or(max_n.min(2));
+        if min_n == 0 || min_n > max_n {
+            return Err(format!(
+                "prompt_lookup_min ({min_n}) must be at least 1 and at most prompt_lookup_max ({max_n})"
+            ));
+        }
+        let disable = self
+            .disable_by_batch_size
+            .unwrap_or(DEFAULT_DISABLE_BY_BATCH_SIZE);
+        if disable == 0 {
+            return Err("disable_by_batch_size must be at least 1".into());
+        }
+        Ok(Speculation {
+            k,
+            min_n,
+            max_n,
+            disable_by_batch_size: disable,
+        })
+    }
+}
+
+impl Speculation {
+    /// Up to `limit` tokens that followed the latest earlier occurrence of the longest suffix
+    /// of `tokens` (between `min_n` and `max_n` long) that occurred before: what the text
+    /// would say next if it repeated itself.
+    pub fn propose(&self, tokens: &[u32], limit: usize) -> Vec<u32> {
+        let limit = limit.min(self.k);
+        if limit == 0 {
+            return Vec::new();
+        }
+        for n in (self.min_n..=self.max_n).rev() {
+            if tokens.len() <= n {
+                continue;
+            }
+            let suffix = &tokens[tokens.len() - n..];
+            // Latest first: agents repeat what they said last.
+            if let Some(start) = (0..tokens.len() - n)
+                .rev()
+                .find(|&s| &tokens[s..s + n] == suffix)
+            {
+                let from = start + n;
+                let to = (from + limit).min(tokens.len());
+                return tokens[from..to].to_vec();
+            }
+        }
+        Vec::new()
+    }
+}
+
+/// Counts of drafted and accepted tokens, as vLLM's `spec_decode` metrics name them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SpecStats {
+    pub num_drafts: u64,
+    pub num_draft_tokens: u64,
+    pub num_accepted_tokens: u64,
+    /// Accepted drafts at each position (0: the first draft token).
+    pub accepted_per_pos: Vec<u64>,
+}
+
+impl SpecStats {
+    /// A verified draft of `drafted` tokens whose first `accepted` held.
+    pub fn record(&mut self, drafted: usize, accepted: usize) {
+        self.num_drafts += 1;
+        self.num_draft_tokens += drafted as u64;
+        self.num_accepted_tokens += accepted as u64;
+        if self.accepted_per_pos.len() < drafted {
+            self.accepted_per_pos.resize(drafted, 0);
+        }
+        for p in &mut self.accepted_per_pos[..accepted] {
+            *p += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ngram(k: usize, min_n: usize, max_n: usize) -> Speculation {
+        Speculation {
+            k,
+            min_n,
+            max_n,
+            disable_by_batch_size: 8,
+        }
+    }
+
+    #[test]
+    fn proposes_what_followed_the_latest_match_of_the_longest_suffix() {
+        let s = ngram(3, 1, 3);
+        // Suffix [1, 2] occurs at 0 (then 3, 4) and at 5 (then 9): the latest wins.
+        assert_eq!(
+            s.propose(&[1, 2, 3, 4, 0, 1, 2, 9, 7, 1, 2], 8),
+            vec![9, 7, 1]
+        );
+        // Longer matches first: [5, 1, 2] matched at 0 beats [1, 2] at 4.
+        assert_eq!(s.propose(&[5, 1, 2, 8, 1, 2, 6, 5, 1, 2], 8), vec![8, 1, 2]);
+        assert_eq!(s.propose(&[1, 2, 3], 8), Vec::<u32>::new());
+        // The limit (tokens left to generate) cuts the draft.
+        assert_eq!(s.propose(&[4, 5, 6, 4, 5], 1), vec![6]);
+        assert_eq!(s.propose(&[4, 5, 6, 4, 5], 0), Vec::<u32>::new());
+        // Below min_n nothing counts.
+        assert_eq!(ngram(3, 2, 3).propose(&[7, 1, 8, 1], 8), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn config_is_checked() {
+        let c = |s: &str| {
+            serde_json::from_str::<SpeculativeConfig>(s)
+                .unwrap()
+                .resolve()
+        };
+        assert_eq!(
+            c(r#"{"method": "ngram", "num_speculative_tokens": 3}"#).unwrap(),
+            Speculation {
+                k: 3,
+                min_n: 2,
+                max_n: 4,
+                disable_by_batch_size: DEFAULT_DISABLE_BY_BATCH_SIZE
+            }
+        );
+        assert!(c(r#"{"method": "ngram", "num_speculative_tokens": 0}"#).is_err());
+        assert!(c(r#"{"method": "mtp", "num_speculative_tokens": 1}"#)
+            .unwrap_err()
+            .contains("not served"));
+        assert!(c(r#"{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}"#).is_err());
+        assert!(serde_json::from_str::<SpeculativeConfig>(
+            r#"{"method": "ngram", "num_speculative_tokens": 2, "typo": 1}"#
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn stats_count_per_position() {
+        let mut s = SpecStats::default();
+        s.record(3, 2);
+        s.record(2, 0);
+        assert_eq!(
+            (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens),
+            (2, 5, 2)
+        );
+        assert_eq!(s.accepted_per_pos, vec![1, 1, 0]);
+    }
+}
