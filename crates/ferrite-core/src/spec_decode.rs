@@ -40,7 +40,7 @@ pub const MAX_SPECULATIVE_TOKENS: usize = 16;
 
 /// Running requests above which speculation pauses when the config says nothing
 /// (measured: docs/benchmarks/cpu-speculative.md).
-pub const DEFAULT_DISABLE_BY_BATCH_SIZE: usize = 8;
+pub const DEFAULT_DISABLE_BY_BATCH_SIZE: usize = 4;
 
 impl SpeculativeConfig {
     /// Checks the config; an error says what to change.

@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""Speculative decoding (n-gram) on and off, side by side in one run: two `ferrite serve` on the
+test model, one with `--speculative-config`, the same closed-loop load on each.
+
+Splits: `copy` (answers that repeat or edit text of the prompt: JSON rewrites, code edits;
+greedy, the model stops by itself or at 160 tokens) and the agent `mini` split
+(`ferrite bench serve --dataset agent --preset mini --ignore-eos`). Per level: output tokens/s,
+mean ITL, and from the speculative server's /metrics the acceptance rate per draft position.
+
+Usage: scripts/bench-speculative.py [--concurrency 1,4,16] [--out docs/benchmarks/cpu-speculative.md]
+"""
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+DISABLE = 4  # ferrite_core::spec_decode::DEFAULT_DISABLE_BY_BATCH_SIZE
+
+
+def cpu_name():
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def start(binary, model, extra, log_name):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(os.path.join(tempfile.gettempdir(), log_name), "w")
+    proc = subprocess.Popen([binary, "serve", model, "--port", str(port), "--served-model-name", "m",
+                             "--max-model-len", "4096", "--kv-cache-memory", "800000000", *extra],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(900):
+        try:
+            if requests.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("server did not start")
+
+
+def copy_prompts(n):
+    """Requests whose answer copies most of the prompt (deterministic)."""
+    out = []
+    for i in range(n):
+        if i % 2 == 0:
+            rec = {f"field_{k}": {"id": 1000 * i + k, "name": f"item-{i}-{k}", "tags": ["alpha", "beta", f"t{k}"],
+                                  "price": round(3.5 * k + i, 2)} for k in range(4)}
+            out.append("Return this JSON exactly as it is, but rename the key \"name\" to \"title\" everywhere:\n"
+                       + json.dumps(rec, indent=1))
+        else:
+            fns = "\n\n".join(f"def step_{k}(values, scale={k + i}):\n    total = 0\n    for v in values:\n"
+                              f"        total += v * scale\n    return total / max(len(values), 1)" for k in range(3))
+            out.append("Copy this Python code and rename every `values` to `items`; change nothing else:\n\n" + fns)
+    return out
+
+
+def one(url, prompt):
+    body = dict(model="m", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=160,
+                stream=True, stream_options={"include_usage": True})
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=900) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            c = json.loads(line[6:])
+            if c.get("choices") and c["choices"][0]["delta"].get("content") and first is None:
+                first = time.perf_counter()
+            if c.get("usage"):
+                tokens = c["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    return first - t0, end - first, tokens
+
+
+def copy_level(url, prompts, c):
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(c) as pool:
+        res = list(pool.map(lambda p: one(url, p), prompts))
+    wall = time.perf_counter() - t0
+    tokens = sum(r[2] for r in res)
+    itl = statistics.mean(r[1] / max(r[2] - 1, 1) for r in res)
+    return tokens / wall, itl
+
+
+def agent_level(binary, model, url, c, n, tmp):
+    out = os.path.join(tmp, f"agent-{abs(hash(url))}-{c}.json")
+    subprocess.run([binary, "bench", "serve", "--base-url", url + "/v1", "--model-name", "m", "--tokenizer", model,
+                    "--dataset", "agent", "--preset", "mini", "--ignore-eos", "--num-prompts", str(n),
+                    "--concurrency", str(c), "--out", out], check=True, capture_output=True)
+    level = json.load(open(out))["levels"][0]
+    return level["output_throughput"], level["mean_tpot_s"]
+
+
+def spec_counters(url):
+    text = requests.get(url + "/metrics", timeout=10).text
+    drafts, drafted, accepted, per_pos = 0, 0, 0, {}
+    for line in text.splitlines():
+        if line.startswith("vllm:spec_decode_num_drafts_total"):
+            drafts = float(line.split()[-1])
+        elif line.startswith("vllm:spec_decode_num_draft_tokens_total"):
+            drafted = float(line.split()[-1])
+        elif line.startswith("vllm:spec_decode_num_accepted_tokens_total"):
+            accepted = float(line.split()[-1])
+        elif line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total"):
+            pos = int(line.split('position="')[1].split('"')[0])
+            per_pos[pos] = float(line.split()[-1])
+    return drafts, drafted, accepted, per_pos
+
+
+def acceptance(before, after):
+    drafts = after[0] - before[0]
+    drafted = after[1] - before[1]
+    if drafted == 0:
+        return "no drafts (paused: batch above disable_by_batch_size)"
+    rate = (after[2] - before[2]) / drafted
+    pos = ", ".join(f"{(after[3].get(p, 0) - before[3].get(p, 0)) / drafts:.2f}" for p in sorted(after[3]))
+    return f"{rate:.2f} ({pos})"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--copy-prompts", type=int, default=16)
+    ap.add_argument("--agent-prompts", type=int, default=16)
+    ap.add_argument("--model", default=os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--binary", default=os.path.join(ROOT, "target/release/ferrite"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks", "cpu-speculative.md"))
+    ap.add_argument("--spec", default=SPEC, help="the `--speculative-config` of the second server")
+    ap.add_argument("--splits", default="copy,agent")
+    a = ap.parse_args()
+    levels = [int(x) for x in a.concurrency.split(",")]
+    prompts = copy_prompts(a.copy_prompts)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        off, off_url = start(a.binary, a.model, [], "bench-spec-off.log")
+        on, on_url = start(a.binary, a.model, ["--speculative-config", a.spec], "bench-spec-on.log")
+        try:
+            for url in (off_url, on_url):
+                one(url, prompts[0])  # warm-up
+            for split in a.splits.split(","):
+                for c in levels:
+                    before = spec_counters(on_url)
+                    if split == "copy":
+                        r_off, r_on = copy_level(off_url, prompts, c), copy_level(on_url, prompts, c)
+                    else:
+                        r_off = agent_level(a.binary, a.model, off_url, c, a.agent_prompts, tmp)
+                        r_on = agent_level(a.binary, a.model, on_url, c, a.agent_prompts, tmp)
+                    acc = acceptance(before, spec_counters(on_url))
+                    rows.append((split, c, r_off, r_on, acc))
+                    print(split, c, r_off, r_on, acc, file=sys.stderr)
+        finally:
+            for p in (off, on):
+                p.terminate()
+                p.wait()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    with open(a.out, "w") as f:
+        f.write(f"""# CPU: speculative decoding (n-gram) on and off
+
+Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `scripts/bench-speculative.py` (commit {commit}),
+CPU: {cpu_name()}, {os.cpu_count()} cores. Two `ferrite serve {os.path.basename(a.model)} --max-model-len 4096
+--kv-cache-memory 800000000` in the same run, the second with
+`--speculative-config '{a.spec}'` (`disable_by_batch_size` unless it says: the default,
+{DISABLE}: no request drafts while more run). Load: closed loop at concurrency C, streamed, one engine at a time.
+
+- `copy`: {a.copy_prompts} chat requests whose answer repeats the prompt's text with an edit (a JSON
+  object with a key renamed, Python functions with a variable renamed); greedy, up to 160 tokens.
+- `agent`: `ferrite bench serve --dataset agent --preset mini --ignore-eos --num-prompts {a.agent_prompts}`
+  (mean 1,000 input tokens, 32 output tokens).
+
+Acceptance: accepted / drafted tokens over the level, then per draft position the share of
+drafts whose token at that position held.
+
+| split | C | output tokens/s off | on | on / off | mean ITL ms off (per output token, after the first) | on | acceptance (per position) |
+|---|---:|---:|---:|---:|---:|---:|---|
+""")
+        for split, c, r_off, r_on, acc in rows:
+            f.write(f"| {split} | {c} | {r_off[0]:.1f} | {r_on[0]:.1f} | **{r_on[0] / r_off[0]:.2f}x** | "
+                    f"{r_off[1] * 1e3:.1f} | {r_on[1] * 1e3:.1f} | {acc} |\n")
+    print(open(a.out).read())
+
+
+if __name__ == "__main__":
+    main()
