@@ -74,19 +74,21 @@ def one(url, prompt):
     body = dict(model="m", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=160,
                 stream=True, stream_options={"include_usage": True})
     t0 = time.perf_counter()
-    first, tokens = None, 0
+    first, tokens, text = None, 0, []
     with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=900) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             c = json.loads(line[6:])
-            if c.get("choices") and c["choices"][0]["delta"].get("content") and first is None:
-                first = time.perf_counter()
+            if c.get("choices") and c["choices"][0]["delta"].get("content"):
+                text.append(c["choices"][0]["delta"]["content"])
+                if first is None:
+                    first = time.perf_counter()
             if c.get("usage"):
                 tokens = c["usage"]["completion_tokens"]
     end = time.perf_counter()
-    return first - t0, end - first, tokens
+    return first - t0, end - first, tokens, "".join(text)
 
 
 def copy_level(url, prompts, c):
@@ -96,7 +98,7 @@ def copy_level(url, prompts, c):
     wall = time.perf_counter() - t0
     tokens = sum(r[2] for r in res)
     itl = statistics.mean(r[1] / max(r[2] - 1, 1) for r in res)
-    return tokens / wall, itl
+    return tokens / wall, itl, [r[3] for r in res]
 
 
 def agent_level(binary, model, url, c, n, tmp):
@@ -144,13 +146,16 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks", "cpu-speculative.md"))
     ap.add_argument("--spec", default=SPEC, help="the `--speculative-config` of the second server")
     ap.add_argument("--splits", default="copy,agent")
+    ap.add_argument("--serve-args", default="", help="extra `ferrite serve` flags of both servers (e.g. --device cuda)")
+    ap.add_argument("--machine", default=None, help="what to call the machine (default: the CPU)")
     a = ap.parse_args()
     levels = [int(x) for x in a.concurrency.split(",")]
     prompts = copy_prompts(a.copy_prompts)
-    rows = []
+    rows, identical = [], []
+    extra = a.serve_args.split()
     with tempfile.TemporaryDirectory() as tmp:
-        off, off_url = start(a.binary, a.model, [], "bench-spec-off.log")
-        on, on_url = start(a.binary, a.model, ["--speculative-config", a.spec], "bench-spec-on.log")
+        off, off_url = start(a.binary, a.model, extra, "bench-spec-off.log")
+        on, on_url = start(a.binary, a.model, [*extra, "--speculative-config", a.spec], "bench-spec-on.log")
         try:
             for url in (off_url, on_url):
                 one(url, prompts[0])  # warm-up
@@ -159,6 +164,8 @@ def main():
                     before = spec_counters(on_url)
                     if split == "copy":
                         r_off, r_on = copy_level(off_url, prompts, c), copy_level(on_url, prompts, c)
+                        same = sum(x == y for x, y in zip(r_off[2], r_on[2]))
+                        identical.append(f"{same}/{len(prompts)} at C={c}")
                     else:
                         r_off = agent_level(a.binary, a.model, off_url, c, a.agent_prompts, tmp)
                         r_on = agent_level(a.binary, a.model, on_url, c, a.agent_prompts, tmp)
@@ -175,8 +182,8 @@ def main():
         f.write(f"""# CPU: speculative decoding (n-gram) on and off
 
 Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `scripts/bench-speculative.py` (commit {commit}),
-CPU: {cpu_name()}, {os.cpu_count()} cores. Two `ferrite serve {os.path.basename(a.model)} --max-model-len 4096
---kv-cache-memory 800000000` in the same run, the second with
+{a.machine or f"CPU: {cpu_name()}, {os.cpu_count()} cores"}. Two `ferrite serve {os.path.basename(a.model)} --max-model-len 4096
+--kv-cache-memory 800000000 {a.serve_args}` in the same run, the second with
 `--speculative-config '{a.spec}'` (`disable_by_batch_size` unless it says: the default,
 {DISABLE}: no request drafts while more run). Load: closed loop at concurrency C, streamed, one engine at a time.
 
@@ -194,6 +201,8 @@ drafts whose token at that position held.
         for split, c, r_off, r_on, acc in rows:
             f.write(f"| {split} | {c} | {r_off[0]:.1f} | {r_on[0]:.1f} | **{r_on[0] / r_off[0]:.2f}x** | "
                     f"{r_off[1] * 1e3:.1f} | {r_on[1] * 1e3:.1f} | {acc} |\n")
+        if identical:
+            f.write(f"\nGreedy `copy` answers identical on and off: {', '.join(identical)}.\n")
     print(open(a.out).read())
 
 

@@ -40,6 +40,9 @@ pub struct DeviceBenchArgs {
     /// Timed repetitions per measurement (the median is reported).
     #[arg(long, default_value_t = 20)]
     pub repeats: usize,
+    /// Draft lengths of the speculative verify-step table (each request 1 + k rows).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
+    pub verify_k: Vec<usize>,
 }
 
 const BLOCK: usize = 16;
@@ -97,19 +100,26 @@ fn ceilings(dev: &Device, repeats: usize) -> Result<(f64, f64)> {
     Ok((2.0 * (n as f64).powi(3) / mm, 2.0 * (len * 4) as f64 / cp))
 }
 
-/// `batch` requests of `qlen` new tokens each, at K/V length `ctx`, in disjoint blocks.
-fn step(batch: usize, qlen: usize, ctx: usize) -> PackedStep {
+/// `batch` requests of `qlen` new tokens each, at K/V length `ctx`, in disjoint blocks; a
+/// logits row for the last `rows` tokens of each.
+fn step_rows(batch: usize, qlen: usize, ctx: usize, rows: usize) -> PackedStep {
     let per = ctx.div_ceil(BLOCK);
     let mut s = PackedStep::default();
     for b in 0..batch {
         let table: Vec<u32> = (0..per).map(|i| (b * per + i) as u32).collect();
         let ids: Vec<u32> = (0..qlen).map(|i| (1000 + 7 * i + b) as u32).collect();
         s.push(&ids, ctx - qlen, std::slice::from_ref(&table), BLOCK);
-        s.logits_indices.push(s.num_tokens() as u32 - 1);
+        let end = s.num_tokens() as u32;
+        s.logits_indices.extend(end - rows as u32..end);
         s.state_slots.push(b as u32);
     }
     s.finish();
     s
+}
+
+/// `batch` requests of `qlen` new tokens each, a logits row for the last.
+fn step(batch: usize, qlen: usize, ctx: usize) -> PackedStep {
+    step_rows(batch, qlen, ctx, 1)
 }
 
 /// One layer's matrices (random, bf16), for the matmul timings.
@@ -205,6 +215,7 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
     }
     println!("| decode batch | context | launch | step ms | host enqueue ms | tokens/s | floor ms (weights + KV read) | step / floor |");
     println!("|---:|---:|---|---:|---:|---:|---:|---:|");
+    let mut graph_decode = Vec::new();
     for graphs in [false, true] {
         if graphs {
             model.backend.enable_decode_graphs(GraphShape {
@@ -220,6 +231,9 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
         for &b in &a.batch {
             let s = step(b, 1, a.context);
             let t = median(a.repeats, || model.forward_argmax(&s).map(|_| ()))?;
+            if graphs {
+                graph_decode.push((b, t));
+            }
             // Host time to launch the step's work, the GPU still busy: the CPU-side floor.
             let host = if graphs {
                 None
@@ -247,6 +261,26 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
                 floor * 1e3,
                 t / floor
             );
+        }
+    }
+    // Speculative verification: each request feeds its last token and k drafts, and every
+    // one of the 1 + k rows gets logits (eager: graphs replay decode-only steps).
+    if state_bytes == 0 {
+        println!("| verify batch | k | context | verify step ms | decode step ms (CUDA graph) | verify / decode | accepted drafts per step to break even |");
+        println!("|---:|---:|---:|---:|---:|---:|---:|");
+        for &(b, decode) in &graph_decode {
+            for &k in &a.verify_k {
+                let s = step_rows(b, 1 + k, a.context, 1 + k);
+                let t = median(a.repeats, || model.forward_argmax(&s).map(|_| ()))?;
+                println!(
+                    "| {b} | {k} | {} | {:.3} | {:.3} | {:.2} | {:.2} |",
+                    a.context,
+                    t * 1e3,
+                    decode * 1e3,
+                    t / decode,
+                    t / decode - 1.0
+                );
+            }
         }
     }
     if experts.num_experts == 0 && state_bytes == 0 {
