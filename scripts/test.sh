@@ -8,10 +8,12 @@ cd "$(dirname "$0")/.."
 scripts/fetch-model.sh smollm2 >/dev/null
 cargo test --release --workspace "$@"
 cargo build --release -p ferrite
+# The web UI's test drives Debian's chromium through Playwright (no browser download).
+command -v chromium >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }
 venv=target/test-venv
-if [ ! -x "$venv/bin/pytest" ] || ! "$venv/bin/python" -c 'import jsonschema, anthropic, prometheus_client' 2>/dev/null; then
+if [ ! -x "$venv/bin/pytest" ] || ! "$venv/bin/python" -c 'import jsonschema, anthropic, prometheus_client, playwright' 2>/dev/null; then
   python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check openai==2.* anthropic pytest requests jsonschema prometheus_client
+  "$venv/bin/pip" install --quiet --disable-pip-version-check openai==2.* anthropic pytest requests jsonschema prometheus_client playwright
 fi
 "$venv/bin/pytest" -q tests/server
 # Third-party clients built on the OpenAI API, in their own virtualenv (they pin a newer

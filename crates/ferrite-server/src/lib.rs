@@ -171,6 +171,12 @@ pub fn router(state: SharedState) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .merge(v1)
+        // A chat page served from the binary (llama.cpp's server has one): it speaks the API
+        // above from the browser, so it needs nothing the API does not give.
+        .route(
+            "/",
+            get(|| async { axum::response::Html(include_str!("ui.html")) }),
+        )
         .route("/health", get(health))
         .route(
             "/version",
