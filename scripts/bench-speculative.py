@@ -179,7 +179,7 @@ def main():
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     with open(a.out, "w") as f:
-        f.write(f"""# CPU: speculative decoding (n-gram) on and off
+        f.write(f"""# Speculative decoding (n-gram) on and off
 
 Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `scripts/bench-speculative.py` (commit {commit}),
 {a.machine or f"CPU: {cpu_name()}, {os.cpu_count()} cores"}. Two `ferrite serve {os.path.basename(a.model)} --max-model-len 4096
