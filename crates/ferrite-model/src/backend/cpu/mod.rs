@@ -439,9 +439,11 @@ impl Backend for CpuBackend {
     }
 }
 
-/// `n` zeros whose every page is resident from the start, so RSS does not grow with load;
-/// in huge pages where the kernel gives them (a 4 KiB fault per page made a 6 GB pool take
-/// ~18 s to start). Allocated zeroed (untouched pages), advised, then touched.
+/// `n` zeros whose every page becomes resident right after start-up, so RSS does not grow
+/// with load; in huge pages where the kernel gives them. Faulting a 6 GB pool in takes the
+/// kernel ~15 s on 2 cores: it happens in the background (`MADV_POPULATE_WRITE`, which never
+/// writes a byte, so it may run while requests fill the pool), and serving starts at once.
+/// Where the kernel lacks it, every page is touched here instead.
 fn resident_zeros(n: usize) -> Vec<f16> {
     let mut raw = std::mem::ManuallyDrop::new(vec![0u16; n]);
     // SAFETY: `f16` is a transparent `u16`, and zero bits are 0.0; the vector's allocation
@@ -449,8 +451,60 @@ fn resident_zeros(n: usize) -> Vec<f16> {
     let mut v =
         unsafe { Vec::from_raw_parts(raw.as_mut_ptr().cast::<f16>(), raw.len(), raw.capacity()) };
     huge_pages(&mut v);
-    v.par_chunks_mut(1024).for_each(|c| c[0] = f16::ZERO);
+    if !populate_in_background(&v) {
+        v.par_chunks_mut(1024).for_each(|c| c[0] = f16::ZERO);
+    }
     v
+}
+
+/// Faults `buf`'s pages in on the populating thread, 64 MiB at a time, without touching
+/// their contents; false when the kernel cannot (then nothing was queued). A buffer under a
+/// page is left as it is.
+fn populate_in_background<T>(buf: &[T]) -> bool {
+    let (start, len) = (buf.as_ptr() as usize, std::mem::size_of_val(buf));
+    let (first, last) = (start.next_multiple_of(PAGE), (start + len) / PAGE * PAGE);
+    // One page here: whether the kernel takes the advice at all.
+    if last <= first || !populate(first, first + PAGE) {
+        return last <= first;
+    }
+    static QUEUE: std::sync::OnceLock<std::sync::Mutex<std::sync::mpsc::Sender<(usize, usize)>>> =
+        std::sync::OnceLock::new();
+    let queue = QUEUE.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<(usize, usize)>();
+        std::thread::Builder::new()
+            .name("kv-populate".into())
+            .spawn(move || {
+                // Behind the model's threads: serving comes first, the pool fills meanwhile.
+                // SAFETY: changes this thread's scheduling priority only.
+                unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 10) };
+                for (mut at, last) in rx {
+                    // Stops at the first failure: the buffer was freed (a re-sized cache).
+                    while at < last && populate(at, (at + POPULATE_STEP).min(last)) {
+                        at += POPULATE_STEP;
+                    }
+                }
+            })
+            .expect("spawn the KV populating thread");
+        std::sync::Mutex::new(tx)
+    });
+    let _ = queue.lock().unwrap().send((first + PAGE, last));
+    true
+}
+
+const PAGE: usize = 4096;
+const POPULATE_STEP: usize = 64 << 20;
+
+/// Makes `[from, to)` resident as if written, writing nothing; false on failure.
+fn populate(from: usize, to: usize) -> bool {
+    // SAFETY: the advice only makes pages of this process resident (ENOMEM once the range is
+    // unmapped); no byte is read or written.
+    unsafe {
+        libc::madvise(
+            from as *mut libc::c_void,
+            to - from,
+            libc::MADV_POPULATE_WRITE,
+        ) == 0
+    }
 }
 
 /// Asks for transparent huge pages over `buf`'s whole 2 MiB pages (a hint: where the kernel
