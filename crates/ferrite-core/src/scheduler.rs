@@ -329,12 +329,21 @@ impl Scheduler {
             let id = self.running[i];
             let req = &self.requests[&id];
             let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
-            let draft = match req.num_tokens() - req.num_computed_tokens {
+            let mut draft = match req.num_tokens() - req.num_computed_tokens {
                 1 => self.draft(req, budget - 1),
                 _ => Vec::new(),
             };
+            let next = req.num_computed_tokens;
+            // A draft never costs another request its blocks: without room, it is dropped.
+            if !draft.is_empty()
+                && !self
+                    .kv
+                    .allocate_slots(id, next, next + num_new + draft.len(), &Vec::new())
+            {
+                draft.clear();
+            }
             let num_new = num_new + draft.len();
-            let (next, target) = (req.num_computed_tokens, req.num_computed_tokens + num_new);
+            let target = next + num_new;
             let mut scheduled = true;
             while !self.kv.allocate_slots(id, next, target, &Vec::new()) {
                 // Preempt the newest running request; if that is this one, it waits.
