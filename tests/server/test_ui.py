@@ -87,8 +87,9 @@ def test_stop_ends_the_reply_and_the_server_aborts_it(server, browser):
 
 
 def test_api_key_and_root_path(keyed, browser):
+    assert requests.get(keyed.url + "/api", timeout=10).status_code == 200
     page = browser.new_page()
-    page.goto(keyed.url + "/api")
+    page.goto(keyed.url + "/api/")
     # Without the key the page says the model is unavailable and why.
     page.wait_for_function("document.getElementById('model').textContent.includes('unavailable')")
     page.fill("#input", "hello")

@@ -34,7 +34,7 @@ pub fn config_source(model: &Path) -> Result<ConfigSource> {
 }
 
 pub fn read_config(model: &Path) -> Result<ModelConfig> {
-    let model = crate::weights::hub::resolve(model, None)?;
+    let model = crate::weights::hub::resolve(model, None, None)?;
     models::config(&config_source(&model)?)
 }
 

@@ -44,6 +44,9 @@ pub struct EngineArgs {
     pub model: PathBuf,
     /// Branch, tag or commit of a Hugging Face id (`--revision`).
     pub revision: Option<String>,
+    /// The Hugging Face cache folder ids are read from (`--download-dir`; default: the
+    /// environment's).
+    pub download_dir: Option<PathBuf>,
     pub max_model_len: Option<usize>,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
@@ -120,6 +123,7 @@ impl EngineArgs {
         Self {
             model: model.into(),
             revision: None,
+            download_dir: None,
             max_model_len: None,
             max_num_seqs: 256,
             max_num_batched_tokens: 512,
@@ -141,7 +145,11 @@ impl EngineArgs {
 impl EngineArgs {
     /// These args with a Hugging Face id resolved to its file or folder in the cache.
     pub fn resolved(&self) -> Result<Self> {
-        let model = crate::weights::hub::resolve(&self.model, self.revision.as_deref())?;
+        let model = crate::weights::hub::resolve(
+            &self.model,
+            self.revision.as_deref(),
+            self.download_dir.as_deref(),
+        )?;
         if model != self.model {
             tracing::info!("{} is {}", self.model.display(), model.display());
         }

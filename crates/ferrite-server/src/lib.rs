@@ -124,7 +124,16 @@ pub fn with_root_path(router: Router, root: Option<&str>) -> anyhow::Result<Rout
         root.starts_with('/'),
         "--root-path `{root}` must start with `/`"
     );
-    Ok(Router::new().nest(root, router.clone()).merge(router))
+    // The chat page also at `/PREFIX/`, where a browser's address bar usually ends.
+    Ok(Router::new()
+        .nest(root, router.clone())
+        .route(&format!("{root}/"), get(ui))
+        .merge(router))
+}
+
+/// The chat page.
+async fn ui() -> axum::response::Html<&'static str> {
+    axum::response::Html(include_str!("ui.html"))
 }
 
 pub fn router(state: SharedState) -> Router {
@@ -173,10 +182,7 @@ pub fn router(state: SharedState) -> Router {
         .merge(v1)
         // A chat page served from the binary (llama.cpp's server has one): it speaks the API
         // above from the browser, so it needs nothing the API does not give.
-        .route(
-            "/",
-            get(|| async { axum::response::Html(include_str!("ui.html")) }),
-        )
+        .route("/", get(ui))
         .route("/health", get(health))
         .route(
             "/version",

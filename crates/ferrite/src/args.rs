@@ -29,6 +29,10 @@ pub struct EngineFlags {
     /// Branch, tag or commit when MODEL is a Hugging Face id.
     #[arg(long)]
     pub revision: Option<String>,
+    /// The Hugging Face cache folder a MODEL id is read from (vLLM's flag; default:
+    /// `HF_HUB_CACHE`, else `HF_HOME/hub`, else `~/.cache/huggingface/hub`).
+    #[arg(long)]
+    pub download_dir: Option<PathBuf>,
     /// Longest prompt + output in tokens (default: the model's context length).
     #[arg(long)]
     pub max_model_len: Option<usize>,
@@ -142,6 +146,7 @@ impl EngineFlags {
         EngineArgs {
             model: self.model().to_path_buf(),
             revision: self.revision.clone(),
+            download_dir: self.download_dir.clone(),
             max_model_len: self.max_model_len,
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,

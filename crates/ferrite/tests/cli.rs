@@ -235,4 +235,38 @@ fn hugging_face_ids_resolve_through_the_local_cache() {
             && err.contains("huggingface-cli download HuggingFaceTB/SmolLM2-135M-Instruct"),
         "{err}"
     );
+    // vLLM's --download-dir names the cache instead of the environment.
+    let (ok, err) = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+        .args([
+            "generate",
+            "test/tiny-qwen3",
+            "--download-dir",
+            cache.to_str().unwrap(),
+            "--prompt",
+            "<5> <17>",
+            "--max-tokens",
+            "2",
+            "--kv-cache-memory",
+            "10000000",
+            "--max-model-len",
+            "256",
+        ])
+        .env(
+            "HF_HUB_CACHE",
+            std::env::temp_dir().join("ferrite-no-such-cache"),
+        )
+        .output()
+        .map(|o| {
+            (
+                o.status.success(),
+                String::from_utf8_lossy(&o.stderr).into_owned(),
+            )
+        })
+        .unwrap();
+    assert!(ok && err.contains("finish_reason=length tokens=2"), "{err}");
+    let (ok, err) = run("test/absent", &["--download-dir", "/nonexistent-cache"]);
+    assert!(
+        !ok && err.contains("--cache-dir /nonexistent-cache"),
+        "{err}"
+    );
 }

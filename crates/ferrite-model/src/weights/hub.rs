@@ -35,8 +35,9 @@ fn repo_id(model: &str) -> Option<(&str, Option<&str>)> {
 }
 
 /// `model` as a file or folder to load: itself when it exists, else a repository id looked
-/// up in the Hugging Face cache at `revision` (a branch, tag or commit; default `main`).
-pub fn resolve(model: &Path, revision: Option<&str>) -> Result<PathBuf> {
+/// up at `revision` (a branch, tag or commit; default `main`) in the Hugging Face cache, or
+/// in `cache` (vLLM's `--download-dir`, a folder of the same layout) when given.
+pub fn resolve(model: &Path, revision: Option<&str>, cache: Option<&Path>) -> Result<PathBuf> {
     if model.exists() {
         return Ok(model.to_path_buf());
     }
@@ -44,7 +45,7 @@ pub fn resolve(model: &Path, revision: Option<&str>) -> Result<PathBuf> {
     let Some((id, quant)) = repo_id(&text) else {
         bail!("cannot open {}: no such file or directory", model.display());
     };
-    let cache = cache_dir();
+    let cache = cache.map_or_else(cache_dir, Path::to_path_buf);
     let repo = cache.join(format!("models--{}", id.replace('/', "--")));
     let revision = revision.unwrap_or("main");
     let commit = std::fs::read_to_string(repo.join("refs").join(revision))
@@ -55,7 +56,9 @@ pub fn resolve(model: &Path, revision: Option<&str>) -> Result<PathBuf> {
         bail!(
             "`{id}` (revision {revision}) is not in the Hugging Face cache at {}: ferrite reads \
              models from the cache and does not download them; fetch it with \
-             `huggingface-cli download {id}` (or `hf download {id}`), or pass a file or folder",
+             `huggingface-cli download {id} --cache-dir {}` (or `hf download`), or pass a file \
+             or folder",
+            cache.display(),
             cache.display()
         );
     }
