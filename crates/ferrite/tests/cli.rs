@@ -190,7 +190,7 @@ fn hugging_face_ids_resolve_through_the_local_cache() {
     };
     link(&smollm2, "smollm2-Q4_1.gguf");
     link(&tiny.join("qwen3.gguf"), "smollm2-Q8_0.gguf");
-    let run = |model: &str, extra: &[&str]| {
+    let run_in = |hf_cache: &std::path::Path, model: &str, extra: &[&str]| {
         let mut args = vec![
             "generate",
             model,
@@ -206,7 +206,7 @@ fn hugging_face_ids_resolve_through_the_local_cache() {
         args.extend_from_slice(extra);
         let out = Command::new(env!("CARGO_BIN_EXE_ferrite"))
             .args(&args)
-            .env("HF_HUB_CACHE", &cache)
+            .env("HF_HUB_CACHE", hf_cache)
             .output()
             .unwrap();
         (
@@ -214,6 +214,7 @@ fn hugging_face_ids_resolve_through_the_local_cache() {
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     };
+    let run = |model: &str, extra: &[&str]| run_in(&cache, model, extra);
     // The folder (config.json), then the GGUF picked by its quantization's name.
     let (ok, err) = run("test/tiny-qwen3", &[]);
     assert!(ok && err.contains("finish_reason=length tokens=2"), "{err}");
@@ -236,33 +237,12 @@ fn hugging_face_ids_resolve_through_the_local_cache() {
         "{err}"
     );
     // vLLM's --download-dir names the cache instead of the environment.
-    let (ok, err) = Command::new(env!("CARGO_BIN_EXE_ferrite"))
-        .args([
-            "generate",
-            "test/tiny-qwen3",
-            "--download-dir",
-            cache.to_str().unwrap(),
-            "--prompt",
-            "<5> <17>",
-            "--max-tokens",
-            "2",
-            "--kv-cache-memory",
-            "10000000",
-            "--max-model-len",
-            "256",
-        ])
-        .env(
-            "HF_HUB_CACHE",
-            std::env::temp_dir().join("ferrite-no-such-cache"),
-        )
-        .output()
-        .map(|o| {
-            (
-                o.status.success(),
-                String::from_utf8_lossy(&o.stderr).into_owned(),
-            )
-        })
-        .unwrap();
+    let elsewhere = std::env::temp_dir().join("ferrite-no-such-cache");
+    let (ok, err) = run_in(
+        &elsewhere,
+        "test/tiny-qwen3",
+        &["--download-dir", cache.to_str().unwrap()],
+    );
     assert!(ok && err.contains("finish_reason=length tokens=2"), "{err}");
     let (ok, err) = run("test/absent", &["--download-dir", "/nonexistent-cache"]);
     assert!(
