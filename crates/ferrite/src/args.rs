@@ -29,7 +29,7 @@ pub struct EngineFlags {
     /// Branch, tag or commit when MODEL is a Hugging Face id.
     #[arg(long)]
     pub revision: Option<String>,
-    /// The Hugging Face cache folder a MODEL id is read from (vLLM's flag; default:
+    /// The Hugging Face cache folder a MODEL id is read from and downloaded into (vLLM's flag; default:
     /// `HF_HUB_CACHE`, else `HF_HOME/hub`, else `~/.cache/huggingface/hub`).
     #[arg(long)]
     pub download_dir: Option<PathBuf>,

@@ -17,13 +17,15 @@ pub struct Started {
 
 pub fn start(flags: &EngineFlags) -> Result<Started> {
     flags.check_dtype()?;
+    // A Hugging Face id is found (or downloaded, with its own bars) before loading starts.
+    let args = flags.engine_args().resolved()?;
     let bar = ProgressBar::new(0).with_style(
         ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers")
             .unwrap()
             .progress_chars("=> "),
     );
-    bar.set_message(flags.model().display().to_string());
-    let loaded = loader::load(&flags.engine_args(), |done, total| {
+    bar.set_message(args.model.display().to_string());
+    let loaded = loader::load(&args, |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
     });

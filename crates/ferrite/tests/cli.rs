@@ -207,6 +207,7 @@ fn hugging_face_ids_resolve_through_the_local_cache() {
         let out = Command::new(env!("CARGO_BIN_EXE_ferrite"))
             .args(&args)
             .env("HF_HUB_CACHE", hf_cache)
+            .env("HF_HUB_OFFLINE", "1")
             .output()
             .unwrap();
         (
@@ -233,6 +234,7 @@ fn hugging_face_ids_resolve_through_the_local_cache() {
     assert!(!ok, "{err}");
     assert!(
         err.contains("not in the Hugging Face cache")
+            && err.contains("HF_HUB_OFFLINE is set")
             && err.contains("huggingface-cli download HuggingFaceTB/SmolLM2-135M-Instruct"),
         "{err}"
     );
@@ -249,4 +251,173 @@ fn hugging_face_ids_resolve_through_the_local_cache() {
         !ok && err.contains("--cache-dir /nonexistent-cache"),
         "{err}"
     );
+}
+
+/// A Hugging Face hub stand-in on a local port: the repository listing and ranged file
+/// reads hf-hub asks for, 401 for `test/gated`, 404 for anything else. Answers until the
+/// test ends; counts the files it served.
+fn fake_hub(
+    folder: std::path::PathBuf,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let served = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = served.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut line = String::new();
+            reader.read_line(&mut line).unwrap();
+            let path = line.split(' ').nth(1).unwrap_or("").to_string();
+            let mut range = None;
+            loop {
+                let mut h = String::new();
+                if reader.read_line(&mut h).unwrap() == 0 || h == "\r\n" {
+                    break;
+                }
+                if let Some(r) = h.to_ascii_lowercase().strip_prefix("range: bytes=") {
+                    let (a, b) = r.trim().split_once('-').unwrap();
+                    range = Some((a.parse::<usize>().unwrap(), b.parse::<usize>().ok()));
+                }
+            }
+            let commit = "c0ffee0123456789";
+            let mut out = stream;
+            let reply =
+                |out: &mut std::net::TcpStream, status: &str, headers: String, body: &[u8]| {
+                    let head = format!(
+                    "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n{headers}\r\n",
+                    body.len()
+                );
+                    let _ = out.write_all(head.as_bytes());
+                    let _ = out.write_all(body);
+                };
+            if path == "/api/models/test/tiny-qwen3/revision/main" {
+                let mut files: Vec<String> = std::fs::read_dir(&folder)
+                    .unwrap()
+                    .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .collect();
+                files.extend(["README.md".into(), "onnx/model.onnx".into()]);
+                let siblings: Vec<String> = files
+                    .iter()
+                    .map(|f| format!("{{\"rfilename\":\"{f}\"}}"))
+                    .collect();
+                let body = format!(
+                    "{{\"sha\":\"{commit}\",\"siblings\":[{}]}}",
+                    siblings.join(",")
+                );
+                reply(
+                    &mut out,
+                    "200 OK",
+                    "content-type: application/json\r\n".into(),
+                    body.as_bytes(),
+                );
+            } else if path.starts_with("/api/models/test/gated/") {
+                reply(
+                    &mut out,
+                    "401 Unauthorized",
+                    String::new(),
+                    b"{\"error\":\"gated\"}",
+                );
+            } else if let Some(file) = path.strip_prefix("/test/tiny-qwen3/resolve/main/") {
+                let data = std::fs::read(folder.join(file)).unwrap();
+                let (a, b) = range.unwrap_or((0, None));
+                let b = b.unwrap_or(data.len() - 1).min(data.len() - 1);
+                if a == 0 && b > 0 {
+                    count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+                let headers = format!(
+                    "x-repo-commit: {commit}\r\netag: \"{file}-{}\"\r\ncontent-range: bytes {a}-{b}/{}\r\n",
+                    data.len(),
+                    data.len()
+                );
+                reply(&mut out, "206 Partial Content", headers, &data[a..=b]);
+            } else {
+                reply(&mut out, "404 Not Found", String::new(), b"{}");
+            }
+        }
+    });
+    (url, served)
+}
+
+/// Ids missing from the cache are downloaded from `HF_ENDPOINT` (only the files a folder
+/// checkpoint needs), then served from the cache, offline too; a gated repository, a
+/// missing one and an unreachable hub each say what to do.
+#[test]
+fn hugging_face_ids_download_into_the_cache() {
+    let tiny =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/oracle/tiny/qwen3");
+    let (hub, served) = fake_hub(tiny);
+    let cache = std::env::temp_dir().join(format!("ferrite-hf-download-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let run = |model: &str, endpoint: &str, offline: bool| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferrite"));
+        cmd.args([
+            "generate",
+            model,
+            "--prompt",
+            "<5> <17> <33>",
+            "--max-tokens",
+            "2",
+            "--kv-cache-memory",
+            "10000000",
+            "--max-model-len",
+            "256",
+        ])
+        .env("HF_HUB_CACHE", &cache)
+        .env("HF_ENDPOINT", endpoint)
+        .env_remove("HF_HUB_OFFLINE");
+        if offline {
+            cmd.env("HF_HUB_OFFLINE", "1");
+        }
+        let out = cmd.output().unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, err) = run("test/tiny-qwen3", &hub, false);
+    assert!(ok && err.contains("finish_reason=length tokens=2"), "{err}");
+    assert!(
+        err.contains("downloaded model.safetensors") && err.contains("downloaded config.json"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("README.md,") && !err.contains("onnx"),
+        "only the checkpoint's files: {err}"
+    );
+    let snapshot = cache.join("models--test--tiny-qwen3/snapshots/c0ffee0123456789");
+    assert!(snapshot.join("model.safetensors").exists());
+    assert_eq!(
+        std::fs::read_to_string(cache.join("models--test--tiny-qwen3/refs/main"))
+            .unwrap()
+            .trim(),
+        "c0ffee0123456789"
+    );
+    let fetched = served.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(
+        fetched, 3,
+        "config.json, generation_config.json, model.safetensors"
+    );
+    // Cached: nothing fetched again, online or offline (an unreachable hub is not asked).
+    let (ok, err) = run("test/tiny-qwen3", &hub, false);
+    assert!(ok && !err.contains("downloading"), "{err}");
+    let (ok, err) = run("test/tiny-qwen3", "http://127.0.0.1:1", true);
+    assert!(ok && err.contains("finish_reason=length tokens=2"), "{err}");
+    assert_eq!(served.load(std::sync::atomic::Ordering::SeqCst), fetched);
+    let (ok, err) = run("test/gated", &hub, false);
+    assert!(
+        !ok && err.contains("gated or private") && err.contains("HF_TOKEN"),
+        "{err}"
+    );
+    let (ok, err) = run("test/absent", &hub, false);
+    assert!(!ok && err.contains("was not found at"), "{err}");
+    let (ok, err) = run("test/absent", "http://127.0.0.1:1", false);
+    assert!(
+        !ok && err.contains("cannot reach http://127.0.0.1:1") && err.contains("HF_HUB_OFFLINE=1"),
+        "{err}"
+    );
+    let (ok, err) = run("test/absent", &hub, true);
+    assert!(!ok && err.contains("HF_HUB_OFFLINE is set"), "{err}");
+    let _ = std::fs::remove_dir_all(&cache);
 }

@@ -1,8 +1,10 @@
 //! Model ids as vLLM and llama.cpp take them: `org/name` (a Hugging Face repository, read
 //! from the local Hugging Face cache: `HF_HUB_CACHE`, else `HF_HOME/hub`, else
 //! `~/.cache/huggingface/hub`, layout `models--org--name/snapshots/<commit>`), and
-//! `org/name:Q4_K_M` for one GGUF file of a repository (llama.cpp's `-hf`).
+//! `org/name:Q4_K_M` for one GGUF file of a repository (llama.cpp's `-hf`). What the cache
+//! lacks is downloaded ([`super::download`]) unless `HF_HUB_OFFLINE` is set.
 
+use super::download;
 use anyhow::{bail, Result};
 use std::path::{Path, PathBuf};
 
@@ -16,6 +18,16 @@ pub fn cache_dir() -> PathBuf {
     }
     let home = std::env::var_os("HOME").map_or(PathBuf::from("."), PathBuf::from);
     home.join(".cache/huggingface/hub")
+}
+
+/// `HF_HUB_OFFLINE` as huggingface_hub reads it.
+pub fn offline() -> bool {
+    std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "1" | "on" | "yes" | "true"
+        )
+    })
 }
 
 /// `org/name[:quant]` split, when `model` looks like a repository id and not a path.
@@ -34,9 +46,95 @@ fn repo_id(model: &str) -> Option<(&str, Option<&str>)> {
     (plain(org) && plain(name)).then_some((id, quant))
 }
 
+/// What of a repository is loaded.
+#[derive(Debug, PartialEq)]
+pub enum Pick {
+    /// A Hugging Face folder (config.json): these of its files.
+    Folder(Vec<String>),
+    /// One GGUF file.
+    Gguf(String),
+}
+
+/// Files a folder checkpoint is loaded from: config, tokenizer, safetensors, and the
+/// sentence-transformers description of an embedding model.
+fn folder_file(name: &str) -> bool {
+    const NAMED: &[&str] = &[
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+        "chat_template.json",
+        "modules.json",
+        "sentence_bert_config.json",
+        "config_sentence_transformers.json",
+        "1_Pooling/config.json",
+    ];
+    NAMED.contains(&name) || (!name.contains('/') && name.contains(".safetensors"))
+}
+
+/// Chooses from a repository's `files`: the GGUF whose name holds `quant`, else the folder
+/// when it has config.json, else its one GGUF file.
+pub fn pick(id: &str, files: &[String], quant: Option<&str>) -> Result<Pick> {
+    let mut ggufs: Vec<&String> = files.iter().filter(|f| f.ends_with(".gguf")).collect();
+    ggufs.sort();
+    let listed = |fs: &[&String]| match fs {
+        [] => "none".to_string(),
+        fs => fs.iter().map(|f| f.as_str()).collect::<Vec<_>>().join(", "),
+    };
+    match quant {
+        Some(q) => {
+            let q = q.to_ascii_lowercase();
+            let hits: Vec<&String> = ggufs
+                .iter()
+                .copied()
+                .filter(|f| f.to_ascii_lowercase().contains(&q))
+                .collect();
+            match hits.as_slice() {
+                [one] => Ok(Pick::Gguf(one.to_string())),
+                [] => bail!(
+                    "`{id}` has no GGUF file matching `{q}` (it has: {})",
+                    listed(&ggufs)
+                ),
+                many => bail!("`{id}:{q}` matches several GGUF files: {}", listed(many)),
+            }
+        }
+        None if files.iter().any(|f| f == "config.json") => Ok(Pick::Folder(
+            files.iter().filter(|f| folder_file(f)).cloned().collect(),
+        )),
+        None => match ggufs.as_slice() {
+            [one] => Ok(Pick::Gguf(one.to_string())),
+            [] => bail!("`{id}` has neither config.json nor a GGUF file"),
+            many => bail!(
+                "`{id}` holds several GGUF files ({}): name one, as `{id}:Q4_K_M`",
+                listed(many)
+            ),
+        },
+    }
+}
+
+/// Files of a snapshot folder, as paths relative to it.
+fn snapshot_files(snapshot: &Path) -> Vec<String> {
+    let mut files = Vec::new();
+    let mut dirs = vec![snapshot.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if let Ok(rel) = p.strip_prefix(snapshot) {
+                files.push(rel.to_string_lossy().into_owned());
+            }
+        }
+    }
+    files
+}
+
 /// `model` as a file or folder to load: itself when it exists, else a repository id looked
 /// up at `revision` (a branch, tag or commit; default `main`) in the Hugging Face cache, or
-/// in `cache` (vLLM's `--download-dir`, a folder of the same layout) when given.
+/// in `cache` (vLLM's `--download-dir`, a folder of the same layout) when given; what is not
+/// there is downloaded into it, unless `HF_HUB_OFFLINE` is set.
 pub fn resolve(model: &Path, revision: Option<&str>, cache: Option<&Path>) -> Result<PathBuf> {
     if model.exists() {
         return Ok(model.to_path_buf());
@@ -52,65 +150,24 @@ pub fn resolve(model: &Path, revision: Option<&str>, cache: Option<&Path>) -> Re
         .map(|c| c.trim().to_string())
         .unwrap_or_else(|_| revision.to_string());
     let snapshot = repo.join("snapshots").join(&commit);
-    if !snapshot.is_dir() {
-        bail!(
-            "`{id}` (revision {revision}) is not in the Hugging Face cache at {}: ferrite reads \
-             models from the cache and does not download them; fetch it with \
-             `huggingface-cli download {id} --cache-dir {}` (or `hf download`), or pass a file \
-             or folder",
+    let cached = snapshot
+        .is_dir()
+        .then(|| pick(id, &snapshot_files(&snapshot), quant));
+    match cached {
+        Some(Ok(Pick::Gguf(f))) => Ok(snapshot.join(f)),
+        Some(Ok(Pick::Folder(_))) => Ok(snapshot),
+        Some(Err(e)) if offline() => Err(e.context(format!(
+            "in the Hugging Face cache at {} (HF_HUB_OFFLINE is set: nothing is downloaded)",
+            snapshot.display()
+        ))),
+        None if offline() => bail!(
+            "`{id}` (revision {revision}) is not in the Hugging Face cache at {} and \
+             HF_HUB_OFFLINE is set: unset it to download the model, or fetch it with \
+             `huggingface-cli download {id} --cache-dir {}` where the hub can be reached, or \
+             pass a file or folder",
             cache.display(),
             cache.display()
-        );
-    }
-    let ggufs: Vec<PathBuf> = std::fs::read_dir(&snapshot)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
-        .collect();
-    match quant {
-        Some(q) => {
-            let q = q.to_ascii_lowercase();
-            let mut hits: Vec<&PathBuf> = ggufs
-                .iter()
-                .filter(|p| p.to_string_lossy().to_ascii_lowercase().contains(&q))
-                .collect();
-            hits.sort();
-            match hits.as_slice() {
-                [one] => Ok(one.to_path_buf()),
-                [] => bail!(
-                    "`{id}` has no GGUF file matching `{q}` in {} (it has: {})",
-                    snapshot.display(),
-                    names(&ggufs)
-                ),
-                many => bail!(
-                    "`{id}:{q}` matches several GGUF files: {}",
-                    names(&many.iter().map(|p| p.to_path_buf()).collect::<Vec<_>>())
-                ),
-            }
-        }
-        None if snapshot.join("config.json").exists() => Ok(snapshot),
-        None => match ggufs.as_slice() {
-            [one] => Ok(one.clone()),
-            [] => bail!(
-                "`{id}` in {} has neither config.json nor a GGUF file",
-                snapshot.display()
-            ),
-            _ => bail!(
-                "`{id}` holds several GGUF files ({}): name one, as `{id}:Q4_K_M`",
-                names(&ggufs)
-            ),
-        },
-    }
-}
-
-fn names(paths: &[PathBuf]) -> String {
-    let mut n: Vec<String> = paths
-        .iter()
-        .filter_map(|p| p.file_name().map(|f| f.to_string_lossy().into_owned()))
-        .collect();
-    n.sort();
-    if n.is_empty() {
-        "none".into()
-    } else {
-        n.join(", ")
+        ),
+        _ => download::fetch(id, quant, revision, &cache),
     }
 }
