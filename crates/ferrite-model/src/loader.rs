@@ -4,11 +4,13 @@
 
 use crate::backend::cpu::CpuBackend;
 use crate::checkpoint::{open_tokenizer, open_weights, read_config};
+use crate::config::ModelConfig;
 pub use crate::engine_args::*;
-use crate::memory;
+use crate::memory::{self, MemoryPlan};
 use crate::models::{self, Decoder};
 use crate::runner::{ModelRunner, StepModel};
 use crate::step::PackedStep;
+use crate::weights::footprint::cpu_weight_bytes;
 use anyhow::{bail, Result};
 use std::path::Path;
 
@@ -101,7 +103,26 @@ fn profile_activations(
         peak - before
     } else {
         // Without a resettable peak counter, estimate from the buffers a step allocates.
-        let h = c.hidden_size.max(c.num_heads * c.head_dim);
-        (tokens * (6 * h + 3 * c.intermediate_size) * 4 + c.vocab_size * 4) as u64
+        memory::activation_estimate(&c, tokens)
     })
+}
+
+/// What [`load`] would plan on the CPU, from the checkpoint's header and config alone (no
+/// weights read): weights as the CPU backend keeps them, activations estimated (start-up
+/// measures its step), for `device_bytes` of memory.
+pub fn plan_from_header(args: &EngineArgs, device_bytes: u64) -> Result<(MemoryPlan, ModelConfig)> {
+    let args = &args.resolved()?;
+    let (src, weights) = open_weights(&args.model, args.load_format)?;
+    let config = models::config(&src)?;
+    let max_model_len = args.max_model_len(&config)?;
+    let tokens = args.max_num_batched_tokens.min(max_model_len);
+    let (plan, _) = args.plan(
+        &config,
+        max_model_len,
+        device_bytes,
+        cpu_weight_bytes(&weights, args.weight_format) as u64,
+        memory::activation_estimate(&config, tokens),
+        models::state_bytes(&models::state_layers(&src)?) as u64,
+    )?;
+    Ok((plan, config))
 }

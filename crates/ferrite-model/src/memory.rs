@@ -48,6 +48,13 @@ pub fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
+/// The buffers one CPU step of `tokens` tokens allocates (activations, MLP, logits of a
+/// row): what is planned where the step cannot be run and measured.
+pub fn activation_estimate(c: &crate::config::ModelConfig, tokens: usize) -> u64 {
+    let h = c.hidden_size.max(c.num_heads * c.head_dim);
+    (tokens * (6 * h + 3 * c.intermediate_size) * 4 + c.vocab_size * 4) as u64
+}
+
 #[derive(Clone, Debug)]
 pub struct MemoryPlan {
     pub device_bytes: u64,

@@ -218,3 +218,27 @@ fn qwen3_5_stored_under_language_model_loads_the_same() {
     std::fs::remove_dir_all(&out).unwrap();
     assert_eq!(max_diff(&got, &want), 0.0);
 }
+
+/// `ferrite plan`'s weight figure, read from headers alone, is what loading measures: every
+/// tiny family as safetensors and GGUF, the real SmolLM2 (Q8_0) and Gemma 3 (Q4_K_M), on
+/// the int8 path and in f32.
+#[test]
+fn header_weight_bytes_match_the_loaded_weights() {
+    use ferrite_model::checkpoint::open_weights;
+    use ferrite_model::weights::footprint::cpu_weight_bytes;
+    let tiny = repo_root().join("tests/oracle/tiny");
+    let mut paths: Vec<std::path::PathBuf> = std::fs::read_dir(&tiny)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    paths.sort();
+    paths.extend([fetch_model("smollm2"), fetch_model("gemma3")]);
+    for path in &paths {
+        for format in [WeightFormat::Auto, WeightFormat::F32] {
+            let (_, src) = open_weights(path, LoadFormat::Auto).unwrap();
+            let planned = cpu_weight_bytes(&src, format);
+            let loaded = load_path(path, format).weight_bytes();
+            assert_eq!(planned, loaded, "{} {format:?}", path.display());
+        }
+    }
+}

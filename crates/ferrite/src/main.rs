@@ -7,6 +7,7 @@ mod bench_offline;
 mod bench_serve;
 mod bench_throughput;
 mod generate;
+mod plan;
 mod serve;
 mod start;
 
@@ -33,6 +34,9 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Generate a completion for one prompt, streamed to stdout.
     Generate(generate::GenerateArgs),
+    /// The memory plan for a model, from its header alone: weights, KV bytes per token, KV
+    /// tokens and concurrency for the memory budget.
+    Plan(plan::PlanArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -67,6 +71,7 @@ fn main() {
     let result = match cli.command {
         Command::Serve(a) => serve::run(a),
         Command::Generate(a) => generate::run(a),
+        Command::Plan(a) => plan::run(a),
         Command::Bench(BenchCommand::Offline(a)) => bench_offline::run(a),
         Command::Bench(BenchCommand::Throughput(a)) => bench_throughput::run(a),
         Command::Bench(BenchCommand::Serve(a)) => bench_serve::serve(*a),

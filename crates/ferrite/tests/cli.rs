@@ -421,3 +421,94 @@ fn hugging_face_ids_download_into_the_cache() {
     assert!(!ok && err.contains("HF_HUB_OFFLINE is set"), "{err}");
     let _ = std::fs::remove_dir_all(&cache);
 }
+
+/// The start-up line's pool size, weights and concurrency: `(blocks, "weights 0.12 GiB",
+/// "1.00x")`.
+fn plan_figures(line: &str) -> (usize, String, String) {
+    let at = line.find("KV cache: ").expect("a plan line") + "KV cache: ".len();
+    let blocks = line[at..].split(' ').next().unwrap().parse().unwrap();
+    let weights = line
+        .split(", ")
+        .find(|p| p.starts_with("weights "))
+        .unwrap();
+    let conc = line
+        .split("max_model_len ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap();
+    (
+        blocks,
+        weights.to_string(),
+        conc.trim_end_matches(';').to_string(),
+    )
+}
+
+fn model_file(name: &str) -> String {
+    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let out = Command::new("bash")
+        .arg(root.join("scripts/fetch-model.sh"))
+        .arg(name)
+        .output()
+        .unwrap();
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+/// `ferrite plan` (header only) states the plan start-up makes: one request on SmolLM2
+/// (`generate`, the pool capped at one max_model_len request), Gemma 3's window groups with
+/// `--kv-cache-memory`, and the server at its defaults, where the budget bounds the pool and
+/// only the activation estimate differs from start-up's measured step.
+#[test]
+fn plan_states_what_start_up_makes() {
+    let (smollm2, gemma3) = (model_file("smollm2"), model_file("gemma3"));
+    let plan = |model: &str, extra: &[&str]| {
+        let mut args = vec!["plan", model, "--json"];
+        args.extend_from_slice(extra);
+        let out = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        plan_figures(v["startup_line"].as_str().unwrap())
+    };
+    let generate = |model: &str, extra: &[&str]| {
+        let mut args = vec!["generate", model, "--prompt", "hi", "--max-tokens", "1"];
+        args.extend_from_slice(extra);
+        let (ok, err) = ferrite(&args);
+        assert!(ok, "{err}");
+        plan_figures(err.lines().find(|l| l.contains("KV cache: ")).unwrap())
+    };
+    assert_eq!(
+        plan(&smollm2, &["--max-num-seqs", "1"]),
+        generate(&smollm2, &[])
+    );
+    let kv = ["--kv-cache-memory", "200000000"];
+    let gemma = plan(&gemma3, &[&kv[..], &["--max-num-seqs", "1"]].concat());
+    assert_eq!(gemma, generate(&gemma3, &kv));
+    assert_eq!(gemma.0, 200_000_000 / (16 * 2 * 256 * 2 * 3));
+    // The server at its defaults, stopped once it has stated its plan.
+    let port = (20000 + std::process::id() % 20000).to_string();
+    let mut server = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+        .args(["serve", &smollm2, "--port", &port])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = std::io::BufReader::new(server.stderr.take().unwrap());
+    let line = std::io::BufRead::lines(stderr)
+        .map(|l| l.unwrap())
+        .find(|l| l.contains("KV cache: "))
+        .expect("the server states its plan");
+    let _ = server.kill();
+    let _ = server.wait();
+    let (served, planned) = (plan_figures(&line), plan(&smollm2, &[]));
+    println!("served {served:?}, planned {planned:?}");
+    assert_eq!(served.1, planned.1, "weights");
+    let diff = served.0.abs_diff(planned.0) as f64 / served.0 as f64;
+    assert!(diff < 0.01, "blocks {served:?} vs {planned:?}");
+}

@@ -133,6 +133,20 @@ pub fn config(src: &ConfigSource) -> Result<ModelConfig> {
     }
 }
 
+/// The recurrent-state layers of a checkpoint's family, from its config alone (none but
+/// hybrids').
+pub fn state_layers(src: &ConfigSource) -> Result<Vec<GdnSpec>> {
+    Ok(match kind(src)? {
+        Kind::Hybrid => qwen3_5::HybridConfig::read(src)?.state_layers(),
+        Kind::Llama | Kind::Gemma => Vec::new(),
+    })
+}
+
+/// Bytes of one request's recurrent state over `layers` (f32).
+pub fn state_bytes(layers: &[GdnSpec]) -> usize {
+    layers.iter().map(|s| s.state_elems() * 4).sum()
+}
+
 /// Loads the checkpoint's family onto `backend`; `progress(done, total)` follows the layers.
 pub fn load<B: Backend + 'static>(
     backend: B,
@@ -246,8 +260,7 @@ impl<B: Backend> Decoder<B> {
     /// Bytes of one request's recurrent state across the model (f32), 0 for a model
     /// without linear-attention layers.
     pub fn state_bytes_per_slot(&self) -> usize {
-        let layers = self.family.state_layers();
-        layers.iter().map(|s| s.state_elems() * 4).sum()
+        state_bytes(&self.family.state_layers())
     }
 
     pub fn max_positions(&self) -> usize {

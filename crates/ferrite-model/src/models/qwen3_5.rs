@@ -30,6 +30,12 @@ pub struct HybridConfig {
 }
 
 impl HybridConfig {
+    /// One state per linear-attention layer.
+    pub fn state_layers(&self) -> Vec<GdnSpec> {
+        let n = self.linear.iter().filter(|l| **l).count();
+        vec![self.gdn.clone(); n]
+    }
+
     pub fn read(src: &ConfigSource) -> Result<Self> {
         let mut common = ModelConfig::common(src, false)?;
         let n = common.num_layers;
@@ -344,7 +350,6 @@ impl<B: Backend> Family<B> for Hybrid<B> {
     }
 
     fn state_layers(&self) -> Vec<GdnSpec> {
-        let n = self.config.linear.iter().filter(|l| **l).count();
-        vec![self.config.gdn.clone(); n]
+        self.config.state_layers()
     }
 }

@@ -5,6 +5,7 @@
 pub mod config_source;
 pub mod download;
 pub mod experts;
+pub mod footprint;
 pub mod gguf;
 pub mod hub;
 

@@ -4,7 +4,7 @@
 //! quantization of the input ([`LinearInput`]).
 
 use super::quant::activations::QuantizedActs;
-use super::quant::packed::PackedWeight;
+use super::quant::packed::{Codes, PackedWeight};
 use super::quant::{matmul, Isa};
 use crate::engine_args::WeightFormat;
 use anyhow::{anyhow, Result};
@@ -41,14 +41,23 @@ impl<'a> LinearInput<'a> {
     }
 }
 
-fn is_float(t: &QTensor) -> bool {
-    matches!(t.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+/// How a stored matrix of `dtype` is kept: repacked for the int8 kernels, or f32 (`None`).
+fn packed_as(dtype: GgmlDType, format: WeightFormat) -> Option<Codes> {
+    Codes::of(dtype).filter(|_| format != WeightFormat::F32)
+}
+
+/// [`Linear::bytes`] of a stored `[rows, cols]` matrix, known before it is read (plans).
+pub fn matrix_bytes(dtype: GgmlDType, rows: usize, cols: usize, format: WeightFormat) -> usize {
+    match packed_as(dtype, format) {
+        Some(codes) => PackedWeight::bytes_for(rows, cols, codes),
+        None => rows * cols * 4,
+    }
 }
 
 impl Linear {
     pub fn new(w: QTensor, format: WeightFormat) -> Result<Self> {
         let out_features = w.shape().dims2()?.0;
-        let weights = if format == WeightFormat::F32 || is_float(&w) {
+        let weights = if packed_as(w.dtype(), format).is_none() {
             Weights::Float(w.dequantize(&Device::Cpu)?)
         } else {
             Weights::Quantized(PackedWeight::from_qtensor(&w)?)

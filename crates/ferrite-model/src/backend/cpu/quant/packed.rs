@@ -24,6 +24,17 @@ pub enum Codes {
     U8,
 }
 
+impl Codes {
+    /// The form a GGML block type is repacked into; `None` for float types.
+    pub fn of(dtype: GgmlDType) -> Option<Self> {
+        match dtype {
+            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => None,
+            GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q4K => Some(Codes::U4),
+            _ => Some(Codes::U8),
+        }
+    }
+}
+
 pub struct PackedWeight {
     pub rows: usize,
     pub cols: usize,
@@ -174,12 +185,8 @@ impl PackedWeight {
         if cols % BLOCK != 0 {
             bail!("{dtype:?} weight of width {cols} is not a multiple of {BLOCK}");
         }
-        let codes = match dtype {
-            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
-                bail!("{dtype:?} weights are not block-quantized")
-            }
-            GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q4K => Codes::U4,
-            _ => Codes::U8,
+        let Some(codes) = Codes::of(dtype) else {
+            bail!("{dtype:?} weights are not block-quantized")
         };
         match dtype {
             GgmlDType::Q4_0
@@ -292,6 +299,16 @@ impl PackedWeight {
     /// Bytes the kernels read per full pass over the matrix.
     pub fn bytes(&self) -> usize {
         self.data.len() + 2 * (self.d.len() + self.m.len())
+    }
+
+    /// [`Self::bytes`] of a `[rows, cols]` matrix packed as `codes`, before it is packed.
+    pub fn bytes_for(rows: usize, cols: usize, codes: Codes) -> usize {
+        let blocks = (cols / BLOCK).next_multiple_of(2);
+        let (code_bytes, scales) = match codes {
+            Codes::U4 => (blocks * 16, 2),
+            Codes::U8 => (blocks * BLOCK, 1),
+        };
+        rows * (code_bytes + 2 * scales * blocks)
     }
 
     /// Weight `r`, `c` as the kernels see it (tests and references).
