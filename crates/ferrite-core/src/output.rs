@@ -29,6 +29,8 @@ pub struct StepOutput {
     /// Rows that failed after the forward pass (a bug in sampling or a grammar, never bad
     /// input): only these requests fail, with the reason.
     pub failed: HashMap<RequestId, String>,
+    /// Each pooling request whose prompt the step completed: its pooled hidden state.
+    pub pooled: HashMap<RequestId, Vec<f32>>,
 }
 
 /// One streamed piece of a request's result.
@@ -47,4 +49,6 @@ pub struct RequestOutput {
     pub num_output_tokens: usize,
     /// Seconds from arrival to first scheduling; sent with the first output.
     pub queue_time: Option<f64>,
+    /// A pooling request's pooled hidden state (its only output).
+    pub embedding: Option<Vec<f32>>,
 }

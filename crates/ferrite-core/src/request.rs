@@ -50,6 +50,9 @@ pub struct Request {
     pub num_preemptions: usize,
     /// Structured output: the grammar its tokens must follow.
     pub constraint: Option<Constraint>,
+    /// Prefill only (embeddings, scores): once its prompt is computed, the request finishes
+    /// with its pooled hidden state instead of sampling.
+    pub pooling: bool,
 }
 
 impl Request {
@@ -71,6 +74,7 @@ impl Request {
             eos_token_ids,
             num_preemptions: 0,
             constraint: None,
+            pooling: false,
         }
     }
 

@@ -35,6 +35,9 @@ pub struct SchedulerConfig {
     /// Draft tokens for decodes (n-gram prompt lookup), verified in the same step; `None`:
     /// off. Models with recurrent state cannot roll a rejected draft back and keep it off.
     pub speculation: Option<Speculation>,
+    /// Every prompt is computed in one step, never in chunks: encoder models attend in both
+    /// directions, so a token's state needs the tokens after it.
+    pub whole_prompts: bool,
 }
 
 /// What the sampler needs for a row that produces a token this step.
@@ -82,6 +85,8 @@ pub struct ScheduledRequest {
     pub state_save: Option<(usize, StateSlot)>,
     /// Present when the step reaches the last known token, so a new token is sampled.
     pub sample: Option<SampleSpec>,
+    /// A pooling request whose prompt this step completes: its hidden states are pooled.
+    pub pool: bool,
     /// Draft tokens fed after the last known one (`token_ids` ends with them): each of the
     /// last `draft.len() + 1` rows is sampled, and drafts are kept while they match.
     pub draft: Vec<u32>,
@@ -138,6 +143,8 @@ pub enum AdmissionError {
          raise --gpu-memory-utilization or --kv-cache-memory"
     )]
     TooManyBlocks { needed: usize, available: usize },
+    #[error("this model's maximum input length is {max} tokens; the input has {prompt} tokens")]
+    InputTooLong { max: usize, prompt: usize },
 }
 
 pub struct Scheduler {
@@ -219,6 +226,21 @@ impl Scheduler {
             });
         }
         Ok(requested)
+    }
+
+    /// Refuses a pooling input (prefill only) that could never be computed: longer than
+    /// `max_model_len`, or than one step when prompts are not chunked.
+    pub fn check_pooling_admissible(&self, prompt_len: usize) -> Result<(), AdmissionError> {
+        let c = &self.config;
+        let max = match c.whole_prompts {
+            true => c.max_model_len.min(c.max_num_batched_tokens),
+            false => c.max_model_len,
+        };
+        match prompt_len {
+            0 => Err(AdmissionError::EmptyPrompt),
+            p if p > max => Err(AdmissionError::InputTooLong { max, prompt: p }),
+            _ => Ok(()),
+        }
     }
 
     pub fn add_request(&mut self, req: Request) {
@@ -391,6 +413,9 @@ impl Scheduler {
                 }
                 let computed = hit[0].len() * self.config.block_size;
                 let num_new = (req.num_tokens() - computed).min(budget);
+                if self.config.whole_prompts && num_new < req.num_tokens() - computed {
+                    break; // waits for a step with room for all of it
+                }
                 if !self
                     .kv
                     .allocate_slots(id, computed, computed + num_new, &hit)
@@ -453,7 +478,8 @@ impl Scheduler {
         let known = num_new - draft.len();
         let mut token_ids: Vec<u32> = (start..start + known).map(|i| req.token_at(i)).collect();
         token_ids.extend(&draft);
-        let sample = (start + known == req.num_tokens()).then(|| {
+        let completes = start + known == req.num_tokens();
+        let sample = (completes && !req.pooling).then(|| {
             let p = &req.params;
             let mut banned = if req.output_token_ids.len() < p.min_tokens() {
                 let mut b = p.stop_token_ids.clone();
@@ -499,6 +525,7 @@ impl Scheduler {
             state_restore: self.restores.get(&id).copied(),
             state_save,
             sample,
+            pool: completes && req.pooling,
             draft,
             prompt_logprobs,
         }
@@ -550,6 +577,9 @@ impl Scheduler {
                 (s.start_pos + 1 + accepted).min(req.num_tokens())
             };
             self.kv.cache_blocks(req);
+            if s.pool {
+                finished = Some(FinishReason::Stop);
+            }
             updates.push(RequestUpdate {
                 req_id: s.req_id,
                 new_tokens,

@@ -150,6 +150,7 @@ fn cfg(num_blocks: usize, bs: usize, budget: usize, prefix: Option<HashAlgo>) ->
         kv_groups: vec![None],
         state_slots: 0,
         state_checkpoints: 0,
+        whole_prompts: false,
         speculation: None,
     }
 }
@@ -245,6 +246,7 @@ proptest! {
         let hybrid = SchedulerConfig {
             state_slots: 4,
             state_checkpoints: checkpoints,
+            whole_prompts: false,
             ..cfg(longest.div_ceil(bs) + extra, bs, budget, Some(HashAlgo::Builtin))
         };
         let with = run(hybrid.clone(), &jobs, one_at_a_time);
@@ -275,6 +277,7 @@ fn a_hybrid_hit_reaches_the_last_checkpointed_block() {
     let hybrid = SchedulerConfig {
         state_slots: 2,
         state_checkpoints: 8,
+        whole_prompts: false,
         ..cfg(64, 4, 5, Some(HashAlgo::Sha256))
     };
     let r = run(hybrid.clone(), &jobs, true);

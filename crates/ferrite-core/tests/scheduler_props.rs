@@ -169,6 +169,7 @@ proptest! {
             kv_groups: vec![None],
             state_slots: 0,
             state_checkpoints: 0,
+            whole_prompts: false,
             speculation: None,
         };
         let (got, _) = run(cfg.clone(), &work);
@@ -209,6 +210,7 @@ proptest! {
             kv_groups: groups,
             state_slots: 0,
             state_checkpoints: 0,
+            whole_prompts: false,
             speculation: None,
         };
         let on = SchedulerConfig {
@@ -242,6 +244,7 @@ fn speculation_drafts_under_the_property_tests_workloads() {
         kv_groups: vec![None],
         state_slots: 0,
         state_checkpoints: 0,
+        whole_prompts: false,
         speculation: Some(Speculation {
             k: 3,
             min_n: 1,
@@ -300,6 +303,7 @@ proptest! {
             kv_groups: groups,
             state_slots: 0,
             state_checkpoints: 0,
+            whole_prompts: false,
             speculation: None,
         };
         let (got, _) = run(cfg.clone(), &work);
@@ -330,6 +334,7 @@ fn preemption_happens_under_pressure_and_changes_nothing() {
         kv_groups: vec![None],
         state_slots: 0,
         state_checkpoints: 0,
+        whole_prompts: false,
         speculation: None,
     };
     let (got, preemptions) = run(cfg.clone(), &work);
@@ -356,6 +361,7 @@ fn requests_that_can_never_fit_are_refused() {
         kv_groups: vec![None],
         state_slots: 0,
         state_checkpoints: 0,
+        whole_prompts: false,
         speculation: None,
     });
     let p = |m: i64| SamplingParams {
@@ -468,6 +474,7 @@ proptest! {
             kv_groups: vec![None],
             state_slots: slots,
             state_checkpoints: 0,
+            whole_prompts: false,
             speculation: None,
         };
         let got = run_with_states(cfg.clone(), &work, &aborts);
@@ -477,11 +484,76 @@ proptest! {
             max_num_seqs: 64,
             state_slots: 64,
             state_checkpoints: 0,
+            whole_prompts: false,
             ..cfg
         };
         let want = run_with_states(roomy, &work, &[]);
         for (id, tokens) in &got {
             prop_assert_eq!(Some(tokens), want.get(id));
         }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Pooling requests (embeddings) on a model whose prompts are never chunked: each is
+    /// scheduled once, with its whole prompt and nothing to sample, finishes in that step's
+    /// update, and gives its blocks back; generation requests sharing the engine are
+    /// unaffected by them.
+    #[test]
+    fn pooling_requests_run_whole_once_and_free_their_blocks(
+        prompts in prop::collection::vec((0usize..20, prop::collection::vec(1u32..VOCAB, 1..24)), 1..16),
+        block_size in 1usize..6,
+        budget in 24usize..64,
+        seats in 1usize..6,
+        extra_blocks in 0usize..8,
+    ) {
+        let cfg = SchedulerConfig {
+            max_num_batched_tokens: budget,
+            max_num_seqs: seats,
+            max_model_len: 24,
+            block_size,
+            num_blocks: 24usize.div_ceil(block_size) + extra_blocks,
+            prefix_caching: None,
+            kv_groups: vec![None],
+            state_slots: 0,
+            state_checkpoints: 0,
+            whole_prompts: true,
+            speculation: None,
+        };
+        let mut sched = Scheduler::new(cfg.clone());
+        let mut runs: HashMap<u64, usize> = HashMap::new();
+        let mut done = HashSet::new();
+        for step in 0..2_000 {
+            for (id, (at, prompt)) in prompts.iter().enumerate() {
+                if *at == step {
+                    prop_assert!(sched.check_pooling_admissible(prompt.len()).is_ok());
+                    let mut r = Request::new(id as u64, prompt.clone(), Arc::new(SamplingParams::default()), 0, Arc::from([EOS]));
+                    r.pooling = true;
+                    sched.add_request(r);
+                }
+            }
+            let out = sched.schedule();
+            for r in &out.requests {
+                let (_, prompt) = &prompts[r.req_id as usize];
+                prop_assert_eq!(r.start_pos, 0);
+                prop_assert_eq!(&r.token_ids, prompt, "the whole prompt in one step");
+                prop_assert!(r.pool && r.sample.is_none());
+                *runs.entry(r.req_id).or_default() += 1;
+            }
+            for u in sched.update(&out, &HashMap::new()) {
+                prop_assert!(u.new_tokens.is_empty());
+                prop_assert_eq!(u.finished, Some(FinishReason::Stop));
+                prop_assert!(done.insert(u.req_id));
+            }
+            if done.len() == prompts.len() {
+                break;
+            }
+        }
+        prop_assert_eq!(done.len(), prompts.len(), "every request finished");
+        prop_assert!(runs.values().all(|&n| n == 1));
+        prop_assert_eq!(sched.num_blocks_in_use(), 0, "blocks leaked");
+        prop_assert!(sched.check_pooling_admissible(25).is_err());
     }
 }

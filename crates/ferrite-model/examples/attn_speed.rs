@@ -44,6 +44,7 @@ fn main() {
         scale: 0.125,
         sliding_window: None,
         softcap: None,
+        causal: true,
         sinks: None,
     };
     let mut out = vec![0f32; rows * nh * d];

@@ -3,8 +3,10 @@
 use crate::backend::cpu::kv_cache::bytes_per_block;
 use crate::config::ModelConfig;
 use crate::memory::{self, MemoryPlan, PlanInputs};
+use crate::pooling::Pooling;
 use crate::runner::ModelRunner;
 use crate::tokenizer::ModelTokenizer;
+use crate::{checkpoint, models};
 use anyhow::{bail, Result};
 use ferrite_core::kv_layout::KvLayout;
 use ferrite_core::prefix_hash::HashAlgo;
@@ -65,6 +67,31 @@ pub struct EngineArgs {
     pub enforce_eager: bool,
     /// `--speculative-config`, checked; `None`: off.
     pub speculation: Option<Speculation>,
+    /// What the model serves (`--runner`, vLLM's).
+    pub runner: RunnerKind,
+}
+
+/// `--runner`: generation, or pooling (embeddings, scores).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RunnerKind {
+    /// Pooling for encoders and for checkpoints described as sentence-transformers
+    /// embedding models (`modules.json` with a Pooling module); generation otherwise.
+    Auto,
+    Generate,
+    Pooling,
+}
+
+impl std::str::FromStr for RunnerKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "generate" => Ok(Self::Generate),
+            "pooling" => Ok(Self::Pooling),
+            _ => Err(format!("unknown runner `{s}` (auto, generate, pooling)")),
+        }
+    }
 }
 
 /// Where the model runs (`--device`).
@@ -138,6 +165,7 @@ impl EngineArgs {
             load_format: LoadFormat::Auto,
             enforce_eager: false,
             speculation: None,
+            runner: RunnerKind::Auto,
         }
     }
 }
@@ -159,9 +187,52 @@ impl EngineArgs {
         })
     }
 
-    /// `--max-model-len`, or the model's trained context; past that context only a warning.
-    pub(crate) fn max_model_len(&self, config: &ModelConfig) -> Result<usize> {
-        let max_model_len = self.max_model_len.unwrap_or(config.context_length);
+    /// How the model pools, when it serves embeddings (`None`: it generates). An encoder
+    /// cannot generate; a folder's sentence-transformers description says how to pool.
+    pub fn pooling(&self) -> Result<Option<Pooling>> {
+        let encoder = models::is_encoder(&checkpoint::config_source(&self.model)?)?;
+        let dir = checkpoint::hf_config_path(&self.model);
+        let described = match dir.parent().filter(|_| !checkpoint::is_gguf(&self.model)) {
+            Some(dir) => Pooling::read(dir)?,
+            None => None,
+        };
+        Ok(match self.runner {
+            RunnerKind::Generate if encoder => {
+                bail!(
+                    "{} is an encoder: it serves embeddings (--runner pooling)",
+                    self.model.display()
+                )
+            }
+            RunnerKind::Generate => None,
+            RunnerKind::Auto if !encoder && described.is_none() => None,
+            _ => Some(described.unwrap_or_else(|| Pooling::default_for(encoder))),
+        })
+    }
+
+    /// These args as a pooling model runs: no prefix caching (a prompt's states are all
+    /// pooled, and an encoder's depend on the tokens after them) and no speculation.
+    pub fn for_pooling(&self) -> Self {
+        if self.prefix_caching.is_some() {
+            tracing::info!("prefix caching is off for an embedding model");
+        }
+        Self {
+            prefix_caching: None,
+            speculation: None,
+            ..self.clone()
+        }
+    }
+
+    /// `--max-model-len`, or the model's trained context (an embedding model's
+    /// `max_seq_length` when it names one); past that context only a warning.
+    pub(crate) fn max_model_len(
+        &self,
+        config: &ModelConfig,
+        pooling: Option<&Pooling>,
+    ) -> Result<usize> {
+        let trained = pooling
+            .and_then(|p| p.max_seq_length)
+            .map_or(config.context_length, |m| m.min(config.context_length));
+        let max_model_len = self.max_model_len.unwrap_or(trained);
         if max_model_len == 0 {
             bail!("--max-model-len must be positive");
         }
@@ -218,6 +289,7 @@ impl EngineArgs {
             kv_groups: layout.groups,
             state_slots: plan.state_slots,
             state_checkpoints: plan.state_checkpoints,
+            whole_prompts: false,
             speculation: self.speculation.clone().filter(|_| {
                 let fits = plan.state_slots == 0;
                 if !fits {
@@ -239,4 +311,6 @@ pub struct LoadedEngine {
     pub scheduler: SchedulerConfig,
     pub plan: MemoryPlan,
     pub config: ModelConfig,
+    /// An embedding model's pooling (`None`: the model generates).
+    pub pooling: Option<Pooling>,
 }

@@ -9,6 +9,7 @@ pub mod engine_args;
 pub mod loader;
 pub mod memory;
 pub mod models;
+pub mod pooling;
 pub mod rope;
 pub mod runner;
 pub mod sampler;

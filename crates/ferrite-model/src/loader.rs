@@ -8,6 +8,7 @@ use crate::config::ModelConfig;
 pub use crate::engine_args::*;
 use crate::memory::{self, MemoryPlan};
 use crate::models::{self, Decoder};
+use crate::pooling::Pooling;
 use crate::runner::{ModelRunner, StepModel};
 use crate::step::PackedStep;
 use crate::weights::footprint::cpu_weight_bytes;
@@ -47,9 +48,9 @@ pub fn load_cpu_decoder(
 }
 
 fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result<LoadedEngine> {
-    let args = &args.resolved()?;
+    let (args, pooling) = &resolved_for_task(args)?;
     let config = read_config(&args.model)?;
-    let max_model_len = args.max_model_len(&config)?;
+    let max_model_len = args.max_model_len(&config, pooling.as_ref())?;
     let tokenizer = open_tokenizer(&args.model)?;
     let mut model = load_cpu_decoder(
         &args.model,
@@ -62,7 +63,7 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
     let config = model.config.clone();
     let activation_bytes =
         profile_activations(&mut model, args.max_num_batched_tokens, args.block_size)?;
-    let (plan, scheduler) = args.plan(
+    let (plan, mut scheduler) = args.plan(
         &config,
         max_model_len,
         memory::physical_memory_bytes()?,
@@ -70,14 +71,27 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
         activation_bytes,
         model.state_bytes_per_slot() as u64,
     )?;
+    scheduler.whole_prompts = pooling.is_some();
     model.allocate_cache(plan.num_blocks, args.block_size)?;
     model.allocate_state(plan.state_slots + plan.state_checkpoints)?;
+    let runner = ModelRunner::new(Box::new(model), args.block_size, args.seed);
     Ok(LoadedEngine {
-        runner: ModelRunner::new(Box::new(model), args.block_size, args.seed),
+        runner: runner.with_pooling(pooling.clone()),
         tokenizer,
         scheduler,
         plan,
         config,
+        pooling: pooling.clone(),
+    })
+}
+
+/// `args` with a Hugging Face id resolved, and as an embedding model runs when it is one.
+fn resolved_for_task(args: &EngineArgs) -> Result<(EngineArgs, Option<Pooling>)> {
+    let args = args.resolved()?;
+    let pooling = args.pooling()?;
+    Ok(match pooling {
+        Some(_) => (args.for_pooling(), pooling),
+        None => (args, None),
     })
 }
 
@@ -111,10 +125,10 @@ fn profile_activations(
 /// weights read): weights as the CPU backend keeps them, activations estimated (start-up
 /// measures its step), for `device_bytes` of memory.
 pub fn plan_from_header(args: &EngineArgs, device_bytes: u64) -> Result<(MemoryPlan, ModelConfig)> {
-    let args = &args.resolved()?;
+    let (args, pooling) = &resolved_for_task(args)?;
     let (src, weights) = open_weights(&args.model, args.load_format)?;
     let config = models::config(&src)?;
-    let max_model_len = args.max_model_len(&config)?;
+    let max_model_len = args.max_model_len(&config, pooling.as_ref())?;
     let tokens = args.max_num_batched_tokens.min(max_model_len);
     let (plan, _) = args.plan(
         &config,

@@ -1,6 +1,7 @@
 //! The model runner: packs a [`SchedulerOutput`] into one flat step, runs the model once,
 //! samples the rows that need a token and computes requested prompt logprobs.
 
+use crate::pooling::Pooling;
 use crate::sampler::{argmax, log_sum_exp, logprob_and_rank, top_k_logprobs, Sampler};
 use crate::step::{PackedStep, NO_SLOT};
 use anyhow::Result;
@@ -88,6 +89,8 @@ pub struct ModelRunner {
     pub model: Box<dyn StepModel>,
     sampler: Sampler,
     block_size: usize,
+    /// An embedding model's pooling: its steps' outputs are pooled hidden states.
+    pooling: Option<Pooling>,
 }
 
 /// A sampled row that needs nothing a device draw lacks: no logprobs, bans, penalties or
@@ -108,13 +111,46 @@ enum RowUse {
     PromptLogprob(usize, u32, usize),
 }
 
+/// A pooled request of a step: its index, and how many rows (consecutive, in order) it has.
+type PoolRows = (usize, usize);
+
 impl ModelRunner {
     pub fn new(model: Box<dyn StepModel>, block_size: usize, seed: Option<u64>) -> Self {
         Self {
             model,
             sampler: Sampler::new(seed),
             block_size,
+            pooling: None,
         }
+    }
+
+    /// This runner for an embedding model that pools as `pooling` (`None`: it generates).
+    pub fn with_pooling(self, pooling: Option<Pooling>) -> Self {
+        Self { pooling, ..self }
+    }
+
+    /// A pooling step's result: each pooled request's rows as one vector.
+    fn pool(
+        &mut self,
+        step: &PackedStep,
+        pools: &[PoolRows],
+        out: &SchedulerOutput,
+    ) -> Result<StepOutput> {
+        let Some(pooling) = self.pooling.clone() else {
+            anyhow::bail!("a pooling request on a model that generates");
+        };
+        let states = self.model.forward(step)?;
+        let width = states.len() / step.logits_indices.len().max(1);
+        let mut result = StepOutput::default();
+        let mut row = 0;
+        for &(i, n) in pools {
+            let rows = &states[row * width..(row + n) * width];
+            result
+                .pooled
+                .insert(out.requests[i].req_id, pooling.pool(rows, width));
+            row += n;
+        }
+        Ok(result)
     }
 
     fn draw(&mut self, spec: &SampleSpec) -> RowDraw {
@@ -131,10 +167,11 @@ impl ModelRunner {
         }
     }
 
-    fn pack(&self, out: &SchedulerOutput) -> (PackedStep, Vec<RowUse>) {
+    fn pack(&self, out: &SchedulerOutput) -> (PackedStep, Vec<RowUse>, Vec<PoolRows>) {
         let bs = self.block_size;
         let mut step = PackedStep::default();
         let mut uses = Vec::new();
+        let mut pools = Vec::new();
         for (i, r) in out.requests.iter().enumerate() {
             let first_row = step.num_tokens();
             step.push(&r.token_ids, r.start_pos, &r.block_tables, bs);
@@ -151,6 +188,17 @@ impl ModelRunner {
                     uses.push(RowUse::PromptLogprob(i, target, pl.num_alternatives));
                 }
             }
+            if r.pool {
+                // Prompts of a pooling model are computed whole: the chunk is the prompt.
+                let rows = self
+                    .pooling
+                    .as_ref()
+                    .map_or(0..0, |p| p.rows(r.token_ids.len()));
+                pools.push((i, rows.len()));
+                step.logits_indices
+                    .extend(rows.map(|j| (first_row + j) as u32));
+                step.pooling = true;
+            }
             // Prompt-logprob rows end before the last prompt token, so these rows are new:
             // the last known token's and each draft token's.
             if r.sample.is_some() {
@@ -163,13 +211,16 @@ impl ModelRunner {
             }
         }
         step.finish();
-        (step, uses)
+        (step, uses, pools)
     }
 }
 
 impl Executor for ModelRunner {
     fn execute(&mut self, out: &SchedulerOutput) -> Result<StepOutput, ExecError> {
-        let (step, uses) = self.pack(out);
+        let (step, uses, pools) = self.pack(out);
+        if step.pooling {
+            return Ok(self.pool(&step, &pools, out)?);
+        }
         let mut result = StepOutput::default();
         let specs: Option<Vec<&SampleSpec>> = uses
             .iter()

@@ -37,6 +37,8 @@ pub struct PackedStep {
     /// `[B]` beside `state_slots` (or empty: none): `[n, slot]`, the state after the chunk's
     /// first `n` tokens written into checkpoint `slot`, or `[0, NO_SLOT]`.
     pub state_saves: Vec<[u32; 2]>,
+    /// A pooling step: the `logits_indices` rows' hidden states are the output, not logits.
+    pub pooling: bool,
 }
 
 /// No state slot (see [`PackedStep::state_restores`]).

@@ -18,9 +18,11 @@ struct Case {
     softcap: Option<f32>,
     /// Per query head, a logit in the softmax with no value (attention sinks).
     sinks: Option<Vec<f32>>,
+    /// False: every row sees all of its request's keys (encoders).
+    causal: bool,
 }
 
-/// Naive causal attention of one query row over contiguous keys, in f64.
+/// Naive attention of one query row over contiguous keys (causal, or all of them), in f64.
 #[allow(clippy::too_many_arguments)]
 fn reference(
     q: &[f32],
@@ -32,9 +34,12 @@ fn reference(
     c: &Case,
 ) -> Vec<f64> {
     let d = c.d;
-    let first = c.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+    let (first, last) = match c.causal {
+        true => (c.window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos),
+        false => (0, k.len() - 1),
+    };
     let scale = 1.0 / (d as f64).sqrt();
-    let scores: Vec<f64> = (first..=pos)
+    let scores: Vec<f64> = (first..=last)
         .map(|j| {
             let s: f64 = (0..d)
                 .map(|i| q[h * d + i] as f64 * k[j][kvh * d + i] as f64)
@@ -53,7 +58,7 @@ fn reference(
     let z: f64 = w.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - m).exp());
     (0..d)
         .map(|i| {
-            (first..=pos)
+            (first..=last)
                 .zip(&w)
                 .map(|(j, w)| w * v[j][kvh * d + i] as f64)
                 .sum::<f64>()
@@ -145,6 +150,7 @@ fn run_case(rng: &mut StdRng, c: &Case, isa: Isa) -> f64 {
         scale: 1.0 / (c.d as f32).sqrt(),
         sliding_window: c.window,
         softcap: c.softcap,
+        causal: c.causal,
         sinks: c.sinks.as_deref(),
     };
     let mut out = vec![0f32; q.len()];
@@ -154,7 +160,10 @@ fn run_case(rng: &mut StdRng, c: &Case, isa: Isa) -> f64 {
     for (t, &(b, pos)) in positions.iter().enumerate().step_by(7) {
         let alone = AttentionMeta {
             cu_seqlens_q: &[0, 1],
-            seq_lens_k: &[pos as u32 + 1],
+            seq_lens_k: &[match c.causal {
+                true => pos as u32 + 1,
+                false => all_k[b].len() as u32,
+            }],
             block_tables: &tables[b * max_blocks..(b + 1) * max_blocks],
             max_blocks,
             block_size: c.block_size,
@@ -200,11 +209,12 @@ fn paged_attention_matches_naive_reference() {
         for block_size in [1, 4, 16, 32] {
             for (heads, kv_heads) in [(4, 4), (8, 2), (9, 3), (6, 1)] {
                 for d in [32, 64, 128, 256] {
-                    for (window, softcap, sinks) in [
-                        (None, None, false),
-                        (Some(37), None, false),
-                        (None, Some(30.0), false),
-                        (Some(37), None, true),
+                    for (window, softcap, sinks, causal) in [
+                        (None, None, false, true),
+                        (Some(37), None, false, true),
+                        (None, Some(30.0), false, true),
+                        (Some(37), None, true, true),
+                        (None, None, false, false),
                     ] {
                         // Sinks around the scores' scale, so they weigh as much as keys do.
                         let sinks = sinks
@@ -217,11 +227,12 @@ fn paged_attention_matches_naive_reference() {
                             window,
                             softcap,
                             sinks,
+                            causal,
                         };
                         let err = run_case(&mut rng, &c, isa);
                         assert!(
                         err < 2e-5,
-                        "max abs error {err} ({} kernels, block {block_size}, {heads}/{kv_heads} heads, d {d}, window {window:?}, softcap {softcap:?}, sinks {:?})",
+                        "max abs error {err} ({} kernels, block {block_size}, {heads}/{kv_heads} heads, d {d}, window {window:?}, softcap {softcap:?}, sinks {:?}, causal {causal})",
                         isa.name(),
                         c.sinks.is_some()
                     );

@@ -220,8 +220,8 @@ fn qwen3_5_stored_under_language_model_loads_the_same() {
 }
 
 /// `ferrite plan`'s weight figure, read from headers alone, is what loading measures: every
-/// tiny family as safetensors and GGUF, the real SmolLM2 (Q8_0) and Gemma 3 (Q4_K_M), on
-/// the int8 path and in f32.
+/// tiny family as safetensors and GGUF, the real SmolLM2 (Q4_1), Gemma 3 (Q4_K_M) and
+/// all-MiniLM-L6-v2 (BERT, f32 safetensors), on the int8 path and in f32.
 #[test]
 fn header_weight_bytes_match_the_loaded_weights() {
     use ferrite_model::checkpoint::open_weights;
@@ -232,12 +232,14 @@ fn header_weight_bytes_match_the_loaded_weights() {
         .map(|e| e.unwrap().path())
         .collect();
     paths.sort();
-    paths.extend([fetch_model("smollm2"), fetch_model("gemma3")]);
+    paths.extend(["smollm2", "gemma3", "minilm"].map(fetch_model));
     for path in &paths {
         for format in [WeightFormat::Auto, WeightFormat::F32] {
             let (_, src) = open_weights(path, LoadFormat::Auto).unwrap();
             let planned = cpu_weight_bytes(&src, format);
-            let loaded = load_path(path, format).weight_bytes();
+            let load =
+                |p| load_cpu_decoder(p, LoadFormat::Auto, format, None, None, &mut |_, _| {});
+            let loaded = load(path).unwrap().weight_bytes();
             assert_eq!(planned, loaded, "{} {format:?}", path.display());
         }
     }

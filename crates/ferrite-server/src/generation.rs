@@ -168,6 +168,11 @@ pub fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiEr
         Some(m) if m != &state.model_name => {
             Err(ApiError::not_found(format!("The model `{m}` does not exist.")).with_param("model"))
         }
+        _ if state.embedder.is_some() => Err(ApiError::bad_request(format!(
+            "the model `{}` is an embedding model: it serves /v1/embeddings, /v1/score and \
+             /v1/rerank, not text generation",
+            state.model_name
+        ))),
         _ => Ok(()),
     }
 }

@@ -3,6 +3,7 @@
 pub mod chat;
 pub mod completions;
 pub mod connection;
+pub mod embeddings;
 pub mod error;
 pub mod generation;
 pub mod messages;
@@ -173,6 +174,15 @@ pub fn router(state: SharedState) -> Router {
                 },
             ),
         )
+        .route(
+            "/v1/embeddings",
+            post(
+                |State(s): State<SharedState>, body: Result<Bytes, BytesRejection>| async move {
+                    embeddings::embeddings(s, parse(&body)?).await
+                },
+            ),
+        )
+        .merge(scoring_routes())
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
@@ -212,6 +222,26 @@ pub fn router(state: SharedState) -> Router {
         )
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
+}
+
+/// vLLM's score route and its rerank routes (Jina's `/v1/rerank`, Cohere's `/v2/rerank`).
+fn scoring_routes() -> Router<SharedState> {
+    let score = post(
+        |State(s): State<SharedState>, body: Result<Bytes, BytesRejection>| async move {
+            embeddings::score(s, parse(&body)?).await
+        },
+    );
+    let rerank = post(
+        |State(s): State<SharedState>, body: Result<Bytes, BytesRejection>| async move {
+            embeddings::rerank(s, parse(&body)?).await
+        },
+    );
+    Router::new()
+        .route("/score", score.clone())
+        .route("/v1/score", score)
+        .route("/rerank", rerank.clone())
+        .route("/v1/rerank", rerank.clone())
+        .route("/v2/rerank", rerank)
 }
 
 async fn auth(State(s): State<SharedState>, req: Request, next: Next) -> Response {

@@ -34,6 +34,8 @@ pub struct AppState {
     pub created: u64,
     /// Conversations of `/v1/responses`, for `previous_response_id`.
     pub responses: ResponseStore,
+    /// Set when the model serves embeddings (and no text generation).
+    pub embedder: Option<crate::embeddings::Embedder>,
 }
 
 pub type SharedState = Arc<AppState>;

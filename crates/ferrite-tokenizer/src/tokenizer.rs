@@ -173,8 +173,16 @@ fn end_of_turn_tokens(gguf: &impl Metadata) -> Vec<u32> {
         .collect()
 }
 
+/// A `tokenizer.json` as the engine encodes: one prompt at a time, never padded or cut
+/// (sentence-transformers checkpoints save both settings in it; a prompt too long for the
+/// context is refused instead).
 fn load_json(path: &Path) -> Result<Tokenizer> {
-    Tokenizer::from_file(path).map_err(|e| anyhow!("cannot load {}: {e}", path.display()))
+    let mut t =
+        Tokenizer::from_file(path).map_err(|e| anyhow!("cannot load {}: {e}", path.display()))?;
+    t.with_padding(None);
+    t.with_truncation(None)
+        .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    Ok(t)
 }
 
 /// Splits of the GPT-2 family, by `tokenizer.ggml.pre` (the names llama.cpp's converter writes).

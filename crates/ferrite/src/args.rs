@@ -6,7 +6,7 @@ use ferrite_core::sampling::SamplingParams;
 use ferrite_core::spec_decode::{Speculation, SpeculativeConfig};
 use ferrite_model::loader::WeightFormat;
 use ferrite_model::loader::{
-    DeviceKind, EngineArgs, LoadFormat, DEFAULT_CPU_MEMORY_UTILIZATION,
+    DeviceKind, EngineArgs, LoadFormat, RunnerKind, DEFAULT_CPU_MEMORY_UTILIZATION,
     DEFAULT_GPU_MEMORY_UTILIZATION,
 };
 use std::path::PathBuf;
@@ -93,6 +93,10 @@ pub struct EngineFlags {
     /// (drafts from the request's own tokens, verified in the same step).
     #[arg(long, value_parser = parse_speculative_config)]
     pub speculative_config: Option<Speculation>,
+    /// What the model serves (vLLM's flag): `generate`, `pooling` (embeddings, scores), or
+    /// `auto`: pooling for encoders (BERT) and sentence-transformers embedding models.
+    #[arg(long, default_value = "auto")]
+    pub runner: RunnerKind,
 }
 
 fn parse_speculative_config(s: &str) -> Result<Speculation, String> {
@@ -168,6 +172,7 @@ impl EngineFlags {
             load_format: self.load_format,
             enforce_eager: self.enforce_eager,
             speculation: self.speculative_config.clone(),
+            runner: self.runner,
         }
     }
 }

@@ -144,17 +144,27 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .unwrap_or_else(|| "model".into())
     });
     let t0 = std::time::Instant::now();
-    let grammars =
-        ferrite_grammar::Grammars::new(&tok.tokenizer, started.vocab_size, &tok.eos_token_ids)
+    let grammars = match started.pooling {
+        // An embedding model generates nothing for a grammar to constrain.
+        Some(_) => Err("an embedding model generates no text".into()),
+        None => {
+            let g = ferrite_grammar::Grammars::new(
+                &tok.tokenizer,
+                started.vocab_size,
+                &tok.eos_token_ids,
+            )
             .map(Arc::new)
             .map_err(|e| format!("{e:#}"));
-    match &grammars {
-        Ok(_) => tracing::info!(
-            "structured output (llguidance) ready in {:.2} s",
-            t0.elapsed().as_secs_f64()
-        ),
-        Err(e) => tracing::warn!("structured output unavailable: {e}"),
-    }
+            match &g {
+                Ok(_) => tracing::info!(
+                    "structured output (llguidance) ready in {:.2} s",
+                    t0.elapsed().as_secs_f64()
+                ),
+                Err(e) => tracing::warn!("structured output unavailable: {e}"),
+            }
+            g
+        }
+    };
     let state = Arc::new(AppState {
         engine: started.engine.clone(),
         tokenizer: tok.clone(),
@@ -173,6 +183,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
         log_requests: args.enable_log_requests && !args.disable_log_requests,
         created: ferrite_server::protocol::now(),
         responses: Default::default(),
+        embedder: started
+            .pooling
+            .as_ref()
+            .map(|p| ferrite_server::embeddings::Embedder {
+                normalize: p.normalize,
+            }),
     });
     // Two runtime threads: HTTP and tokenization must not take the compute cores.
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -4,6 +4,7 @@ use crate::args::EngineFlags;
 use anyhow::Result;
 use ferrite_core::engine::EngineHandle;
 use ferrite_model::loader::{self, LoadedEngine};
+use ferrite_model::pooling::Pooling;
 use ferrite_model::tokenizer::ModelTokenizer;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::sync::Arc;
@@ -13,6 +14,8 @@ pub struct Started {
     pub tokenizer: Arc<ModelTokenizer>,
     /// Rows of the logits: the vocabulary a grammar's masks cover.
     pub vocab_size: usize,
+    /// An embedding model's pooling (`None`: the model generates).
+    pub pooling: Option<Pooling>,
 }
 
 pub fn start(flags: &EngineFlags) -> Result<Started> {
@@ -36,6 +39,7 @@ pub fn start(flags: &EngineFlags) -> Result<Started> {
         scheduler,
         plan,
         config,
+        pooling,
     } = loaded?;
     tracing::info!(
         "model {} ({}, {} layers, {} heads / {} KV heads), max_model_len {}, {}",
@@ -59,5 +63,6 @@ pub fn start(flags: &EngineFlags) -> Result<Started> {
         engine,
         tokenizer,
         vocab_size: config.vocab_size,
+        pooling,
     })
 }

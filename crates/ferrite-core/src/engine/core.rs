@@ -188,7 +188,18 @@ impl<E: Executor> EngineCore<E> {
         let updates = self.scheduler.update(output, &tokens);
         let mut generated = 0u64;
         for u in updates {
+            if let Some(embedding) = result.pooled.remove(&u.req_id) {
+                self.send_pooled(u.req_id, embedding);
+                continue;
+            }
             if u.new_tokens.is_empty() {
+                if u.finished.is_some() {
+                    // A pooling request the runner gave no vector: never left waiting.
+                    if let Some(st) = self.states.remove(&u.req_id) {
+                        let e = "the model step pooled nothing for this request";
+                        let _ = st.sink.send(Err(EngineError::Step(e.into())));
+                    }
+                }
                 continue;
             }
             let Some(st) = self.states.get_mut(&u.req_id) else {
@@ -242,6 +253,7 @@ impl<E: Executor> EngineCore<E> {
                 } else {
                     st.queue_time
                 },
+                embedding: None,
             };
             st.first_output_sent = true;
             let delivered = st.sink.send(Ok(out)).is_ok();
@@ -252,6 +264,20 @@ impl<E: Executor> EngineCore<E> {
             }
         }
         self.stats.lock().unwrap().generation_tokens_total += generated;
+    }
+
+    /// A pooling request's one output; it finished in the scheduler's update.
+    fn send_pooled(&mut self, id: RequestId, embedding: Vec<f32>) {
+        let Some(st) = self.states.remove(&id) else {
+            return;
+        };
+        let _ = st.sink.send(Ok(RequestOutput {
+            finish_reason: Some(FinishReason::Stop),
+            num_prompt_tokens: st.num_prompt_tokens,
+            queue_time: st.queue_time,
+            embedding: Some(embedding),
+            ..RequestOutput::default()
+        }));
     }
 
     fn publish_stats(&self) {

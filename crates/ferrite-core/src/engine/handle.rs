@@ -159,6 +159,11 @@ impl EngineHandle {
             self.info.eos_token_ids.clone(),
         );
         req.constraint = constraint;
+        self.submit(req)
+    }
+
+    fn submit(&self, req: Request) -> Result<RequestStream, EngineError> {
+        let id = req.id;
         let (tx, rx) = tokio_mpsc::unbounded_channel();
         self.commands
             .send(Command::Add(req, tx))
@@ -169,6 +174,31 @@ impl EngineHandle {
             commands: self.commands.clone(),
             finished: false,
         })
+    }
+
+    /// Queues a pooling request (embeddings, scores): its prompt is computed and its pooled
+    /// hidden state is the one output; nothing is sampled.
+    pub fn add_pooling(&self, prompt_token_ids: Vec<u32>) -> Result<RequestStream, EngineError> {
+        if let Some(&bad) = prompt_token_ids
+            .iter()
+            .find(|&&t| t as usize >= self.tokenizer.get_vocab_size(true))
+        {
+            return Err(EngineError::InvalidParams(format!(
+                "token id {bad} is outside the vocabulary"
+            )));
+        }
+        self.admission
+            .check_pooling_admissible(prompt_token_ids.len())?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut req = Request::new(
+            id,
+            prompt_token_ids,
+            Arc::new(SamplingParams::default()),
+            0,
+            self.info.eos_token_ids.clone(),
+        );
+        req.pooling = true;
+        self.submit(req)
     }
 
     pub fn abort(&self, id: RequestId) {

@@ -66,6 +66,9 @@ pub struct AttentionSpec {
     pub sliding_window: Option<usize>,
     /// `cap * tanh(score / cap)` before the softmax (Gemma 2).
     pub softcap: Option<f32>,
+    /// Each query sees keys up to its own position; false: every key of its request
+    /// (encoders, whose prompts are computed in one step).
+    pub causal: bool,
     /// The layer's KV group (whose block tables it reads) and its slot in a page (which of
     /// the backend's layer caches holds it); see `ferrite_core::kv_layout`.
     pub kv_group: usize,
@@ -90,7 +93,8 @@ pub struct QkvPrep<'a, B: Backend> {
     pub q_norm: Option<&'a B::Vector>,
     pub k_norm: Option<&'a B::Vector>,
     pub eps: f32,
-    pub rope: &'a B::Rope,
+    /// `None`: positions enter elsewhere (absolute position embeddings).
+    pub rope: Option<&'a B::Rope>,
 }
 
 /// How a mixture-of-experts layer routes its tokens.
@@ -388,6 +392,31 @@ pub trait Backend: Send + Sized {
         eps: f32,
         head: &Self::Linear,
         softcap: Option<f32>,
+    ) -> Result<()>;
+    /// Instead of logits (a pooling step): the `logits_indices` rows of `x`, RMS-normed when
+    /// `norm` is given, kept for [`Backend::host_logits`] as `[rows, width]`.
+    fn hidden(
+        &mut self,
+        s: &Step<Self>,
+        x: &Self::Act,
+        norm: Option<(&Self::Vector, f32)>,
+    ) -> Result<()>;
+    /// `x += table[position]` per row (absolute position embeddings).
+    fn add_positions(
+        &mut self,
+        s: &Step<Self>,
+        table: &Self::Embedding,
+        x: &mut Self::Act,
+    ) -> Result<()>;
+    /// `x += bias` per row, then GELU (erf form) if `gelu`.
+    fn add_bias(&mut self, x: &mut Self::Act, bias: &Self::Vector, gelu: bool) -> Result<()>;
+    /// LayerNorm of each row in place: `(x - mean) / sqrt(var + eps) * weight + bias`.
+    fn layer_norm(
+        &mut self,
+        x: &mut Self::Act,
+        weight: &Self::Vector,
+        bias: &Self::Vector,
+        eps: f32,
     ) -> Result<()>;
     /// The last [`Backend::logits`], `[rows, vocab]` on the host.
     fn host_logits(&mut self) -> Result<&mut [f32]>;

@@ -3,7 +3,7 @@
 //! interleaved with global ones, each with its own rotary base; Gemma 2 soft-caps attention
 //! scores and final logits, Gemma 3 normalizes Q and K per head instead.
 
-use super::layers::{embedding, lm_head, norm, weight_bytes, Attention, Mlp, NormWeights};
+use super::layers::{embedding, lm_head, norm, output, weight_bytes, Attention, Mlp, NormWeights};
 use super::{Buffers, Family};
 use crate::backend::{Activation, AttentionSpec, Backend, Epilogue, LinearIn, Step};
 use crate::config::{rope_scaling, ModelConfig, RopeScaling};
@@ -114,6 +114,7 @@ impl<B: Backend> Gemma<B> {
             scale: 1.0 / gc.query_pre_attn_scalar.sqrt(),
             sliding_window: local.then_some(gc.window),
             softcap: gc.attn_softcap,
+            causal: true,
             kv_group: 0,
             kv_slot: 0,
         };
@@ -204,7 +205,7 @@ impl<B: Backend> Family<B> for Gemma<B> {
             b.matmul(LinearIn::Plain(&ws.tmp.act), &l.mlp.down, post)?;
         }
         let (norm, head) = (&self.final_norm, &self.lm_head);
-        b.logits(s, &ws.x, norm, eps, head, self.final_softcap)
+        output(b, s, &ws.x, norm, eps, head, self.final_softcap)
     }
 
     fn weight_bytes(&self, b: &B) -> usize {

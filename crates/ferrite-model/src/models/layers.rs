@@ -168,7 +168,7 @@ impl<B: Backend> Attention<B> {
             q_norm: self.q_norm.as_ref(),
             k_norm: self.k_norm.as_ref(),
             eps,
-            rope,
+            rope: Some(rope),
         };
         b.prepare_qkv(s, &ws.qkv, &prep, &self.spec, cache, &mut ws.q)?;
         b.attention(
@@ -257,4 +257,21 @@ pub fn weight_bytes<B: Backend>(
     layers: impl Iterator<Item = usize>,
 ) -> usize {
     b.embedding_bytes(embedding) + b.linear_bytes(lm_head) + layers.sum::<usize>()
+}
+
+/// A decoder step's end: the logits of its sampled rows, or, in a pooling step (embedding
+/// models), those rows' final-normed hidden states.
+pub fn output<B: Backend>(
+    b: &mut B,
+    s: &Step<B>,
+    x: &B::Act,
+    norm: &B::Vector,
+    eps: f32,
+    head: &B::Linear,
+    softcap: Option<f32>,
+) -> Result<()> {
+    match s.host.pooling {
+        true => b.hidden(s, x, Some((norm, eps))),
+        false => b.logits(s, x, norm, eps, head, softcap),
+    }
 }

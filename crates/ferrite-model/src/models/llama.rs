@@ -3,7 +3,7 @@
 //! adds is found in its weights (biases, Q/K norms) and its config; Mixtral, Qwen2-MoE and
 //! Qwen3-MoE are the same blocks with experts in place of the MLP.
 
-use super::layers::{embedding, lm_head, norm, weight_bytes, Attention, NormWeights};
+use super::layers::{embedding, lm_head, norm, output, weight_bytes, Attention, NormWeights};
 use super::moe::{Ffn, MoeConfig};
 use super::{Buffers, Family};
 use crate::backend::{AttentionSpec, Backend, Epilogue, LinearIn, MoeBytes, Step};
@@ -55,6 +55,7 @@ impl<B: Backend> Llama<B> {
             scale: 1.0 / (c.head_dim as f32).sqrt(),
             sliding_window: c.sliding_window,
             softcap: None,
+            causal: true,
             kv_group: 0,
             kv_slot: 0,
         };
@@ -118,7 +119,7 @@ impl<B: Backend> Family<B> for Llama<B> {
             b.matmul(o_in, &l.attn.o, Epilogue::AddInto(&mut ws.x))?;
             l.ffn.forward(b, &mut ws.x, &l.ffn_norm, eps, &mut ws.tmp)?;
         }
-        b.logits(s, &ws.x, &self.final_norm, eps, &self.lm_head, None)
+        output(b, s, &ws.x, &self.final_norm, eps, &self.lm_head, None)
     }
 
     fn weight_bytes(&self, b: &B) -> usize {

@@ -2,6 +2,7 @@
 //! checkpoint's architecture to its family. [`Decoder`] is a loaded family with its KV
 //! cache on one backend: what the runner drives each step.
 
+pub mod bert;
 pub mod gemma;
 pub mod layers;
 pub mod llama;
@@ -86,6 +87,8 @@ enum Kind {
     Gemma,
     /// Gated delta-net and gated attention: Qwen3.5 (dense and MoE), Qwen3-Next.
     Hybrid,
+    /// BERT encoders (embedding models).
+    Bert,
 }
 
 const ARCHITECTURES: &[(&str, Kind)] = &[
@@ -106,7 +109,13 @@ const ARCHITECTURES: &[(&str, Kind)] = &[
     ("qwen3_5_moe", Kind::Hybrid),
     ("qwen3_5_moe_text", Kind::Hybrid),
     ("qwen3_next", Kind::Hybrid),
+    ("bert", Kind::Bert),
 ];
+
+/// Whether the checkpoint is an encoder (bidirectional attention: embeddings only).
+pub fn is_encoder(src: &ConfigSource) -> Result<bool> {
+    Ok(kind(src)? == Kind::Bert)
+}
 
 fn kind(src: &ConfigSource) -> Result<Kind> {
     let arch = src.architecture();
@@ -130,6 +139,7 @@ pub fn config(src: &ConfigSource) -> Result<ModelConfig> {
         Kind::Llama => llama::config(src),
         Kind::Gemma => Ok(gemma::GemmaConfig::read(src)?.common),
         Kind::Hybrid => Ok(qwen3_5::HybridConfig::read(src)?.common),
+        Kind::Bert => bert::config(src),
     }
 }
 
@@ -138,7 +148,7 @@ pub fn config(src: &ConfigSource) -> Result<ModelConfig> {
 pub fn state_layers(src: &ConfigSource) -> Result<Vec<GdnSpec>> {
     Ok(match kind(src)? {
         Kind::Hybrid => qwen3_5::HybridConfig::read(src)?.state_layers(),
-        Kind::Llama | Kind::Gemma => Vec::new(),
+        Kind::Llama | Kind::Gemma | Kind::Bert => Vec::new(),
     })
 }
 
@@ -179,6 +189,14 @@ pub fn load<B: Backend + 'static>(
             &backend,
             qwen3_5::HybridConfig::read(src)?,
             moe::MoeConfig::read(src)?,
+            &layout,
+            weights,
+            max_positions,
+            progress,
+        )?),
+        Kind::Bert => Box::new(bert::Bert::load(
+            &backend,
+            bert::config(src)?,
             &layout,
             weights,
             max_positions,

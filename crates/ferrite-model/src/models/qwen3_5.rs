@@ -5,7 +5,9 @@
 //! whose output is gated by `sigmoid` of a second half of its Q projection, with partial
 //! rotary embedding. Norms are zero-centred (`x * (1 + w)`), as Gemma's.
 
-use super::layers::{embedding, lm_head, matrix, norm, weight_bytes, Attention, NormWeights};
+use super::layers::{
+    embedding, lm_head, matrix, norm, output, weight_bytes, Attention, NormWeights,
+};
 use super::moe::{Ffn, MoeConfig};
 use super::{Buffers, Family};
 use crate::backend::{
@@ -201,6 +203,7 @@ impl<B: Backend> Hybrid<B> {
             scale: 1.0 / (c.head_dim as f32).sqrt(),
             sliding_window: None,
             softcap: None,
+            causal: true,
             kv_group: 0,
             kv_slot: 0,
         };
@@ -330,7 +333,7 @@ impl<B: Backend> Family<B> for Hybrid<B> {
             }
             l.ffn.forward(b, &mut ws.x, &l.ffn_norm, eps, &mut ws.tmp)?;
         }
-        b.logits(s, &ws.x, &self.final_norm, eps, &self.lm_head, None)
+        output(b, s, &ws.x, &self.final_norm, eps, &self.lm_head, None)
     }
 
     fn weight_bytes(&self, b: &B) -> usize {

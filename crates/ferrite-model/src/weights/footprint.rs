@@ -57,6 +57,9 @@ fn stored(src: &WeightSource) -> Vec<Stored> {
 fn not_a_matrix(t: &Stored) -> bool {
     t.dims.len() < 2
         || t.name.contains("conv1d")
+        || t.name.contains("token_type_embeddings")
+        || t.name.contains("position_ids")
+        || t.name.starts_with("pooler.")
         || t.name.starts_with("mtp.")
         || t.name.starts_with("model.mtp")
 }

@@ -58,6 +58,26 @@ pub struct Embedding {
     hidden: usize,
 }
 
+impl Embedding {
+    /// Row `ids[i]` of the table combined into row `i` of `out` by `put(out, table)`.
+    fn rows(&self, ids: &[u32], out: &mut [f32], put: impl Fn(&mut f32, f32)) -> Result<()> {
+        let h = self.hidden;
+        let (dtype, data) = (self.table.dtype(), self.table.data()?);
+        let row_bytes = h / dtype.block_size() * dtype.type_size();
+        let vocab = data.len() / row_bytes.max(1);
+        for (row, &id) in out.chunks_mut(h).zip(ids) {
+            if id as usize >= vocab {
+                bail!("row {id} of a table of {vocab}");
+            }
+            let bytes = &data[id as usize * row_bytes..][..row_bytes];
+            let t = qtensor_from_ggml(dtype, bytes, vec![h], &Device::Cpu)?;
+            let v = t.dequantize(&Device::Cpu)?.to_vec1::<f32>()?;
+            row.iter_mut().zip(v).for_each(|(r, v)| put(r, v));
+        }
+        Ok(())
+    }
+}
+
 pub struct CpuBackend {
     format: WeightFormat,
     /// The threads that run steps: the forward pass starts on one of them, so its parallel
@@ -221,19 +241,38 @@ impl Backend for CpuBackend {
         scale: Option<f32>,
         out: &mut Mat,
     ) -> Result<()> {
-        let h = e.hidden;
-        let dtype = e.table.dtype();
-        let data = e.table.data()?;
-        let row_bytes = h / dtype.block_size() * dtype.type_size();
-        let x = out.shape(s.host.input_ids.len(), h);
-        for (row, &id) in x.chunks_mut(h).zip(&s.host.input_ids) {
-            let bytes = &data[id as usize * row_bytes..][..row_bytes];
-            let t = qtensor_from_ggml(dtype, bytes, vec![h], &Device::Cpu)?;
-            row.copy_from_slice(&t.dequantize(&Device::Cpu)?.to_vec1::<f32>()?);
-            if let Some(scale) = scale {
-                row.iter_mut().for_each(|v| *v *= scale);
-            }
+        let x = out.shape(s.host.input_ids.len(), e.hidden);
+        e.rows(&s.host.input_ids, x, |row, v| *row = v)?;
+        if let Some(scale) = scale {
+            x.iter_mut().for_each(|v| *v *= scale);
         }
+        Ok(())
+    }
+
+    fn add_positions(&mut self, s: &Step<Self>, table: &Embedding, x: &mut Mat) -> Result<()> {
+        if x.cols != table.hidden {
+            bail!(
+                "position embeddings of {} for rows of {}",
+                table.hidden,
+                x.cols
+            );
+        }
+        table.rows(&s.host.positions, &mut x.data, |row, v| *row += v)
+    }
+
+    fn add_bias(&mut self, x: &mut Mat, bias: &Vec<f32>, gelu: bool) -> Result<()> {
+        if x.cols != bias.len() {
+            bail!("a bias of {} for rows of {}", bias.len(), x.cols);
+        }
+        ops::add_bias(&mut x.data, bias, gelu);
+        Ok(())
+    }
+
+    fn layer_norm(&mut self, x: &mut Mat, w: &Vec<f32>, b: &Vec<f32>, eps: f32) -> Result<()> {
+        if x.cols != w.len() || w.len() != b.len() {
+            bail!("a LayerNorm of {} for rows of {}", w.len(), x.cols);
+        }
+        ops::layer_norm(&mut x.data, w, b, eps);
         Ok(())
     }
 
@@ -329,9 +368,11 @@ impl Backend for CpuBackend {
         if let Some(n) = p.k_norm {
             head_rms_norm(k, n, p.eps);
         }
-        let positions = &s.host.positions;
-        p.rope.apply(qd, positions, a.num_heads, d);
-        p.rope.apply(k, positions, a.num_kv_heads, d);
+        if let Some(rope) = p.rope {
+            let positions = &s.host.positions;
+            rope.apply(qd, positions, a.num_heads, d);
+            rope.apply(k, positions, a.num_kv_heads, d);
+        }
         let shape = cache.shape;
         write_kv(cache, k, v, &s.host.kv[a.kv_group].slot_mapping, &shape);
         Ok(())
@@ -362,6 +403,7 @@ impl Backend for CpuBackend {
             scale: a.scale,
             sliding_window: a.sliding_window,
             softcap: a.softcap,
+            causal: a.causal,
             sinks: sinks.map(Vec::as_slice),
         };
         let o = out.shape(q.rows(), a.num_heads * a.head_dim);
@@ -422,6 +464,22 @@ impl Backend for CpuBackend {
             softcap(&mut logits, cap);
         }
         self.logits = logits;
+        Ok(())
+    }
+
+    fn hidden(&mut self, s: &Step<Self>, x: &Mat, norm: Option<(&Vec<f32>, f32)>) -> Result<()> {
+        let h = x.cols;
+        let rows = &s.host.logits_indices;
+        let out = &mut self.logits;
+        out.resize(rows.len() * h, 0.0);
+        for (dst, &i) in out.chunks_mut(h).zip(rows) {
+            dst.copy_from_slice(&x.data[i as usize * h..][..h]);
+        }
+        if let Some((w, eps)) = norm {
+            let sel = self.sel.shape(rows.len(), h);
+            sel.copy_from_slice(out);
+            rms_norm(sel, w, eps, out);
+        }
         Ok(())
     }
 

@@ -83,3 +83,30 @@ pub fn exp_nonpositive(x: f32) -> f32 {
                 + f * (1.0 / 6.0 + f * (1.0 / 24.0 + f * (1.0 / 120.0 + f * (1.0 / 720.0))))));
     p * f32::from_bits(((k as i32 + 127) as u32) << 23)
 }
+
+/// `x += bias` per row of `bias.len()`, then GELU (erf form, BERT's) if `gelu`.
+pub fn add_bias(x: &mut [f32], bias: &[f32], gelu: bool) {
+    x.par_chunks_mut(bias.len()).for_each(|row| {
+        for (v, b) in row.iter_mut().zip(bias) {
+            *v += b;
+            if gelu {
+                *v = 0.5
+                    * *v
+                    * (1.0 + candle_core::cpu::erf::erf_f32(*v / std::f32::consts::SQRT_2));
+            }
+        }
+    });
+}
+
+/// LayerNorm of each row of `weight.len()` in place.
+pub fn layer_norm(x: &mut [f32], weight: &[f32], bias: &[f32], eps: f32) {
+    let h = weight.len();
+    x.par_chunks_mut(h).for_each(|row| {
+        let mean = row.iter().sum::<f32>() / h as f32;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / h as f32;
+        let inv = 1.0 / (var + eps).sqrt();
+        for ((v, w), b) in row.iter_mut().zip(weight).zip(bias) {
+            *v = (*v - mean) * inv * w + b;
+        }
+    });
+}

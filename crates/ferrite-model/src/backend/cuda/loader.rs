@@ -10,7 +10,7 @@ use crate::models::{self, Decoder};
 use crate::runner::{ModelRunner, StepModel};
 use crate::step::PackedStep;
 use crate::weights::WeightSource;
-use anyhow::Result;
+use anyhow::{bail, Result};
 
 pub fn load(
     args: &EngineArgs,
@@ -21,8 +21,11 @@ pub fn load(
     let ctx = cuda(&device)?.cuda_stream().context().clone();
     let gpu_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
     let (_, total) = ctx.mem_get_info()?;
+    if args.pooling()?.is_some() {
+        bail!("embedding models run on the CPU backend only; use --device cpu");
+    }
     let (src, mut weights) = open_weights(&args.model, args.load_format)?;
-    let max_model_len = args.max_model_len(&models::config(&src)?)?;
+    let max_model_len = args.max_model_len(&models::config(&src)?, None)?;
     // `native` keeps a GGUF's blocks (candle's quantized matmuls), `f32` dequantizes to bf16
     // (cuBLAS and ferrite's small-row matmuls: faster, see h200.md), `auto` takes bf16 when
     // that needs at most half the GPU's memory.
@@ -78,6 +81,7 @@ pub fn load(
         scheduler,
         plan,
         config,
+        pooling: None,
     })
 }
 

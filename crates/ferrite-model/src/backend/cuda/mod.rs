@@ -199,6 +199,10 @@ fn shape(a: &AttentionSpec, pages: &KvPages) -> AttentionShape {
     }
 }
 
+/// What the CUDA backend does not run yet (embedding models run on `--device cpu`).
+const ENCODERS: &str = "encoder models (BERT) run on the CPU backend only; use --device cpu";
+const POOLING: &str = "pooling (embedding) models run on the CPU backend only; use --device cpu";
+
 impl Backend for CudaBackend {
     type Act = Act;
     /// bf16.
@@ -402,15 +406,18 @@ impl Backend for CudaBackend {
         cache: &mut KvPages,
         q: &mut Act,
     ) -> Result<()> {
+        let Some(rope) = p.rope else {
+            bail!("{ENCODERS}");
+        };
         let params = QkvParams {
             bias: p.bias,
             q_norm: p.q_norm,
             k_norm: p.k_norm,
             eps: p.eps,
-            rope_cos: &p.rope.cos,
-            rope_sin: &p.rope.sin,
-            rope_dim: p.rope.dim,
-            neox: p.rope.neox,
+            rope_cos: &rope.cos,
+            rope_sin: &rope.sin,
+            rope_dim: rope.dim,
+            neox: rope.neox,
         };
         let out = self.kernels.qkv_rope_write(
             qkv.get()?,
@@ -434,6 +441,9 @@ impl Backend for CudaBackend {
         sinks: Option<&Tensor>,
         out: &mut Act,
     ) -> Result<()> {
+        if !a.causal {
+            bail!("{ENCODERS}");
+        }
         let meta = s.inputs.meta(a.kv_group);
         let (k, v) = (&cache.k, &cache.v);
         let o = self
@@ -502,6 +512,22 @@ impl Backend for CudaBackend {
         }
         self.logits = Some(logits);
         Ok(())
+    }
+
+    fn hidden(&mut self, _s: &Step<Self>, _x: &Act, _n: Option<(&Tensor, f32)>) -> Result<()> {
+        bail!("{POOLING}")
+    }
+
+    fn add_positions(&mut self, _s: &Step<Self>, _t: &Tensor, _x: &mut Act) -> Result<()> {
+        bail!("{ENCODERS}")
+    }
+
+    fn add_bias(&mut self, _x: &mut Act, _b: &Tensor, _gelu: bool) -> Result<()> {
+        bail!("{ENCODERS}")
+    }
+
+    fn layer_norm(&mut self, _x: &mut Act, _w: &Tensor, _b: &Tensor, _eps: f32) -> Result<()> {
+        bail!("{ENCODERS}")
     }
 
     fn host_logits(&mut self) -> Result<&mut [f32]> {

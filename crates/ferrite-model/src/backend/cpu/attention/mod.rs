@@ -36,6 +36,8 @@ pub struct AttentionParams<'a> {
     pub scale: f32,
     pub sliding_window: Option<usize>,
     pub softcap: Option<f32>,
+    /// False: every query row sees all of its request's keys (encoders).
+    pub causal: bool,
     /// Attention sinks: per query head, a logit in every row's softmax that no value follows
     /// (gpt-oss); `[num_heads]`.
     pub sinks: Option<&'a [f32]>,
@@ -172,7 +174,7 @@ fn tile_keys(
     span(rows.start).start..span(rows.end - 1).end
 }
 
-/// The causal key range `[first, end)` of each query row of request `b`.
+/// The key range `[first, end)` of each query row of request `b`: causal, or all of them.
 fn row_span<'a>(
     meta: &'a AttentionMeta,
     p: &'a AttentionParams,
@@ -182,6 +184,9 @@ fn row_span<'a>(
     let q_len = meta.cu_seqlens_q[b + 1] as usize - q_start;
     let k_len = meta.seq_lens_k[b] as usize;
     move |t| {
+        if !p.causal {
+            return 0..k_len;
+        }
         let pos = k_len - q_len + (t - q_start);
         p.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w))..pos + 1
     }
