@@ -12,8 +12,6 @@ Usage: scripts/bench-speculative.py [--concurrency 1,4,16] [--out docs/benchmark
 import argparse
 import json
 import os
-import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,35 +21,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import cpu_name, start_server  # noqa: E402
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 DISABLE = 4  # ferrite_core::spec_decode::DEFAULT_DISABLE_BY_BATCH_SIZE
 
 
-def cpu_name():
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
 def start(binary, model, extra, log_name):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(os.path.join(tempfile.gettempdir(), log_name), "w")
-    proc = subprocess.Popen([binary, "serve", model, "--port", str(port), "--served-model-name", "m",
-                             "--max-model-len", "4096", "--kv-cache-memory", "800000000", *extra],
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(900):
-        try:
-            if requests.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("server did not start")
+    return start_server(binary, model, ["--max-model-len", "4096", "--kv-cache-memory", "800000000", *extra],
+                        log_name)
 
 
 def copy_prompts(n):

@@ -9,8 +9,6 @@ Usage: scripts/bench-structured.py [--concurrency 1,16] [--out docs/benchmarks/c
 import argparse
 import json
 import os
-import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -19,40 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import cpu_name, start_server  # noqa: E402
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 ITEMS = 40
 # Exactly ITEMS one-digit integers: the constrained output has a fixed length, like the
 # unconstrained one with ignore_eos, so both runs decode the same number of tokens.
 SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
           "minItems": ITEMS, "maxItems": ITEMS}
-
-
-def cpu_name():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def start_server(binary, model, extra):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "bench-structured-serve.log"), "w")
-    proc = subprocess.Popen([binary, "serve", model, "--port", str(port), "--served-model-name", "m",
-                             "--max-model-len", "2048", *extra.split()], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if requests.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("server did not start")
 
 
 def valid(text):
@@ -117,7 +90,8 @@ def main():
     proc = None
     url = a.base_url
     if not url:
-        proc, url = start_server(a.binary, a.model, a.serve_args)
+        proc, url = start_server(a.binary, a.model, ["--max-model-len", "2048", *a.serve_args.split()],
+                                 "bench-structured-serve.log")
     try:
         # Warm-up (the schema compiled once); its length sets the free requests' length.
         free_tokens = one(url, True, 0)[2]

@@ -13,7 +13,8 @@ use candle_core::{Device, Tensor};
 
 enum Weights {
     Quantized(PackedWeight),
-    /// `[out, in]` f32.
+    /// `[in, out]` f32: stored transposed, so a matmul reads it row-major as it is (a
+    /// `[out, in]` weight is repacked by the GEMM at every call, most of a small step's time).
     Float(Tensor),
 }
 
@@ -58,7 +59,7 @@ impl Linear {
     pub fn new(w: QTensor, format: WeightFormat) -> Result<Self> {
         let out_features = w.shape().dims2()?.0;
         let weights = if packed_as(w.dtype(), format).is_none() {
-            Weights::Float(w.dequantize(&Device::Cpu)?)
+            Weights::Float(w.dequantize(&Device::Cpu)?.t()?.contiguous()?)
         } else {
             Weights::Quantized(PackedWeight::from_qtensor(&w)?)
         };
@@ -94,7 +95,7 @@ impl Linear {
                     Weights::Quantized(_) => unreachable!("all float"),
                 })
                 .collect();
-            Weights::Float(Tensor::cat(&ts, 0)?)
+            Weights::Float(Tensor::cat(&ts, 1)?)
         } else if layers.len() > 1 && one_code_form {
             let ws = layers
                 .into_iter()
@@ -132,9 +133,9 @@ impl Linear {
         match &self.weights {
             Weights::Quantized(w) => matmul(w, input.q, out, Isa::detect()),
             Weights::Float(w) => {
-                let cols = w.dim(1)?;
+                let cols = w.dim(0)?;
                 let x = Tensor::from_slice(input.x, (input.rows, cols), &Device::Cpu)?;
-                let y = x.matmul(&w.t()?)?.flatten_all()?;
+                let y = x.matmul(w)?.flatten_all()?;
                 out.copy_from_slice(
                     &y.to_vec1::<f32>()
                         .map_err(|e| anyhow!("matmul output: {e}"))?,

@@ -193,6 +193,9 @@ pub(super) fn row_sums(
         let g = (nh - h0).min(if d <= 64 { 3 } else { 1 });
         let (o, wg) = (&mut o_row[h0 * d..(h0 + g) * d], &w[h0 * cols..]);
         match (d, g) {
+            (32, 3) => sum_rows::<2, 3>(o, wg, cols, keys.clone(), vk, odd),
+            (32, 2) => sum_rows::<2, 2>(o, wg, cols, keys.clone(), vk, odd),
+            (32, _) => sum_rows::<2, 1>(o, wg, cols, keys.clone(), vk, odd),
             (64, 3) => sum_rows::<4, 3>(o, wg, cols, keys.clone(), vk, odd),
             (64, 2) => sum_rows::<4, 2>(o, wg, cols, keys.clone(), vk, odd),
             (64, _) => sum_rows::<4, 1>(o, wg, cols, keys.clone(), vk, odd),
