@@ -147,3 +147,24 @@ def test_a_decoder_embedding_model_pools_its_last_token():
 def test_a_generating_model_refuses_embeddings(server):
     r = requests.post(server.url + "/v1/embeddings", json={"input": "hi"})
     assert r.status_code == 400 and "does not serve embeddings" in r.json()["error"]["message"]
+
+
+def test_a_cross_encoder_scores_pairs_as_transformers():
+    cross = FIXTURE["bert_cross_encoder"]
+    s = Server(model=os.path.join(ROOT, "tests", "oracle", "tiny", "bert_cross_encoder"), name="cross",
+               max_model_len=64)
+    try:
+        a, b = [p[0] for p in cross["pairs"]], [p[1] for p in cross["pairs"]]
+        r = requests.post(s.url + "/v1/score", json={"text_1": a, "text_2": b})
+        assert r.status_code == 200, r.text
+        got = [d["score"] for d in r.json()["data"]]
+        assert got == pytest.approx(cross["scores"], abs=1e-4)
+        # One query against each document: sorted by the pair's score.
+        rr = requests.post(s.url + "/v1/rerank", json={"query": a[0], "documents": b}).json()
+        pair_scores = requests.post(s.url + "/score", json={"text_1": a[0], "text_2": b}).json()["data"]
+        want = sorted(range(len(b)), key=lambda j: -pair_scores[j]["score"])
+        assert [x["index"] for x in rr["results"]] == want
+        emb = requests.post(s.url + "/v1/embeddings", json={"input": "dog"})
+        assert emb.status_code == 400 and "cross-encoder" in emb.json()["error"]["message"]
+    finally:
+        s.stop()

@@ -53,6 +53,8 @@ pub struct Request {
     /// Prefill only (embeddings, scores): once its prompt is computed, the request finishes
     /// with its pooled hidden state instead of sampling.
     pub pooling: bool,
+    /// Per prompt token, its segment (pair inputs of cross-encoders); `None`: all 0.
+    pub token_type_ids: Option<Vec<u32>>,
 }
 
 impl Request {
@@ -75,6 +77,7 @@ impl Request {
             num_preemptions: 0,
             constraint: None,
             pooling: false,
+            token_type_ids: None,
         }
     }
 

@@ -87,6 +87,8 @@ pub struct ScheduledRequest {
     pub sample: Option<SampleSpec>,
     /// A pooling request whose prompt this step completes: its hidden states are pooled.
     pub pool: bool,
+    /// The chunk's token segments (pair inputs), beside `token_ids`; empty: all 0.
+    pub token_type_ids: Vec<u32>,
     /// Draft tokens fed after the last known one (`token_ids` ends with them): each of the
     /// last `draft.len() + 1` rows is sampled, and drafts are kept while they match.
     pub draft: Vec<u32>,
@@ -526,6 +528,10 @@ impl Scheduler {
             state_save,
             sample,
             pool: completes && req.pooling,
+            token_type_ids: req
+                .token_type_ids
+                .as_ref()
+                .map_or(Vec::new(), |t| t[start..start + known].to_vec()),
             draft,
             prompt_logprobs,
         }

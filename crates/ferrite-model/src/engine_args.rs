@@ -190,7 +190,17 @@ impl EngineArgs {
     /// How the model pools, when it serves embeddings (`None`: it generates). An encoder
     /// cannot generate; a folder's sentence-transformers description says how to pool.
     pub fn pooling(&self) -> Result<Option<Pooling>> {
-        let encoder = models::is_encoder(&checkpoint::config_source(&self.model)?)?;
+        let src = checkpoint::config_source(&self.model)?;
+        let encoder = models::is_encoder(&src)?;
+        if encoder && crate::models::bert::is_cross_encoder(&src)? {
+            if self.runner == RunnerKind::Generate {
+                bail!(
+                    "{} is a cross-encoder: it scores pairs (--runner pooling)",
+                    self.model.display()
+                );
+            }
+            return Ok(Some(Pooling::cross_encoder()));
+        }
         let dir = checkpoint::hf_config_path(&self.model);
         let described = match dir.parent().filter(|_| !checkpoint::is_gguf(&self.model)) {
             Some(dir) => Pooling::read(dir)?,

@@ -23,6 +23,8 @@ pub struct Pooling {
     pub normalize: bool,
     /// The longest input the model was trained on (`sentence_bert_config.json`).
     pub max_seq_length: Option<usize>,
+    /// A cross-encoder: its input is a pair of texts and its output one relevance logit.
+    pub pairs: bool,
 }
 
 fn read_json(path: &Path) -> Result<Option<Value>> {
@@ -46,6 +48,17 @@ impl Pooling {
             },
             normalize: true,
             max_seq_length: None,
+            pairs: false,
+        }
+    }
+
+    /// A cross-encoder's: the `[CLS]` row's classifier logit, as it is.
+    pub fn cross_encoder() -> Self {
+        Self {
+            kind: PoolingType::Cls,
+            normalize: false,
+            max_seq_length: None,
+            pairs: true,
         }
     }
 
@@ -81,6 +94,7 @@ impl Pooling {
             kind,
             normalize: of_type(".Normalize").is_some(),
             max_seq_length: st["max_seq_length"].as_u64().map(|n| n as usize),
+            pairs: false,
         }))
     }
 

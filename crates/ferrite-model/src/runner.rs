@@ -188,6 +188,14 @@ impl ModelRunner {
                     uses.push(RowUse::PromptLogprob(i, target, pl.num_alternatives));
                 }
             }
+            if !r.token_type_ids.is_empty() || !step.token_types.is_empty() {
+                // Segments for every token once one request has them (0 for the others).
+                step.token_types.resize(first_row, 0);
+                match r.token_type_ids.is_empty() {
+                    true => step.token_types.resize(step.num_tokens(), 0),
+                    false => step.token_types.extend(&r.token_type_ids),
+                }
+            }
             if r.pool {
                 // Prompts of a pooling model are computed whole: the chunk is the prompt.
                 let rows = self

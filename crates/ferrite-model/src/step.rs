@@ -39,6 +39,8 @@ pub struct PackedStep {
     pub state_saves: Vec<[u32; 2]>,
     /// A pooling step: the `logits_indices` rows' hidden states are the output, not logits.
     pub pooling: bool,
+    /// `[T]` each token's segment (pair inputs of cross-encoders); empty: all 0.
+    pub token_types: Vec<u32>,
 }
 
 /// No state slot (see [`PackedStep::state_restores`]).

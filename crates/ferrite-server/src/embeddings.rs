@@ -1,7 +1,7 @@
 //! Embedding models: `POST /v1/embeddings` (OpenAI's), `/v1/score` (vLLM's) and
-//! `/v1/rerank` (Jina's and Cohere's shape; also `/rerank`, `/v2/rerank`). Every text is a
-//! prefill-only request through the same scheduler; a score is the cosine of two texts'
-//! embeddings.
+//! `/v1/rerank` (Jina's and Cohere's shape; also `/rerank`, `/v2/rerank`). Every text (or
+//! pair) is a prefill-only request through the same scheduler. A score is the cosine of two
+//! texts' embeddings, or a cross-encoder's sigmoid of its logit for the pair.
 
 use crate::error::ApiError;
 use crate::prompt_work::{check_text_len, off_runtime, MAX_CHOICES};
@@ -19,7 +19,12 @@ use std::sync::atomic::Ordering;
 pub struct Embedder {
     /// Vectors are unit length (so are those cut to `dimensions`).
     pub normalize: bool,
+    /// A cross-encoder: it scores pairs (`/v1/score`, `/v1/rerank`) and embeds nothing.
+    pub cross_encoder: bool,
 }
+
+/// A prompt's token ids, and their segments for a pair input.
+type Input = (Vec<u32>, Option<Vec<u32>>);
 
 #[derive(Debug, Deserialize)]
 pub struct EmbeddingRequest {
@@ -186,8 +191,8 @@ async fn tokenize(state: &SharedState, inputs: Prompt) -> Result<Vec<Vec<u32>>, 
     Ok(prompts)
 }
 
-/// Each prompt's pooled vector, all queued at once (one scheduler, batched by its steps).
-async fn embed(state: &AppState, prompts: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, ApiError> {
+/// Each input's pooled vector, all queued at once (one scheduler, batched by its steps).
+async fn embed(state: &AppState, prompts: Vec<Input>) -> Result<Vec<Vec<f32>>, ApiError> {
     let waiting = state.engine.stats().num_waiting;
     if waiting + prompts.len() > state.max_queued_requests {
         return Err(ApiError::unavailable(format!(
@@ -198,8 +203,8 @@ async fn embed(state: &AppState, prompts: &[Vec<u32>]) -> Result<Vec<Vec<f32>>, 
     }
     // Started before any is awaited; dropping the rest on an error aborts them.
     let mut streams = prompts
-        .iter()
-        .map(|p| state.engine.add_pooling(p.clone()))
+        .into_iter()
+        .map(|(ids, types)| state.engine.add_pooling(ids, types))
         .collect::<Result<Vec<_>, _>>()?;
     let mut out = Vec::with_capacity(streams.len());
     for s in &mut streams {
@@ -244,6 +249,13 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
 
 pub async fn embeddings(state: SharedState, req: EmbeddingRequest) -> Result<Response, ApiError> {
     let embedder = check_embedder(&state, &req.model)?.clone();
+    if embedder.cross_encoder {
+        return Err(ApiError::bad_request(format!(
+            "the model `{}` is a cross-encoder: it scores pairs of texts (/v1/score, \
+             /v1/rerank) and makes no embeddings",
+            state.model_name
+        )));
+    }
     let base64 = match req.encoding_format.as_deref() {
         None | Some("float") => false,
         Some("base64") => true,
@@ -266,7 +278,8 @@ pub async fn embeddings(state: SharedState, req: EmbeddingRequest) -> Result<Res
     };
     let _ = req.user;
     let prompts = tokenize(&state, req.input).await?;
-    let vectors = embed(&state, &prompts).await?;
+    let tokens: usize = prompts.iter().map(Vec::len).sum();
+    let vectors = embed(&state, prompts.into_iter().map(|p| (p, None)).collect()).await?;
     if let Some(d) = dims.filter(|&d| vectors.first().is_some_and(|v| d > v.len())) {
         return Err(ApiError::bad_request(format!(
             "`dimensions` {d} is more than the model's {}",
@@ -274,7 +287,6 @@ pub async fn embeddings(state: SharedState, req: EmbeddingRequest) -> Result<Res
         ))
         .with_param("dimensions"));
     }
-    let tokens: usize = prompts.iter().map(Vec::len).sum();
     let data = vectors
         .into_iter()
         .enumerate()
@@ -323,24 +335,63 @@ fn pairs(a: usize, b: usize) -> Result<Vec<(usize, usize)>, ApiError> {
     }
 }
 
+/// Relevance of each `(first[i], second[j])` pair, and the tokens computed: a cross-encoder's
+/// sigmoid of the pair's logit, or the cosine of the two texts' embeddings (each text
+/// embedded once).
+async fn scores(
+    state: &SharedState,
+    first: Vec<String>,
+    second: Vec<String>,
+    pairs: &[(usize, usize)],
+) -> Result<(Vec<f64>, usize), ApiError> {
+    let cross = state.embedder.as_ref().is_some_and(|e| e.cross_encoder);
+    if cross {
+        let texts: Vec<(String, String)> = pairs
+            .iter()
+            .map(|&(i, j)| (first[i].clone(), second[j].clone()))
+            .collect();
+        let inputs = off_runtime(state, move |s| {
+            texts
+                .iter()
+                .map(|(a, b)| {
+                    check_text_len(s, &format!("{a}{b}"))?;
+                    let (ids, types) = s.tokenizer.encode_pair(a, b)?;
+                    Ok((ids, Some(types)))
+                })
+                .collect::<Result<Vec<Input>, ApiError>>()
+        })
+        .await?;
+        let tokens = inputs.iter().map(|i| i.0.len()).sum();
+        let logits = embed(state, inputs).await?;
+        let sigmoid = |x: f32| 1.0 / (1.0 + (-x as f64).exp());
+        return Ok((logits.iter().map(|l| sigmoid(l[0])).collect(), tokens));
+    }
+    let n = first.len();
+    let texts: Vec<String> = first.into_iter().chain(second).collect();
+    let prompts = tokenize(state, Prompt::Texts(texts)).await?;
+    let tokens = prompts.iter().map(Vec::len).sum();
+    let vectors = embed(state, prompts.into_iter().map(|p| (p, None)).collect()).await?;
+    let (va, vb) = vectors.split_at(n);
+    Ok((
+        pairs.iter().map(|&(i, j)| cosine(&va[i], &vb[j])).collect(),
+        tokens,
+    ))
+}
+
 pub async fn score(state: SharedState, req: ScoreRequest) -> Result<Response, ApiError> {
     check_embedder(&state, &req.model)?;
     let (a, b) = (req.text_1.into_vec(), req.text_2.into_vec());
     let pairs = pairs(a.len(), b.len())?;
-    let texts: Vec<String> = a.iter().chain(&b).cloned().collect();
-    let prompts = tokenize(&state, Prompt::Texts(texts)).await?;
-    let vectors = embed(&state, &prompts).await?;
-    let (va, vb) = vectors.split_at(a.len());
-    let data = pairs
-        .iter()
+    let (scores, tokens) = scores(&state, a, b, &pairs).await?;
+    let data = scores
+        .into_iter()
         .enumerate()
-        .map(|(index, &(i, j))| ScoreData {
+        .map(|(index, score)| ScoreData {
             index,
             object: "score",
-            score: cosine(&va[i], &vb[j]),
+            score,
         })
         .collect();
-    let tokens: usize = prompts.iter().map(Vec::len).sum();
     Ok(Json(ScoreResponse {
         id: request_id("score"),
         object: "list",
@@ -377,18 +428,16 @@ pub async fn rerank(state: SharedState, req: RerankRequest) -> Result<Response, 
             Document::Text(t) | Document::Object { text: t } => t,
         })
         .collect();
-    let mut texts = vec![req.query];
-    texts.extend(docs.iter().cloned());
-    let prompts = tokenize(&state, Prompt::Texts(texts)).await?;
-    let vectors = embed(&state, &prompts).await?;
-    let mut results: Vec<RerankResult> = vectors[1..]
-        .iter()
+    let pairs: Vec<(usize, usize)> = (0..docs.len()).map(|j| (0, j)).collect();
+    let (scores, tokens) = scores(&state, vec![req.query], docs.clone(), &pairs).await?;
+    let mut results: Vec<RerankResult> = scores
+        .into_iter()
         .enumerate()
-        .map(|(index, v)| RerankResult {
+        .map(|(index, relevance_score)| RerankResult {
             index,
             document: (req.return_documents != Some(false))
                 .then(|| serde_json::json!({"text": docs[index]})),
-            relevance_score: cosine(&vectors[0], v),
+            relevance_score,
         })
         .collect();
     results.sort_by(|a, b| b.relevance_score.total_cmp(&a.relevance_score));
@@ -397,7 +446,7 @@ pub async fn rerank(state: SharedState, req: RerankRequest) -> Result<Response, 
         id: request_id("rerank"),
         model: state.model_name.clone(),
         usage: RerankUsage {
-            total_tokens: prompts.iter().map(Vec::len).sum(),
+            total_tokens: tokens,
         },
         results,
     })

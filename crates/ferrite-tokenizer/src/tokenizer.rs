@@ -128,6 +128,16 @@ impl ModelTokenizer {
 
     /// Encodes a raw prompt. `add_special_tokens` adds BOS where the model expects one;
     /// text produced by a chat template already carries its own.
+    /// Two texts as one input of a pair model (a cross-encoder: `[CLS] a [SEP] b [SEP]`),
+    /// with each token's segment (0 for the first text, 1 for the second).
+    pub fn encode_pair(&self, a: &str, b: &str) -> Result<(Vec<u32>, Vec<u32>)> {
+        let enc = self
+            .tokenizer
+            .encode((a, b), true)
+            .map_err(|e| anyhow!("tokenization failed: {e}"))?;
+        Ok((enc.get_ids().to_vec(), enc.get_type_ids().to_vec()))
+    }
+
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let enc = self
             .tokenizer

@@ -188,6 +188,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .as_ref()
             .map(|p| ferrite_server::embeddings::Embedder {
                 normalize: p.normalize,
+                cross_encoder: p.pairs,
             }),
     });
     // Two runtime threads: HTTP and tokenization must not take the compute cores.

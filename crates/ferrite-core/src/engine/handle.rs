@@ -178,7 +178,20 @@ impl EngineHandle {
 
     /// Queues a pooling request (embeddings, scores): its prompt is computed and its pooled
     /// hidden state is the one output; nothing is sampled.
-    pub fn add_pooling(&self, prompt_token_ids: Vec<u32>) -> Result<RequestStream, EngineError> {
+    /// `token_type_ids`: each prompt token's segment, for pair inputs of cross-encoders.
+    pub fn add_pooling(
+        &self,
+        prompt_token_ids: Vec<u32>,
+        token_type_ids: Option<Vec<u32>>,
+    ) -> Result<RequestStream, EngineError> {
+        if token_type_ids
+            .as_ref()
+            .is_some_and(|t| t.len() != prompt_token_ids.len())
+        {
+            return Err(EngineError::InvalidParams(
+                "one token type per prompt token".into(),
+            ));
+        }
         if let Some(&bad) = prompt_token_ids
             .iter()
             .find(|&&t| t as usize >= self.tokenizer.get_vocab_size(true))
@@ -198,6 +211,7 @@ impl EngineHandle {
             self.info.eos_token_ids.clone(),
         );
         req.pooling = true;
+        req.token_type_ids = token_type_ids;
         self.submit(req)
     }
 

@@ -21,6 +21,14 @@ pub enum Activation {
     GeluTanh,
 }
 
+/// An element-wise function after a bias (encoders' MLPs and pooler heads).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pointwise {
+    /// GELU, erf form (BERT's `gelu`).
+    Gelu,
+    Tanh,
+}
+
 /// How projections of one input are laid out in one weight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stack {
@@ -401,15 +409,15 @@ pub trait Backend: Send + Sized {
         x: &Self::Act,
         norm: Option<(&Self::Vector, f32)>,
     ) -> Result<()>;
-    /// `x += table[position]` per row (absolute position embeddings).
-    fn add_positions(
+    /// `x[i] += table[ids[i]]` per row (absolute positions, token types).
+    fn add_rows(&mut self, table: &Self::Embedding, ids: &[u32], x: &mut Self::Act) -> Result<()>;
+    /// `x += bias` per row, then `then` element-wise.
+    fn add_bias(
         &mut self,
-        s: &Step<Self>,
-        table: &Self::Embedding,
         x: &mut Self::Act,
+        bias: &Self::Vector,
+        then: Option<Pointwise>,
     ) -> Result<()>;
-    /// `x += bias` per row, then GELU (erf form) if `gelu`.
-    fn add_bias(&mut self, x: &mut Self::Act, bias: &Self::Vector, gelu: bool) -> Result<()>;
     /// LayerNorm of each row in place: `(x - mean) / sqrt(var + eps) * weight + bias`.
     fn layer_norm(
         &mut self,

@@ -2,30 +2,52 @@
 //! word + absolute position + token-type embeddings, post-LayerNorm blocks of bidirectional
 //! attention and a GELU MLP, every linear with a bias. Prompts are computed in one step
 //! (attention reads the keys after a token too); the step's output is hidden states for
-//! pooling, never logits.
+//! pooling, never logits. A cross-encoder (`BertForSequenceClassification`, one label) adds
+//! the pooler (dense + tanh) and the classifier: its output is a pair's relevance logit.
 
 use super::layers::{matrix, norm, NormWeights};
 use super::{Buffers, Family};
-use crate::backend::{AttentionSpec, Backend, Epilogue, LinearIn, QkvPrep, Stack, Step};
+use crate::backend::{AttentionSpec, Backend, Epilogue, LinearIn, Pointwise, QkvPrep, Stack, Step};
 use crate::config::ModelConfig;
 use crate::weights::config_source::ConfigSource;
 use crate::weights::WeightSource;
 use anyhow::{bail, Result};
 use ferrite_core::kv_layout::KvLayout;
 
-pub fn config(src: &ConfigSource) -> Result<ModelConfig> {
+/// Whether the checkpoint is a cross-encoder: BERT with a one-label classifier that scores a
+/// pair of texts (`BertForSequenceClassification`).
+pub fn is_cross_encoder(src: &ConfigSource) -> Result<bool> {
     let heads = src.get("architectures").and_then(|a| a.as_array()).cloned();
-    if let Some(h) = heads
+    let head = heads
         .iter()
         .flatten()
-        .find_map(|a| a.as_str().filter(|a| !a.ends_with("Model")))
-    {
-        bail!(
-            "{}: `{h}` (a BERT with a task head) is not served; ferrite serves BERT encoders as \
-             embedding models (`BertModel`)",
+        .find_map(|a| a.as_str().filter(|a| !a.ends_with("Model")));
+    match head {
+        None => Ok(false),
+        Some("BertForSequenceClassification") => {
+            let labels = src
+                .get("id2label")
+                .and_then(|l| l.as_object())
+                .map_or(1, |l| l.len());
+            if labels != 1 {
+                bail!(
+                    "{}: a classifier of {labels} labels; ferrite serves cross-encoders of one \
+                     (a relevance score)",
+                    src.path().display()
+                );
+            }
+            Ok(true)
+        }
+        Some(h) => bail!(
+            "{}: `{h}` (a BERT with a task head) is not served; ferrite serves BERT encoders \
+             (`BertModel`) and cross-encoders (`BertForSequenceClassification`)",
             src.path().display()
-        );
+        ),
     }
+}
+
+pub fn config(src: &ConfigSource) -> Result<ModelConfig> {
+    is_cross_encoder(src)?;
     let mut c = ModelConfig::common(src, false)?;
     c.rms_norm_eps = src.opt_f32("layer_norm_eps").unwrap_or(1e-12);
     if src
@@ -57,14 +79,25 @@ struct Layer<B: Backend> {
     out_norm: LayerNorm<B>,
 }
 
+/// A cross-encoder's head: the pooler (dense + tanh) and the one-label classifier. It runs
+/// on every row (a sliver of a layer's work); the `[CLS]` rows' scores are kept.
+struct Classifier<B: Backend> {
+    pooler: B::Linear,
+    pooler_bias: B::Vector,
+    out: B::Linear,
+    out_bias: B::Vector,
+}
+
 pub struct Bert<B: Backend> {
     config: ModelConfig,
     words: B::Embedding,
     positions: B::Embedding,
-    /// Token type 0's row (one segment: embedding inputs have no second sentence).
-    token_type: B::Vector,
+    types: B::Embedding,
+    /// Token type 0's row: steps without pair inputs add it to every token.
+    type_0: B::Vector,
     emb_norm: LayerNorm<B>,
     layers: Vec<Layer<B>>,
+    classifier: Option<Classifier<B>>,
 }
 
 fn vector<B: Backend>(b: &B, w: &mut WeightSource, name: &str, len: usize) -> Result<B::Vector> {
@@ -110,10 +143,10 @@ impl<B: Backend> Bert<B> {
         };
         let words = table(w, "word_embeddings", c.vocab_size)?;
         let positions = table(w, "position_embeddings", c.context_length)?;
-        let types = w.vector(&format!("{e}.token_type_embeddings.weight"))?;
-        if types.len() < h {
-            bail!("{}: no token type embedding", w.location());
-        }
+        let name = format!("{e}.token_type_embeddings.weight");
+        let type_rows = w.tensor(&name)?.shape().dims()[0];
+        let types = table(w, "token_type_embeddings", type_rows)?;
+        let type_0 = w.vector(&name)?[..h].to_vec();
         let spec = AttentionSpec {
             num_heads: c.num_heads,
             num_kv_heads: c.num_heads,
@@ -161,12 +194,28 @@ impl<B: Backend> Bert<B> {
             });
             progress(i + 1, c.num_layers);
         }
+        let classifier = match w.has("classifier.weight") {
+            false => None,
+            true => {
+                let m = |w: &mut WeightSource, name: &str, rows: usize| {
+                    matrix(b, w, &[(format!("{name}.weight"), rows)], h, Stack::Concat)
+                };
+                Some(Classifier {
+                    pooler: m(w, &format!("{root}pooler.dense"), h)?,
+                    pooler_bias: vector(b, w, &format!("{root}pooler.dense.bias"), h)?,
+                    out: m(w, "classifier", 1)?,
+                    out_bias: vector(b, w, "classifier.bias", 1)?,
+                })
+            }
+        };
         Ok(Self {
             words,
             positions,
-            token_type: b.vector(types[..h].to_vec())?,
+            types,
+            type_0: b.vector(type_0)?,
             emb_norm: layer_norm(b, w, &format!("{e}.LayerNorm"), h)?,
             layers,
+            classifier,
             config,
         })
     }
@@ -184,8 +233,11 @@ impl<B: Backend> Family<B> for Bert<B> {
         let eps = self.config.rms_norm_eps;
         let x = &mut ws.x;
         b.embed(s, &self.words, None, x)?;
-        b.add_positions(s, &self.positions, x)?;
-        b.add_bias(x, &self.token_type, false)?;
+        b.add_rows(&self.positions, &s.host.positions, x)?;
+        match s.host.token_types.is_empty() {
+            true => b.add_bias(x, &self.type_0, None)?,
+            false => b.add_rows(&self.types, &s.host.token_types, x)?,
+        }
         b.layer_norm(x, &self.emb_norm.weight, &self.emb_norm.bias, eps)?;
         let t = &mut ws.tmp;
         for l in &self.layers {
@@ -201,15 +253,26 @@ impl<B: Backend> Family<B> for Bert<B> {
             b.prepare_qkv(s, &t.qkv, &prep, &l.spec, lc, &mut t.q)?;
             b.attention(s, &t.q, lc, &l.spec, None, &mut t.attn)?;
             b.matmul(LinearIn::Plain(&t.attn), &l.o, Epilogue::AddInto(x))?;
-            b.add_bias(x, &l.o_bias, false)?;
+            b.add_bias(x, &l.o_bias, None)?;
             b.layer_norm(x, &l.attn_norm.weight, &l.attn_norm.bias, eps)?;
             b.matmul(LinearIn::Plain(x), &l.up, Epilogue::Store(&mut t.act))?;
-            b.add_bias(&mut t.act, &l.up_bias, true)?;
+            b.add_bias(&mut t.act, &l.up_bias, Some(Pointwise::Gelu))?;
             b.matmul(LinearIn::Plain(&t.act), &l.down, Epilogue::AddInto(x))?;
-            b.add_bias(x, &l.down_bias, false)?;
+            b.add_bias(x, &l.down_bias, None)?;
             b.layer_norm(x, &l.out_norm.weight, &l.out_norm.bias, eps)?;
         }
-        b.hidden(s, x, None)
+        let Some(c) = &self.classifier else {
+            return b.hidden(s, x, None);
+        };
+        b.matmul(LinearIn::Plain(x), &c.pooler, Epilogue::Store(&mut t.act))?;
+        b.add_bias(&mut t.act, &c.pooler_bias, Some(Pointwise::Tanh))?;
+        b.matmul(
+            LinearIn::Plain(&t.act),
+            &c.out,
+            Epilogue::Store(&mut t.attn),
+        )?;
+        b.add_bias(&mut t.attn, &c.out_bias, None)?;
+        b.hidden(s, &t.attn, None)
     }
 
     fn weight_bytes(&self, b: &B) -> usize {
@@ -219,6 +282,14 @@ impl<B: Backend> Family<B> for Bert<B> {
                 .map(|m| b.linear_bytes(m))
                 .sum::<usize>()
         });
-        b.embedding_bytes(&self.words) + b.embedding_bytes(&self.positions) + layers.sum::<usize>()
+        let head = self
+            .classifier
+            .as_ref()
+            .map_or(0, |c| b.linear_bytes(&c.pooler) + b.linear_bytes(&c.out));
+        b.embedding_bytes(&self.words)
+            + b.embedding_bytes(&self.positions)
+            + b.embedding_bytes(&self.types)
+            + layers.sum::<usize>()
+            + head
     }
 }

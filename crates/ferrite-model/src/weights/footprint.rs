@@ -57,9 +57,7 @@ fn stored(src: &WeightSource) -> Vec<Stored> {
 fn not_a_matrix(t: &Stored) -> bool {
     t.dims.len() < 2
         || t.name.contains("conv1d")
-        || t.name.contains("token_type_embeddings")
         || t.name.contains("position_ids")
-        || t.name.starts_with("pooler.")
         || t.name.starts_with("mtp.")
         || t.name.starts_with("model.mtp")
 }
@@ -91,7 +89,12 @@ pub fn cpu_weight_bytes(src: &WeightSource, format: WeightFormat) -> usize {
     let format = format.resolve_cpu();
     let tensors = stored(src);
     let mut total = 0;
+    // An encoder's pooler is read only under a classifier (a cross-encoder's head).
+    let classifier = tensors.iter().any(|t| t.name == "classifier.weight");
     for t in &tensors {
+        if t.name.contains("pooler.") && !classifier {
+            continue;
+        }
         if is_router(&t.name) {
             // GGUF keeps a shared-expert gate as a vector: one row.
             total += t.dims.iter().product::<usize>() * 4;

@@ -14,7 +14,7 @@ pub mod quant;
 
 use super::{
     AttentionSpec, Backend, Epilogue, GdnParams, GdnSpec, LinearIn, MoeBytes, MoeMatrices, MoeSpec,
-    QkvPrep, Stack, Step,
+    Pointwise, QkvPrep, Stack, Step,
 };
 use crate::engine_args::WeightFormat;
 use crate::rope::{RopeSpec, RopeTable};
@@ -249,22 +249,24 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn add_positions(&mut self, s: &Step<Self>, table: &Embedding, x: &mut Mat) -> Result<()> {
-        if x.cols != table.hidden {
+    fn add_rows(&mut self, table: &Embedding, ids: &[u32], x: &mut Mat) -> Result<()> {
+        if x.cols != table.hidden || ids.len() != x.rows() {
             bail!(
-                "position embeddings of {} for rows of {}",
+                "{} rows of {} for {} rows of {}",
+                ids.len(),
                 table.hidden,
+                x.rows(),
                 x.cols
             );
         }
-        table.rows(&s.host.positions, &mut x.data, |row, v| *row += v)
+        table.rows(ids, &mut x.data, |row, v| *row += v)
     }
 
-    fn add_bias(&mut self, x: &mut Mat, bias: &Vec<f32>, gelu: bool) -> Result<()> {
+    fn add_bias(&mut self, x: &mut Mat, bias: &Vec<f32>, then: Option<Pointwise>) -> Result<()> {
         if x.cols != bias.len() {
             bail!("a bias of {} for rows of {}", bias.len(), x.cols);
         }
-        ops::add_bias(&mut x.data, bias, gelu);
+        ops::add_bias(&mut x.data, bias, then);
         Ok(())
     }
 

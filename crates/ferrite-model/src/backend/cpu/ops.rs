@@ -1,6 +1,6 @@
 //! Token-wise CPU ops over the packed `[T, hidden]` matrix: they never see sequence boundaries.
 
-use crate::backend::Activation;
+use crate::backend::{Activation, Pointwise};
 use rayon::prelude::*;
 
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -101,14 +101,16 @@ pub fn erf(x: f32) -> f32 {
     y.copysign(x)
 }
 
-/// `x += bias` per row of `bias.len()`, then GELU (erf form, BERT's) if `gelu`.
-pub fn add_bias(x: &mut [f32], bias: &[f32], gelu: bool) {
+/// `x += bias` per row of `bias.len()`, then `then`.
+pub fn add_bias(x: &mut [f32], bias: &[f32], then: Option<Pointwise>) {
     x.par_chunks_mut(bias.len()).for_each(|row| {
-        for (v, b) in row.iter_mut().zip(bias) {
-            *v += b;
-            if gelu {
-                *v = 0.5 * *v * (1.0 + erf(*v / std::f32::consts::SQRT_2));
-            }
+        row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+        match then {
+            None => {}
+            Some(Pointwise::Gelu) => row
+                .iter_mut()
+                .for_each(|v| *v = 0.5 * *v * (1.0 + erf(*v / std::f32::consts::SQRT_2))),
+            Some(Pointwise::Tanh) => row.iter_mut().for_each(|v| *v = tanh(*v)),
         }
     });
 }

@@ -13,7 +13,7 @@ pub mod moe;
 
 use super::{
     AttentionSpec, Backend, Epilogue, Forward, GdnParams, GdnSpec, LinearIn, MoeBytes, MoeMatrices,
-    MoeSpec, QkvPrep, Stack, Step,
+    MoeSpec, Pointwise, QkvPrep, Stack, Step,
 };
 use crate::config::RopeStyle;
 use crate::rope::{RopeSpec, RopeTable};
@@ -518,11 +518,11 @@ impl Backend for CudaBackend {
         bail!("{POOLING}")
     }
 
-    fn add_positions(&mut self, _s: &Step<Self>, _t: &Tensor, _x: &mut Act) -> Result<()> {
+    fn add_rows(&mut self, _t: &Tensor, _ids: &[u32], _x: &mut Act) -> Result<()> {
         bail!("{ENCODERS}")
     }
 
-    fn add_bias(&mut self, _x: &mut Act, _b: &Tensor, _gelu: bool) -> Result<()> {
+    fn add_bias(&mut self, _x: &mut Act, _b: &Tensor, _then: Option<Pointwise>) -> Result<()> {
         bail!("{ENCODERS}")
     }
 
