@@ -15,4 +15,5 @@ pub mod scheduler;
 pub mod spec_decode;
 pub mod state_checkpoints;
 pub mod state_pool;
+pub mod step_cost;
 pub mod stop;

@@ -11,6 +11,7 @@ use crate::sampling::SamplingParams;
 use crate::spec_decode::{SpecStats, Speculation};
 use crate::state_checkpoints::StateCheckpoints;
 use crate::state_pool::{StatePool, StateSlot};
+use crate::step_cost::{StepCost, StepShape};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
@@ -38,7 +39,43 @@ pub struct SchedulerConfig {
     /// Every prompt is computed in one step, never in chunks: encoder models attend in both
     /// directions, so a token's state needs the tokens after it.
     pub whole_prompts: bool,
+    /// What a step costs (fitted at start-up), and the time a step with running decodes
+    /// should take at most: prefill chunks beside decodes are cut to fit it (`None`: chunks
+    /// take the whole token budget).
+    pub step_time: Option<StepTime>,
 }
+
+/// What a step being built has spent of its time target.
+#[derive(Default)]
+struct TimedStep {
+    /// It holds decodes: prefill chunks are cut to the target.
+    decodes: bool,
+    /// Its decodes alone.
+    decode_shape: StepShape,
+    /// The one chunk of [`MIN_PREFILL_CHUNK`] past the target was given.
+    floor: bool,
+}
+
+/// A step-time target and the cost model that keeps steps within it.
+#[derive(Clone, Debug)]
+pub struct StepTime {
+    pub cost: StepCost,
+    pub target: StepTarget,
+}
+
+/// How long a step with decodes may take.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum StepTarget {
+    /// At most this many seconds.
+    Fixed(f64),
+    /// At most `factor` times what its decodes alone take, and at least `floor_secs`: the
+    /// slow-down prefill may bring to running requests, whatever their number.
+    Relative { factor: f64, floor_secs: f64 },
+}
+
+/// Prefill tokens a step with decodes still takes (one chunk of them) when the time target
+/// leaves none: new requests keep moving while long decodes run.
+pub const MIN_PREFILL_CHUNK: usize = 16;
 
 /// What the sampler needs for a row that produces a token this step.
 #[derive(Clone, Debug)]
@@ -163,11 +200,14 @@ pub struct Scheduler {
     /// Per request: rows before this position already had prompt logprobs computed.
     prompt_logprobs_done: HashMap<RequestId, usize>,
     spec_stats: SpecStats,
+    /// The step-time target and its cost model, refitted from every step run.
+    step_time: Option<StepTime>,
 }
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Self {
         assert!(config.max_num_batched_tokens > 0 && config.max_num_seqs > 0);
+        let step_time = config.step_time.clone();
         let kv = KvCacheManager::new(
             config.num_blocks,
             config.block_size,
@@ -189,6 +229,54 @@ impl Scheduler {
             num_preemptions: 0,
             prompt_logprobs_done: HashMap::new(),
             spec_stats: SpecStats::default(),
+            step_time,
+        }
+    }
+
+    /// Folds a step's measured time into the cost model.
+    pub fn observe_step(&mut self, out: &SchedulerOutput, seconds: f64) {
+        if let Some(st) = &mut self.step_time {
+            let mut shape = StepShape::default();
+            for r in &out.requests {
+                shape.add_chunk(r.start_pos, r.token_ids.len());
+            }
+            tracing::debug!(
+                "step of {} tokens ({} requests, {:.2}M pairs): {:.1} ms, predicted {:.1} ms",
+                shape.tokens,
+                out.requests.len(),
+                shape.pairs / 1e6,
+                seconds * 1e3,
+                st.cost.predict(shape) * 1e3
+            );
+            st.cost.observe(shape, seconds);
+        }
+    }
+
+    /// The cost model as it stands (for logs and tests).
+    pub fn step_cost(&self) -> Option<&StepCost> {
+        self.step_time.as_ref().map(|s| &s.cost)
+    }
+
+    /// A prefill chunk of at most `n` tokens after `start` cached ones, cut to the step-time
+    /// target when the step has decodes (`shape`: what the step holds so far, decodes first);
+    /// 0: it waits. A step whose decodes leave no time still takes one chunk of
+    /// [`MIN_PREFILL_CHUNK`] (`floor`: whether one was given).
+    fn timed_chunk(&self, shape: &StepShape, t: &mut TimedStep, start: usize, n: usize) -> usize {
+        let Some(st) = self.step_time.as_ref().filter(|_| t.decodes) else {
+            return n;
+        };
+        let target = match st.target {
+            StepTarget::Fixed(secs) => secs,
+            StepTarget::Relative { factor, floor_secs } => {
+                (factor * st.cost.predict(t.decode_shape)).max(floor_secs)
+            }
+        };
+        match st.cost.chunk_within(*shape, start, n, target) {
+            0 if !t.floor => {
+                t.floor = true;
+                n.min(MIN_PREFILL_CHUNK)
+            }
+            c => c,
         }
     }
 
@@ -347,12 +435,32 @@ impl Scheduler {
         let mut budget = self.config.max_num_batched_tokens;
         let mut planned: Vec<(RequestId, usize, Vec<u32>)> = Vec::new();
         let mut preempted = Vec::new();
+        // Decodes come first in the step's time: prefill chunks get what they leave.
+        let mut shape = StepShape::default();
+        let mut timed = TimedStep::default();
+        for id in &self.running {
+            let r = &self.requests[id];
+            if r.num_tokens() - r.num_computed_tokens == 1 {
+                shape.add_chunk(r.num_computed_tokens, 1);
+                timed.decodes = true;
+            }
+        }
+        timed.decode_shape = shape;
 
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
             let req = &self.requests[&id];
-            let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
+            let left = req.num_tokens() - req.num_computed_tokens;
+            let mut num_new = left.min(budget);
+            if left > 1 {
+                num_new = self.timed_chunk(&shape, &mut timed, req.num_computed_tokens, num_new);
+                if num_new == 0 {
+                    i += 1; // this prefill waits for a step with time left
+                    continue;
+                }
+                shape.add_chunk(req.num_computed_tokens, num_new);
+            }
             let mut draft = match req.num_tokens() - req.num_computed_tokens {
                 1 => self.draft(req, budget - 1),
                 _ => Vec::new(),
@@ -414,9 +522,15 @@ impl Scheduler {
                     restore = deepest.map(|(_, slot, hash)| (slot, hash));
                 }
                 let computed = hit[0].len() * self.config.block_size;
-                let num_new = (req.num_tokens() - computed).min(budget);
+                let mut num_new = (req.num_tokens() - computed).min(budget);
                 if self.config.whole_prompts && num_new < req.num_tokens() - computed {
                     break; // waits for a step with room for all of it
+                }
+                if !self.config.whole_prompts {
+                    num_new = self.timed_chunk(&shape, &mut timed, computed, num_new);
+                    if num_new == 0 {
+                        break; // FCFS: it waits for a step with time left
+                    }
                 }
                 if !self
                     .kv
@@ -438,6 +552,7 @@ impl Scheduler {
                 req.status = RequestStatus::Running;
                 self.running.push(id);
                 planned.push((id, num_new, Vec::new()));
+                shape.add_chunk(computed, num_new);
                 budget -= num_new;
             }
         }

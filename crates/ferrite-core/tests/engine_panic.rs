@@ -55,6 +55,7 @@ fn small_pool() -> SchedulerConfig {
         state_slots: 0,
         state_checkpoints: 0,
         whole_prompts: false,
+        step_time: None,
         speculation: None,
     }
 }

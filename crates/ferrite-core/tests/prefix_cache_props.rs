@@ -151,6 +151,7 @@ fn cfg(num_blocks: usize, bs: usize, budget: usize, prefix: Option<HashAlgo>) ->
         state_slots: 0,
         state_checkpoints: 0,
         whole_prompts: false,
+        step_time: None,
         speculation: None,
     }
 }
@@ -247,6 +248,7 @@ proptest! {
             state_slots: 4,
             state_checkpoints: checkpoints,
             whole_prompts: false,
+            step_time: None,
             ..cfg(longest.div_ceil(bs) + extra, bs, budget, Some(HashAlgo::Builtin))
         };
         let with = run(hybrid.clone(), &jobs, one_at_a_time);
@@ -278,6 +280,7 @@ fn a_hybrid_hit_reaches_the_last_checkpointed_block() {
         state_slots: 2,
         state_checkpoints: 8,
         whole_prompts: false,
+        step_time: None,
         ..cfg(64, 4, 5, Some(HashAlgo::Sha256))
     };
     let r = run(hybrid.clone(), &jobs, true);

@@ -170,6 +170,7 @@ proptest! {
             state_slots: 0,
             state_checkpoints: 0,
             whole_prompts: false,
+            step_time: None,
             speculation: None,
         };
         let (got, _) = run(cfg.clone(), &work);
@@ -211,6 +212,7 @@ proptest! {
             state_slots: 0,
             state_checkpoints: 0,
             whole_prompts: false,
+            step_time: None,
             speculation: None,
         };
         let on = SchedulerConfig {
@@ -245,6 +247,7 @@ fn speculation_drafts_under_the_property_tests_workloads() {
         state_slots: 0,
         state_checkpoints: 0,
         whole_prompts: false,
+        step_time: None,
         speculation: Some(Speculation {
             k: 3,
             min_n: 1,
@@ -304,6 +307,7 @@ proptest! {
             state_slots: 0,
             state_checkpoints: 0,
             whole_prompts: false,
+            step_time: None,
             speculation: None,
         };
         let (got, _) = run(cfg.clone(), &work);
@@ -335,6 +339,7 @@ fn preemption_happens_under_pressure_and_changes_nothing() {
         state_slots: 0,
         state_checkpoints: 0,
         whole_prompts: false,
+        step_time: None,
         speculation: None,
     };
     let (got, preemptions) = run(cfg.clone(), &work);
@@ -362,6 +367,7 @@ fn requests_that_can_never_fit_are_refused() {
         state_slots: 0,
         state_checkpoints: 0,
         whole_prompts: false,
+        step_time: None,
         speculation: None,
     });
     let p = |m: i64| SamplingParams {
@@ -475,6 +481,7 @@ proptest! {
             state_slots: slots,
             state_checkpoints: 0,
             whole_prompts: false,
+            step_time: None,
             speculation: None,
         };
         let got = run_with_states(cfg.clone(), &work, &aborts);
@@ -485,6 +492,7 @@ proptest! {
             state_slots: 64,
             state_checkpoints: 0,
             whole_prompts: false,
+            step_time: None,
             ..cfg
         };
         let want = run_with_states(roomy, &work, &[]);
@@ -520,6 +528,7 @@ proptest! {
             state_slots: 0,
             state_checkpoints: 0,
             whole_prompts: true,
+            step_time: None,
             speculation: None,
         };
         let mut sched = Scheduler::new(cfg.clone());
@@ -556,4 +565,120 @@ proptest! {
         prop_assert_eq!(sched.num_blocks_in_use(), 0, "blocks leaked");
         prop_assert!(sched.check_pooling_admissible(25).is_err());
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(150))]
+
+    /// With a step-time target, prefill chunks beside decodes are cut to what the cost model
+    /// leaves (never below MIN_PREFILL_CHUNK): the invariants and every greedy output stay
+    /// those of the run without a target.
+    #[test]
+    fn a_step_time_target_changes_no_output(
+        work in arrivals(),
+        block_size in 1usize..6,
+        budget in 1usize..48,
+        seats in 1usize..6,
+        target_ms in 1.0f64..30.0,
+    ) {
+        use ferrite_core::scheduler::{StepTarget, StepTime};
+        use ferrite_core::step_cost::{StepCost, StepShape};
+        let longest = work.iter().map(|a| a.prompt.len() + a.max_tokens).max().unwrap();
+        let off = SchedulerConfig {
+            max_num_batched_tokens: budget,
+            max_num_seqs: seats,
+            max_model_len: 64,
+            block_size,
+            num_blocks: (longest.div_ceil(block_size) + 1) * seats.min(work.len()),
+            prefix_caching: None,
+            kv_groups: vec![None],
+            state_slots: 0,
+            state_checkpoints: 0,
+            whole_prompts: false,
+            step_time: None,
+            speculation: None,
+        };
+        // 1 ms a step and 1 ms a token.
+        let shape = |n: usize| {
+            let mut s = StepShape::default();
+            s.add_chunk(0, n);
+            s
+        };
+        let cost = StepCost::fit(&[shape(1), shape(50), shape(101)].map(|s| (s, 0.001 + 0.001 * s.tokens as f64)));
+        let on = SchedulerConfig {
+            step_time: Some(StepTime { cost, target: StepTarget::Fixed(target_ms / 1e3) }),
+            ..off.clone()
+        };
+        let (want, _) = run(off, &work);
+        let (got, _) = run(on, &work);
+        prop_assert_eq!(got, want);
+    }
+}
+
+/// A prompt arriving while another request decodes gets the chunk the target leaves beside
+/// the decode; alone, the whole budget; with decodes using up the target, the floor.
+#[test]
+fn prefill_beside_decodes_is_cut_to_the_step_time_target() {
+    use ferrite_core::scheduler::{StepTarget, StepTime, MIN_PREFILL_CHUNK};
+    use ferrite_core::step_cost::{StepCost, StepShape};
+    let shape = |n: usize| {
+        let mut s = StepShape::default();
+        s.add_chunk(0, n);
+        s
+    };
+    // 1 ms a step and 1 ms a token: a 40 ms target leaves 38 prefill tokens beside a decode.
+    let linear = |fixed: f64| {
+        [shape(1), shape(50), shape(101)].map(|s| (s, fixed + 0.001 * s.tokens as f64))
+    };
+    let cost = StepCost::fit(&linear(0.001));
+    let cfg = SchedulerConfig {
+        max_num_batched_tokens: 512,
+        max_num_seqs: 8,
+        max_model_len: 1024,
+        block_size: 16,
+        num_blocks: 256,
+        prefix_caching: None,
+        kv_groups: vec![None],
+        state_slots: 0,
+        state_checkpoints: 0,
+        whole_prompts: false,
+        step_time: Some(StepTime {
+            cost,
+            target: StepTarget::Fixed(0.040),
+        }),
+        speculation: None,
+    };
+    let mut sched = Scheduler::new(cfg);
+    let arrival = |len: usize| Arrival {
+        step: 0,
+        prompt: vec![7; len],
+        max_tokens: 50,
+        min_tokens: 0,
+    };
+    sched.add_request(request(0, &arrival(300)));
+    let out = sched.schedule();
+    assert_eq!(
+        out.requests[0].token_ids.len(),
+        300,
+        "alone: the whole prompt"
+    );
+    sched.update(&out, &HashMap::from([(0, vec![3])]));
+    sched.add_request(request(1, &arrival(400)));
+    let out = sched.schedule();
+    let lens: Vec<usize> = out.requests.iter().map(|r| r.token_ids.len()).collect();
+    assert!(lens[0] == 1 && (36..=39).contains(&lens[1]), "{lens:?}");
+    // Eight decodes of long contexts eat the target: the prompt still moves by the floor.
+    let mut sched = Scheduler::new(SchedulerConfig {
+        step_time: Some(StepTime {
+            cost: StepCost::fit(&linear(0.029)),
+            target: StepTarget::Fixed(0.020),
+        }),
+        ..sched.config().clone()
+    });
+    sched.add_request(request(0, &arrival(300)));
+    let out = sched.schedule();
+    sched.update(&out, &HashMap::from([(0, vec![3])]));
+    sched.add_request(request(1, &arrival(400)));
+    let out = sched.schedule();
+    assert_eq!(out.requests[1].token_ids.len(), MIN_PREFILL_CHUNK);
 }

@@ -10,7 +10,7 @@ use crate::{checkpoint, models};
 use anyhow::{bail, Result};
 use ferrite_core::kv_layout::KvLayout;
 use ferrite_core::prefix_hash::HashAlgo;
-use ferrite_core::scheduler::SchedulerConfig;
+use ferrite_core::scheduler::{SchedulerConfig, StepTarget};
 use ferrite_core::spec_decode::Speculation;
 use std::path::PathBuf;
 
@@ -69,7 +69,17 @@ pub struct EngineArgs {
     pub speculation: Option<Speculation>,
     /// What the model serves (`--runner`, vLLM's).
     pub runner: RunnerKind,
+    /// The longest a step with running decodes should take, in ms (`--max-step-ms`): their
+    /// inter-token latency. `None`: [`DEFAULT_STEP_TARGET`]; 0: no target.
+    pub max_step_ms: Option<f64>,
 }
+
+/// Without `--max-step-ms`: a step with decodes takes at most 2.5 times what its decodes
+/// alone would, and at least 20 ms (prefill chunks beside them are cut to fit).
+pub const DEFAULT_STEP_TARGET: StepTarget = StepTarget::Relative {
+    factor: 2.5,
+    floor_secs: 0.020,
+};
 
 /// `--runner`: generation, or pooling (embeddings, scores).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -166,6 +176,7 @@ impl EngineArgs {
             enforce_eager: false,
             speculation: None,
             runner: RunnerKind::Auto,
+            max_step_ms: None,
         }
     }
 }
@@ -217,6 +228,16 @@ impl EngineArgs {
             RunnerKind::Auto if !encoder && described.is_none() => None,
             _ => Some(described.unwrap_or_else(|| Pooling::default_for(encoder))),
         })
+    }
+
+    /// The step-time target (`None`: off).
+    pub fn step_target(&self) -> Result<Option<StepTarget>> {
+        match self.max_step_ms {
+            None => Ok(Some(DEFAULT_STEP_TARGET)),
+            Some(0.0) => Ok(None),
+            Some(ms) if ms > 0.0 && ms.is_finite() => Ok(Some(StepTarget::Fixed(ms / 1e3))),
+            Some(ms) => bail!("--max-step-ms must be a positive number of ms (0: off), got {ms}"),
+        }
     }
 
     /// These args as a pooling model runs: no prefix caching (a prompt's states are all
@@ -300,6 +321,7 @@ impl EngineArgs {
             state_slots: plan.state_slots,
             state_checkpoints: plan.state_checkpoints,
             whole_prompts: false,
+            step_time: None,
             speculation: self.speculation.clone().filter(|_| {
                 let fits = plan.state_slots == 0;
                 if !fits {

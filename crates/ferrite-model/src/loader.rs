@@ -13,6 +13,8 @@ use crate::runner::{ModelRunner, StepModel};
 use crate::step::PackedStep;
 use crate::weights::footprint::cpu_weight_bytes;
 use anyhow::{bail, Result};
+use ferrite_core::scheduler::{StepTarget, StepTime};
+use ferrite_core::step_cost::StepCost;
 use std::path::Path;
 
 /// Loads everything. `progress(done, total)` follows weight loading.
@@ -20,15 +22,26 @@ pub fn load(args: &EngineArgs, mut progress: impl FnMut(usize, usize)) -> Result
     if args.block_size == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
         bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be positive");
     }
+    check_device(args.device)?;
     match args.device {
         DeviceKind::Cpu => load_cpu(args, &mut progress),
         #[cfg(feature = "cuda")]
-        DeviceKind::Cuda(ordinal) => crate::backend::cuda::loader::load(&args.resolved()?, ordinal, progress),
+        DeviceKind::Cuda(ordinal) => {
+            crate::backend::cuda::loader::load(&args.resolved()?, ordinal, progress)
+        }
         #[cfg(not(feature = "cuda"))]
-        DeviceKind::Cuda(_) => bail!(
-            "--device cuda: this ferrite was built without CUDA support (build with `cargo build --release --features cuda`)"
-        ),
+        DeviceKind::Cuda(_) => unreachable!("refused by check_device"),
     }
+}
+
+/// Refuses a device this build cannot run, before anything is opened or downloaded.
+pub fn check_device(device: DeviceKind) -> Result<()> {
+    if matches!(device, DeviceKind::Cuda(_)) && !cfg!(feature = "cuda") {
+        bail!(
+            "--device cuda: this ferrite was built without CUDA support (build with `cargo build --release --features cuda`)"
+        );
+    }
+    Ok(())
 }
 
 /// A family on the CPU backend, KV cache not yet allocated.
@@ -61,8 +74,13 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
         progress,
     )?;
     let config = model.config.clone();
-    let activation_bytes =
-        profile_activations(&mut model, args.max_num_batched_tokens, args.block_size)?;
+    let calibrate = pooling.is_none() && args.step_target()?.is_some();
+    let (activation_bytes, cost) = profile_activations(
+        &mut model,
+        args.max_num_batched_tokens,
+        args.block_size,
+        calibrate,
+    )?;
     let (plan, mut scheduler) = args.plan(
         &config,
         max_model_len,
@@ -74,6 +92,7 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
     scheduler.whole_prompts = pooling.is_some();
     model.allocate_cache(plan.num_blocks, args.block_size)?;
     model.allocate_state(plan.state_slots + plan.state_checkpoints)?;
+    scheduler.step_time = step_time(args, cost)?;
     let runner = ModelRunner::new(Box::new(model), args.block_size, args.seed);
     Ok(LoadedEngine {
         runner: runner.with_pooling(pooling.clone()),
@@ -83,6 +102,23 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
         config,
         pooling: pooling.clone(),
     })
+}
+
+/// The step-time target with the cost model fitted at start-up (`None`: no target, or a
+/// model that never decodes).
+pub(crate) fn step_time(args: &EngineArgs, cost: Option<StepCost>) -> Result<Option<StepTime>> {
+    let (Some(target), Some(cost)) = (args.step_target()?, cost) else {
+        return Ok(None);
+    };
+    let aim = match target {
+        StepTarget::Fixed(s) => format!("{:.0} ms (--max-step-ms)", s * 1e3),
+        StepTarget::Relative { factor, floor_secs } => format!(
+            "{factor}x their decodes alone, at least {:.0} ms (--max-step-ms to fix one)",
+            floor_secs * 1e3
+        ),
+    };
+    tracing::info!("steps with decodes aim at {aim}; {}", cost.describe());
+    Ok(Some(StepTime { cost, target }))
 }
 
 /// `args` with a Hugging Face id resolved, and as an embedding model runs when it is one.
@@ -95,12 +131,14 @@ fn resolved_for_task(args: &EngineArgs) -> Result<(EngineArgs, Option<Pooling>)>
     })
 }
 
-/// Peak extra memory of one step at the full token budget, measured by running it.
+/// Peak extra memory of one step at the full token budget, measured by running it; and
+/// the step-cost model fitted to timed steps (`calibrate`), on the same small pool.
 fn profile_activations(
     model: &mut Decoder<CpuBackend>,
     tokens: usize,
     block_size: usize,
-) -> Result<u64> {
+    calibrate: bool,
+) -> Result<(u64, Option<StepCost>)> {
     let c = model.config.clone();
     let tokens = tokens.min(model.max_positions());
     model.allocate_cache(tokens.div_ceil(block_size), block_size)?;
@@ -112,13 +150,17 @@ fn profile_activations(
     let measured = memory::reset_peak_rss();
     model.forward(&step)?;
     let peak = memory::peak_rss_bytes();
+    let cost = calibrate
+        .then(|| crate::calibrate::step_cost(model, block_size, groups, tokens))
+        .transpose()?;
     model.allocate_cache(0, block_size)?;
-    Ok(if measured && peak > before {
+    let bytes = if measured && peak > before {
         peak - before
     } else {
         // Without a resettable peak counter, estimate from the buffers a step allocates.
         memory::activation_estimate(&c, tokens)
-    })
+    };
+    Ok((bytes, cost))
 }
 
 /// What [`load`] would plan on the CPU, from the checkpoint's header and config alone (no

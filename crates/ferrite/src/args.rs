@@ -97,6 +97,13 @@ pub struct EngineFlags {
     /// `auto`: pooling for encoders (BERT) and sentence-transformers embedding models.
     #[arg(long, default_value = "auto")]
     pub runner: RunnerKind,
+    /// The longest a step with running decodes should take, in ms (their inter-token
+    /// latency): prefill chunks beside decodes are cut to fit, from a cost model fitted at
+    /// start-up and refitted from every step; 0 turns it off (chunks take the whole
+    /// --max-num-batched-tokens). Default: 2.5x what the step's decodes alone take, at
+    /// least 20 ms.
+    #[arg(long)]
+    pub max_step_ms: Option<f64>,
 }
 
 fn parse_speculative_config(s: &str) -> Result<Speculation, String> {
@@ -173,6 +180,7 @@ impl EngineFlags {
             enforce_eager: self.enforce_eager,
             speculation: self.speculative_config.clone(),
             runner: self.runner,
+            max_step_ms: self.max_step_ms,
         }
     }
 }

@@ -20,6 +20,7 @@ pub struct Started {
 
 pub fn start(flags: &EngineFlags) -> Result<Started> {
     flags.check_dtype()?;
+    loader::check_device(flags.device)?;
     // A Hugging Face id is found (or downloaded, with its own bars) before loading starts.
     let args = flags.engine_args().resolved()?;
     let bar = ProgressBar::new(0).with_style(

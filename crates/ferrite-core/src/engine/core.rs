@@ -139,7 +139,8 @@ impl<E: Executor> EngineCore<E> {
         }
         // A panic in the model (a bug, never bad input) fails this step's requests and leaves
         // the engine serving the others.
-        self.stats.lock().unwrap().step_started = Some(Instant::now());
+        let started = Instant::now();
+        self.stats.lock().unwrap().step_started = Some(started);
         let executor = &mut self.executor;
         let run =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| executor.execute(&output)))
@@ -152,7 +153,11 @@ impl<E: Executor> EngineCore<E> {
                     Err(format!("internal error in the model step: {msg}").into())
                 });
         match run {
-            Ok(result) => self.apply(&output, result),
+            Ok(result) => {
+                self.scheduler
+                    .observe_step(&output, started.elapsed().as_secs_f64());
+                self.apply(&output, result)
+            }
             Err(e) => {
                 tracing::error!("model step failed: {e}");
                 for s in &output.requests {

@@ -11,6 +11,7 @@ use crate::runner::{ModelRunner, StepModel};
 use crate::step::PackedStep;
 use crate::weights::WeightSource;
 use anyhow::{bail, Result};
+use ferrite_core::step_cost::StepCost;
 
 pub fn load(
     args: &EngineArgs,
@@ -43,7 +44,7 @@ pub fn load(
     let tokenizer = open_tokenizer(&args.model)?;
     let config = model.config.clone();
     let tokens = args.max_num_batched_tokens.min(max_model_len);
-    let mut activation_bytes = profile_step(&mut model, tokens, args.block_size)?;
+    let (mut activation_bytes, cost) = profile_step(&mut model, tokens, args.block_size)?;
     // candle's quantized matmuls keep a workspace they may move between calls, which a
     // captured graph would go on pointing at: quantized weights run eagerly.
     let graphs = !args.enforce_eager && !quantized;
@@ -64,6 +65,8 @@ pub fn load(
     model.allocate_state(scratch + stateful as usize)?;
     // One block more than the scheduler hands out: decode graphs pad into it.
     model.allocate_cache(plan.num_blocks + 1, args.block_size)?;
+    let mut scheduler = scheduler;
+    scheduler.step_time = crate::loader::step_time(args, Some(cost))?;
     if graphs {
         model.backend.enable_decode_graphs(GraphShape {
             max_batch: args.max_num_seqs,
@@ -111,7 +114,13 @@ fn graph_bytes(c: &ModelConfig, max_batch: usize) -> u64 {
 /// kernels ship as machine code, but cuBLAS picks its algorithms here) and returns the
 /// activation memory to reserve: the larger of what the step took from the device and a
 /// count of every intermediate tensor it allocates.
-fn profile_step(model: &mut Decoder<CudaBackend>, tokens: usize, block_size: usize) -> Result<u64> {
+/// The memory one step at the full token budget takes, and the step-cost model fitted to
+/// timed steps on the same small pool.
+fn profile_step(
+    model: &mut Decoder<CudaBackend>,
+    tokens: usize,
+    block_size: usize,
+) -> Result<(u64, StepCost)> {
     let c = model.config.clone();
     model.allocate_cache(tokens.div_ceil(block_size), block_size)?;
     model.allocate_state(1)?;
@@ -126,6 +135,10 @@ fn profile_step(model: &mut Decoder<CudaBackend>, tokens: usize, block_size: usi
     let (free_after, _) = ctx.mem_get_info()?;
     const CUBLAS_WORKSPACE: usize = 64 << 20;
     let counted = (tokens * bytes_per_token(&c) + c.vocab_size * 8 + CUBLAS_WORKSPACE) as u64;
+    let cost = crate::calibrate::step_cost(model, block_size, groups, tokens)?;
     model.allocate_cache(0, block_size)?;
-    Ok(counted.max(free_before.saturating_sub(free_after) as u64))
+    Ok((
+        counted.max(free_before.saturating_sub(free_after) as u64),
+        cost,
+    ))
 }
