@@ -42,6 +42,9 @@ pub struct StepCost {
 
 const N: usize = 4;
 
+/// The most any term's variance may grow to between informative steps.
+const MAX_VARIANCE: f64 = 10.0;
+
 fn features(s: StepShape) -> [f64; N] {
     // Scaled to one order: tokens in thousands, pairs in millions, rows in hundreds.
     [
@@ -104,8 +107,24 @@ impl StepCost {
 
     /// Folds a measured step into the fit.
     pub fn observe(&mut self, s: StepShape, seconds: f64) {
-        if seconds.is_finite() && seconds > 0.0 && s.tokens > 0 {
-            self.update(s, seconds, FORGET);
+        if !(seconds.is_finite() && seconds > 0.0 && s.tokens > 0) {
+            return;
+        }
+        self.update(s, seconds, FORGET);
+        // Projected onto non-negative terms: noise on near-collinear features (a lone
+        // request's fixed and per-request costs) must not drive one term below zero and
+        // another up, which would predict free steps.
+        self.theta.iter_mut().for_each(|t| *t = t.max(0.0));
+        // Forgetting inflates what steps leave unexplored (a feature that stays constant):
+        // bounded, so one unusual step cannot swing the fit.
+        for i in 0..N {
+            if self.p[i][i] > MAX_VARIANCE {
+                let scale = (MAX_VARIANCE / self.p[i][i]).sqrt();
+                for j in 0..N {
+                    self.p[i][j] *= scale;
+                    self.p[j][i] *= scale;
+                }
+            }
         }
     }
 
