@@ -3,6 +3,7 @@ use candle_core::{Device, Tensor};
 use ferrite_model::backend::cpu::quant::activations::QuantizedActs;
 use ferrite_model::backend::cpu::quant::packed::PackedWeight;
 use ferrite_model::backend::cpu::quant::{matmul, Isa};
+use ferrite_model::backend::Rounding;
 use std::time::Instant;
 
 fn main() {
@@ -33,24 +34,26 @@ fn main() {
         let mut a = QuantizedActs::default();
         let mut y = vec![0f32; t * n];
         let pool = rayon::ThreadPoolBuilder::new().build().unwrap();
-        pool.install(|| {
-            for _ in 0..3 {
-                a.quantize(&a_f, t, k);
-                matmul(&w, &a, &mut y, isa);
-            }
-            let reps = if t == 1 { 200 } else { 10 };
-            let st = Instant::now();
-            for _ in 0..reps {
-                a.quantize(&a_f, t, k);
-                matmul(&w, &a, &mut y, isa);
-            }
-            let dt = st.elapsed().as_secs_f64() / reps as f64;
-            println!(
-                "{n}x{k} t={t}: {:.3} ms, {:.1} GOPS, {:.1} GB/s weights",
-                dt * 1e3,
-                2.0 * (n * k * t) as f64 / dt / 1e9,
-                w.bytes() as f64 / dt / 1e9
-            );
-        });
+        for rounding in [Rounding::Coarse, Rounding::Fine] {
+            pool.install(|| {
+                for _ in 0..3 {
+                    a.quantize(&a_f, t, k, rounding);
+                    matmul(&w, &a, &mut y, isa);
+                }
+                let reps = if t == 1 { 200 } else { 10 };
+                let st = Instant::now();
+                for _ in 0..reps {
+                    a.quantize(&a_f, t, k, rounding);
+                    matmul(&w, &a, &mut y, isa);
+                }
+                let dt = st.elapsed().as_secs_f64() / reps as f64;
+                println!(
+                    "{n}x{k} t={t} {rounding:?}: {:.3} ms, {:.1} GOPS, {:.1} GB/s weights",
+                    dt * 1e3,
+                    2.0 * (n * k * t) as f64 / dt / 1e9,
+                    w.bytes() as f64 / dt / 1e9
+                );
+            });
+        }
     }
 }

@@ -91,6 +91,18 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* p) {
                : "r"(a));
 }
 
+// 8 codes (`raw`) times their token's scale `s`, as 8 bf16 into shared memory at `dst`.
+template <Kv KV>
+__device__ __forceinline__ void stage8(bf16* dst, uint2 raw, float s) {
+  const uint8_t* c = reinterpret_cast<const uint8_t*>(&raw);
+  uint4 out;
+  uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+  for (int e = 0; e < 4; e++)
+    o[e] = pack_bf16(kv_decode<KV>(c[2 * e]) * s, kv_decode<KV>(c[2 * e + 1]) * s);
+  *reinterpret_cast<uint4*>(dst) = out;
+}
+
 // 16 bytes global -> shared without passing through registers; zero-fills when !valid.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
@@ -98,9 +110,10 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
                "r"(valid ? 16 : 0));
 }
 
-template <int D>
-__device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __restrict__ kc,
-                                   const bf16* __restrict__ vc, const uint32_t* cu_q,
+template <int D, Kv KV>
+__device__ void attention_tile_mma(const bf16* __restrict__ q, const void* __restrict__ kc,
+                                   const void* __restrict__ vc, const float* __restrict__ ksc,
+                                   const float* __restrict__ vsc, const uint32_t* cu_q,
                                    const uint32_t* seq_k, const uint32_t* tables, int max_blocks,
                                    int num_seqs, int H, int Hkv, int block_size, float scale,
                                    int window, float softcap, const bf16* sinks, int splits,
@@ -159,14 +172,35 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __res
                               (i % (D / 8)) * 8
                         : SIZE_MAX;
     }
+    if (KV == Kv::Bf16) {
 #pragma unroll
-    for (int j = 0; j < LOADS; j++) {
-      const int i = tid + j * MMA_THREADS, key = i / (D / 8), c = (i % (D / 8)) * 8;
-      const bool in = at[j] != SIZE_MAX;
-      cp_async16(&ks_[key][c], kc + (in ? at[j] : 0), in);
-      cp_async16(&vs_[key][c], vc + (in ? at[j] : 0), in);
+      for (int j = 0; j < LOADS; j++) {
+        const int i = tid + j * MMA_THREADS, key = i / (D / 8), c = (i % (D / 8)) * 8;
+        const bool in = at[j] != SIZE_MAX;
+        cp_async16(&ks_[key][c], static_cast<const bf16*>(kc) + (in ? at[j] : 0), in);
+        cp_async16(&vs_[key][c], static_cast<const bf16*>(vc) + (in ? at[j] : 0), in);
+      }
+      asm volatile("cp.async.wait_all;\n" ::);
+    } else {
+      // 8 codes (8 bytes) per load, widened to bf16 with their token's scale on the way in.
+      uint2 kr[LOADS], vr[LOADS];
+#pragma unroll
+      for (int j = 0; j < LOADS; j++) {
+        const bool in = at[j] != SIZE_MAX;
+        kr[j] = in ? *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(kc) + at[j])
+                   : make_uint2(0, 0);
+        vr[j] = in ? *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(vc) + at[j])
+                   : make_uint2(0, 0);
+      }
+#pragma unroll
+      for (int j = 0; j < LOADS; j++) {
+        const int i = tid + j * MMA_THREADS, key = i / (D / 8), c = (i % (D / 8)) * 8;
+        const bool in = at[j] != SIZE_MAX;
+        const float sk = in ? ksc[at[j] / D] : 0.f, sv = in ? vsc[at[j] / D] : 0.f;
+        stage8<KV>(&ks_[key][c], kr[j], sk);
+        stage8<KV>(&vs_[key][c], vr[j], sv);
+      }
     }
-    asm volatile("cp.async.wait_all;\n" ::);
     __syncthreads();
     if (!active) continue;
     // S = Q K^T for this warp's 16 rows and the tile's 64 keys.
@@ -273,19 +307,23 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const bf16* __res
   }
 }
 
-#define ATTENTION_MMA(D)                                                                      \
-  extern "C" __global__ void __launch_bounds__(MMA_THREADS) paged_attention_mma_d##D##_bf16(          \
-      const bf16* q, const bf16* kc, const bf16* vc, const uint32_t* cu_q,                    \
-      const uint32_t* seq_k, const uint32_t* tables, int max_blocks, int num_seqs, int H,     \
-      int Hkv, int block_size, float scale, int window, float softcap, const bf16* sinks,     \
-      int splits, bf16* out, float* part_acc, float* part_ml) {                               \
-    wait_for_previous_kernel();                                                               \
-    attention_tile_mma<D>(q, kc, vc, cu_q, seq_k, tables, max_blocks, num_seqs, H, Hkv,      \
-                          block_size, scale, window, softcap, sinks, splits, out, part_acc,  \
-                          part_ml);                                                          \
+#define ATTENTION_MMA(D, NAME, KV)                                                                  \
+  extern "C" __global__ void __launch_bounds__(MMA_THREADS) paged_attention_mma_d##D##_##NAME(     \
+      const bf16* q, const void* kc, const void* vc, const float* ksc, const float* vsc,          \
+      const uint32_t* cu_q, const uint32_t* seq_k, const uint32_t* tables, int max_blocks,        \
+      int num_seqs, int H, int Hkv, int block_size, float scale, int window, float softcap,       \
+      const bf16* sinks, int splits, bf16* out, float* part_acc, float* part_ml) {                \
+    wait_for_previous_kernel();                                                                     \
+    attention_tile_mma<D, KV>(q, kc, vc, ksc, vsc, cu_q, seq_k, tables, max_blocks, num_seqs, H,   \
+                              Hkv, block_size, scale, window, softcap, sinks, splits, out,         \
+                              part_acc, part_ml);                                                  \
   }
-ATTENTION_MMA(32)
-ATTENTION_MMA(64)
-ATTENTION_MMA(128)
-ATTENTION_MMA(256)
+#define ATTENTION_MMA_ALL(D)          \
+  ATTENTION_MMA(D, bf16, Kv::Bf16)    \
+  ATTENTION_MMA(D, fp8, Kv::Fp8)      \
+  ATTENTION_MMA(D, int8, Kv::Int8)
+ATTENTION_MMA_ALL(32)
+ATTENTION_MMA_ALL(64)
+ATTENTION_MMA_ALL(128)
+ATTENTION_MMA_ALL(256)
 

@@ -7,6 +7,7 @@ pub mod calibrate;
 pub mod checkpoint;
 pub mod config;
 pub mod engine_args;
+pub mod kv_dtype;
 pub mod loader;
 pub mod memory;
 pub mod models;

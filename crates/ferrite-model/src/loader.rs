@@ -74,6 +74,7 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
         progress,
     )?;
     let config = model.config.clone();
+    model.set_kv_dtype(args.kv_cache_dtype);
     let calibrate = pooling.is_none() && args.step_target()?.is_some();
     let (activation_bytes, cost) = profile_activations(
         &mut model,

@@ -1,6 +1,7 @@
 //! The memory budget: device memory x utilization, minus weights and the profiled activation
 //! peak, gives the KV pool, sized once at start-up.
 
+use crate::kv_dtype::KvCacheDtype;
 use anyhow::{bail, Context, Result};
 use ferrite_core::kv_layout::{max_blocks, GroupWindow};
 use std::fmt;
@@ -64,6 +65,7 @@ pub struct MemoryPlan {
     pub activation_bytes: u64,
     pub kv_bytes: u64,
     pub bytes_per_block: u64,
+    pub kv_dtype: KvCacheDtype,
     pub block_size: usize,
     pub num_blocks: usize,
     pub max_model_len: usize,
@@ -90,6 +92,8 @@ pub struct PlanInputs {
     pub weight_bytes: u64,
     pub activation_bytes: u64,
     pub bytes_per_block: u64,
+    /// What the blocks store (named in the plan line).
+    pub kv_dtype: KvCacheDtype,
     pub block_size: usize,
     pub max_model_len: usize,
     pub max_num_seqs: usize,
@@ -183,6 +187,7 @@ pub fn plan(i: &PlanInputs) -> Result<MemoryPlan> {
         activation_bytes: i.activation_bytes,
         kv_bytes: num_blocks as u64 * i.bytes_per_block,
         bytes_per_block: i.bytes_per_block,
+        kv_dtype: i.kv_dtype,
         block_size: i.block_size,
         num_blocks,
         max_model_len: i.max_model_len,
@@ -230,7 +235,7 @@ impl fmt::Display for MemoryPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "KV cache: {} blocks x {} tokens{} ({:.2} GiB); max concurrency at \
+            "KV cache: {} blocks x {} tokens{} ({}, {:.2} GiB); max concurrency at \
              max_model_len {}: {:.2}x; budget {:.2} GiB = {:.2} x {:.2} GiB, weights {:.2} GiB, \
              activations {:.3} GiB{}",
             self.num_blocks,
@@ -240,6 +245,7 @@ impl fmt::Display for MemoryPlan {
                 None => format!(" = {} tokens", self.kv_tokens()),
                 Some(_) => format!(" x {} layers", self.layers_per_block),
             },
+            self.kv_dtype.name(),
             self.kv_bytes as f64 / GIB,
             self.max_model_len,
             self.max_concurrency(),
@@ -284,6 +290,7 @@ mod tests {
             weight_bytes: 1 << 30,
             activation_bytes: 1 << 28,
             bytes_per_block: 1 << 20,
+            kv_dtype: KvCacheDtype::Fp16,
             block_size: 16,
             max_model_len: 4096,
             max_num_seqs: 1000,

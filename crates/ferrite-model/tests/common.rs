@@ -257,6 +257,24 @@ pub fn engine_with(mut args: EngineArgs) -> (EngineHandle, Arc<ModelTokenizer>) 
     (handle, tok)
 }
 
+/// The engine's stats once it is idle with every block free (they are published at the end
+/// of the step that delivered the last output, just after it); panics after 2 s.
+pub fn idle_stats(
+    engine: &ferrite_core::engine::EngineHandle,
+) -> ferrite_core::engine::EngineStats {
+    for _ in 0..200 {
+        let st = engine.stats();
+        if st.num_running + st.num_waiting == 0 && st.kv_usage == 0.0 {
+            return st;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    panic!(
+        "engine not idle with every block free: {:?}",
+        engine.stats()
+    );
+}
+
 /// Reads a stream to its end: all outputs, concatenated.
 pub fn collect(mut s: RequestStream) -> Result<Vec<RequestOutput>, EngineError> {
     let mut outs = Vec::new();

@@ -15,10 +15,11 @@ use ferrite_model::backend::cuda::kernels::matmul::MatIn;
 use ferrite_model::backend::cuda::kernels::sample::draw_params;
 use ferrite_model::backend::cuda::kernels::Kernels;
 use ferrite_model::backend::cuda::linear::Linear;
-use ferrite_model::backend::cuda::CudaBackend;
+use ferrite_model::backend::cuda::{CudaBackend, KvPages};
 use ferrite_model::backend::{Activation, GdnSpec};
 use ferrite_model::checkpoint::open_weights;
 use ferrite_model::config::{ModelConfig, RopeStyle};
+use ferrite_model::kv_dtype::KvCacheDtype;
 use ferrite_model::loader::{load_cpu_decoder, LoadFormat, WeightFormat};
 use ferrite_model::models::{self, Decoder};
 use ferrite_model::rope::{RopeSpec, RopeTable};
@@ -151,7 +152,32 @@ fn reference_row(
         .collect()
 }
 
-fn run_attention_case(c: &Case, seed: u64) {
+/// K and V of `pages` on the host as attention should read them: bf16 values, or each code's
+/// value (fp8 through the `float8` crate) times its token's scale.
+fn host_pages(pages: &KvPages) -> (Vec<f32>, Vec<f32>) {
+    let Some((ks, vs)) = &pages.scales else {
+        return (host(&pages.k), host(&pages.v));
+    };
+    let d = pages.k.dims()[3];
+    let values = |codes: &Tensor, scales: &Tensor| -> Vec<f32> {
+        let codes: Vec<u8> = codes.flatten_all().unwrap().to_vec1().unwrap();
+        let scales = host(scales);
+        codes
+            .iter()
+            .enumerate()
+            .map(|(i, &c)| {
+                let v = match pages.dtype {
+                    KvCacheDtype::Fp8 => float8::F8E4M3::from_bits(c).to_f32(),
+                    _ => c as i8 as f32,
+                };
+                v * scales[i / d]
+            })
+            .collect()
+    };
+    (values(&pages.k, ks), values(&pages.v, vs))
+}
+
+fn run_attention_case(c: &Case, seed: u64, kv: KvCacheDtype) {
     let dev = device();
     let k = kernels(&dev);
     let mut rng = StdRng::seed_from_u64(seed);
@@ -173,15 +199,8 @@ fn run_attention_case(c: &Case, seed: u64) {
     }
     step.finish();
     let t = step.num_tokens();
-    let cache_shape = (num_blocks, hkv, bs, d);
-    let kc = Tensor::randn(0f32, 1.0, cache_shape, &dev)
-        .unwrap()
-        .to_dtype(DType::BF16)
-        .unwrap();
-    let vc = Tensor::randn(0f32, 1.0, cache_shape, &dev)
-        .unwrap()
-        .to_dtype(DType::BF16)
-        .unwrap();
+    let mut cache = KvPages::zeros(num_blocks, hkv, bs, d, kv, &dev).unwrap();
+    cache.randomize().unwrap();
     let q = Tensor::randn(0f32, 1.0, (t, h * d), &dev)
         .unwrap()
         .to_dtype(DType::BF16)
@@ -215,10 +234,11 @@ fn run_attention_case(c: &Case, seed: u64) {
             .unwrap()
     });
     let out = host(
-        &k.paged_attention(&q, &kc, &vc, &meta, &shape, sinks.as_ref())
+        &k.paged_attention(&q, &cache, &meta, &shape, sinks.as_ref())
             .unwrap(),
     );
-    let (qh, kh, vh) = (host(&q), host(&kc), host(&vc));
+    let qh = host(&q);
+    let (kh, vh) = host_pages(&cache);
     // (token row, request, position) of every checked query token.
     let mut rows = Vec::new();
     for (i, &(qlen, ctx)) in c.seqs.iter().enumerate() {
@@ -260,13 +280,20 @@ fn run_attention_case(c: &Case, seed: u64) {
     let rel_l2 =
         (errs.iter().map(|e| e.1).sum::<f64>() / errs.iter().map(|e| e.2).sum::<f64>()).sqrt();
     println!(
-        "attention {:<28} T={t:<6} rows checked {:<7} max |err|/(1+|ref|) {worst:.2e}  rel L2 {rel_l2:.2e}",
+        "attention {:<28} KV {} T={t:<6} rows checked {:<7} max |err|/(1+|ref|) {worst:.2e}  rel L2 {rel_l2:.2e}",
         c.name,
+        kv.name(),
         errs.len()
     );
-    // bf16 output: half an ulp is 2^-9 of the value; f32 accumulation adds far less.
-    assert!(worst < 8e-3, "{}: max error {worst}", c.name);
-    assert!(rel_l2 < 4e-3, "{}: relative L2 error {rel_l2}", c.name);
+    // bf16 output: half an ulp is 2^-9 of the value; f32 accumulation adds far less. 8-bit
+    // pages are widened to bf16 (another 2^-9 on each K and V value).
+    let slack = if kv.is_8bit() { 2.0 } else { 1.0 };
+    assert!(worst < 8e-3 * slack, "{}: max error {worst}", c.name);
+    assert!(
+        rel_l2 < 4e-3 * slack,
+        "{}: relative L2 error {rel_l2}",
+        c.name
+    );
 }
 
 #[test]
@@ -393,7 +420,9 @@ fn attention_ragged_steps() {
         },
     ];
     for (i, c) in cases.iter().enumerate() {
-        run_attention_case(c, i as u64);
+        for kv in [KvCacheDtype::Bf16, KvCacheDtype::Fp8, KvCacheDtype::Int8] {
+            run_attention_case(c, i as u64, kv);
+        }
     }
 }
 
@@ -450,7 +479,7 @@ fn attention_long_prefill_and_decodes() {
         },
     ];
     for (i, c) in cases.iter().enumerate() {
-        run_attention_case(c, 100 + i as u64);
+        run_attention_case(c, 100 + i as u64, KvCacheDtype::Bf16);
     }
 }
 
@@ -655,8 +684,7 @@ fn qkv_rope_write_matches_host() {
         let bias_t = bias.then(|| rand_vec(width));
         let qn = norm.then(|| rand_vec(d));
         let kn = norm.then(|| rand_vec(d));
-        let kc = Tensor::zeros((blocks, hkv, bs, d), DType::BF16, &dev).unwrap();
-        let vc = Tensor::zeros((blocks, hkv, bs, d), DType::BF16, &dev).unwrap();
+        let pages = KvPages::zeros(blocks, hkv, bs, d, KvCacheDtype::Bf16, &dev).unwrap();
         let shape = AttentionShape {
             num_heads: h,
             num_kv_heads: hkv,
@@ -671,8 +699,7 @@ fn qkv_rope_write_matches_host() {
                 &qkv,
                 &u32s(&positions, &dev),
                 &u32s(&slots, &dev),
-                &kc,
-                &vc,
+                &pages,
                 &shape,
                 &QkvParams {
                     bias: bias_t.as_ref(),
@@ -686,7 +713,7 @@ fn qkv_rope_write_matches_host() {
                 },
             )
             .unwrap();
-        let (qh, kh, vh, x) = (host(&q), host(&kc), host(&vc), host(&qkv));
+        let (qh, kh, vh, x) = (host(&q), host(&pages.k), host(&pages.v), host(&qkv));
         let b = bias_t.as_ref().map(host);
         let (qnh, knh) = (qn.as_ref().map(host), kn.as_ref().map(host));
         let mut worst = 0f64;
@@ -753,7 +780,7 @@ fn qkv_rope_write_matches_host() {
 /// decoded token by token.
 #[test]
 fn model_agrees_with_cpu_backend() {
-    let a = agreement_with_cpu(false);
+    let a = agreement_with_cpu(false, KvCacheDtype::Auto);
     // bf16 weights (8-bit mantissa) against f32 move logits by a few hundredths, so the two
     // backends may only disagree where the CPU's top two are that close.
     assert!(
@@ -770,10 +797,38 @@ fn model_agrees_with_cpu_backend() {
 /// round each input row to 8-bit blocks, Q8_1, before the dot products).
 #[test]
 fn quantized_gguf_agrees_with_cpu_backend() {
-    let a = agreement_with_cpu(true);
+    let a = agreement_with_cpu(true, KvCacheDtype::Auto);
     // Q8_1 inputs: ~2^-8 relative per value on top of bf16 elsewhere.
     assert!(a.top1 >= 0.95, "top-1 agreement {}", a.top1);
     assert!(a.mean_abs < 0.3, "mean |dlogit| {}", a.mean_abs);
+}
+
+/// 8-bit K/V pages (codes and a scale per token and head, written by the QKV kernel, widened
+/// as attention stages them) against the CPU backend storing the same type.
+#[test]
+fn eight_bit_kv_agrees_with_cpu_backend() {
+    for kv in [KvCacheDtype::Fp8, KvCacheDtype::Int8] {
+        let a = agreement_with_cpu(false, kv);
+        println!(
+            "KV {}: top-1 {:.4}, mean |dlogit| {:.4}",
+            kv.name(),
+            a.top1,
+            a.mean_abs
+        );
+        // Each side rounds its own activations to 8-bit codes: a code may differ by a step.
+        assert!(
+            a.top1 >= 0.95,
+            "KV {}: top-1 agreement {}",
+            kv.name(),
+            a.top1
+        );
+        assert!(
+            a.mean_abs < 0.25,
+            "KV {}: mean |dlogit| {}",
+            kv.name(),
+            a.mean_abs
+        );
+    }
 }
 
 struct Agreement {
@@ -783,7 +838,7 @@ struct Agreement {
     widest_flip: f32,
 }
 
-fn agreement_with_cpu(quantized: bool) -> Agreement {
+fn agreement_with_cpu(quantized: bool, kv: KvCacheDtype) -> Agreement {
     let path = test_model();
     let g = GgufFile::open(std::path::Path::new(&path)).unwrap();
     let tok = ModelTokenizer::load(&g).unwrap();
@@ -819,10 +874,12 @@ fn agreement_with_cpu(quantized: bool) -> Agreement {
             &mut |_, _| {},
         )
         .unwrap();
+        m.set_kv_dtype(kv);
         m.allocate_cache(blocks, bs).unwrap();
         m
     };
     let mut gpu = gpu_model(std::path::Path::new(&path), quantized, max_pos);
+    gpu.set_kv_dtype(kv);
     gpu.allocate_cache(blocks, bs).unwrap();
     let vocab = cpu.vocab_size();
     assert_eq!(vocab, gpu.vocab_size());

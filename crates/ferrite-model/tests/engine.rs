@@ -135,17 +135,7 @@ fn greedy_outputs_identical_at_concurrency_1_and_8() {
         assert!(!a.is_empty());
         assert_eq!(a, b, "prompt {i} differs at concurrency 8");
     }
-    // Stats are published at the end of the step that delivered the last token.
-    let idle = (0..200).any(|_| {
-        let st = engine.stats();
-        std::thread::sleep(std::time::Duration::from_millis(5));
-        st.num_running + st.num_waiting == 0 && st.kv_usage == 0.0
-    });
-    assert!(
-        idle,
-        "engine not idle after all requests finished: {:?}",
-        engine.stats()
-    );
+    idle_stats(&engine);
 }
 
 #[test]
@@ -354,14 +344,7 @@ fn dropping_a_stream_aborts_and_frees_its_blocks() {
     s.blocking_next().unwrap().unwrap();
     drop(s);
     // The abort lands within a step; then the engine is idle with every block free.
-    for _ in 0..200 {
-        let st = engine.stats();
-        if st.num_running == 0 && st.kv_usage == 0.0 {
-            return;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-    panic!("aborted request still holds blocks: {:?}", engine.stats());
+    idle_stats(&engine);
 }
 
 #[test]

@@ -6,8 +6,11 @@ use candle_core::{Device, Tensor};
 use ferrite_model::backend::cpu::quant::activations::QuantizedActs;
 use ferrite_model::backend::cpu::quant::packed::{Codes, PackedWeight, BLOCK};
 use ferrite_model::backend::cpu::quant::{matmul, Isa};
+use ferrite_model::backend::Rounding;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+const ROUNDINGS: [Rounding; 2] = [Rounding::Coarse, Rounding::Fine];
 
 fn random(rng: &mut StdRng, n: usize) -> Vec<f32> {
     // Mixed magnitudes so blocks differ in scale, with an occasional outlier.
@@ -87,7 +90,7 @@ fn activations_round_to_the_nearest_step() {
     let mut x = random(&mut rng, rows * cols);
     x[3 * cols..3 * cols + BLOCK].fill(0.0); // an all-zero block
     let mut a = QuantizedActs::default();
-    a.quantize(&x, rows, cols);
+    a.quantize(&x, rows, cols, Rounding::Coarse);
     assert_eq!(a.blocks, 8);
     for r in 0..rows {
         for b in 0..a.blocks {
@@ -105,17 +108,60 @@ fn activations_round_to_the_nearest_step() {
     }
 }
 
+/// Fine activations keep the rounding residual: every value within a 256th of a coarse step
+/// (half a 256th but where a residual of nearly half a step is clamped to int8), the mean
+/// error near a 1024th, block sums as the codes hold them.
+#[test]
+fn fine_activations_keep_the_residual() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let (rows, cols) = (4, 9 * BLOCK);
+    let x = random(&mut rng, rows * cols);
+    let (mut coarse, mut fine) = (QuantizedActs::default(), QuantizedActs::default());
+    coarse.quantize(&x, rows, cols, Rounding::Coarse);
+    fine.quantize(&x, rows, cols, Rounding::Fine);
+    let (mut total, mut n) = (0f64, 0usize);
+    for r in 0..rows {
+        for b in 0..fine.blocks {
+            let i = r * fine.blocks + b;
+            let step = coarse.d[i] as f64;
+            assert_eq!(fine.d[i], coarse.d[i] / 256.0);
+            assert_eq!(
+                &fine.q[i * BLOCK..][..BLOCK],
+                &coarse.q[i * BLOCK..][..BLOCK],
+                "the coarse codes are the same"
+            );
+            let sum: f64 = (0..BLOCK).map(|j| fine.value(r, b * BLOCK + j)).sum();
+            assert!((fine.s[i] as f64 - sum).abs() <= 1e-6 * sum.abs().max(step));
+            for j in 0..BLOCK {
+                let c = b * BLOCK + j;
+                let v = if c < cols {
+                    x[r * cols + c] as f64
+                } else {
+                    0.0
+                };
+                let err = (fine.value(r, c) - v).abs();
+                assert!(
+                    err <= step / 256.0 * 1.0001 + 1e-9,
+                    "r{r} c{c}: {err} of a step {step}"
+                );
+                if step > 0.0 {
+                    total += err / step;
+                    n += 1;
+                }
+            }
+        }
+    }
+    let mean = total / n as f64;
+    assert!(mean < 0.3 / 256.0, "mean error {mean} of a coarse step");
+}
+
 /// `sum_k w[r, k] * d[t, k] q[t, k]` in f64: the exact value of what the kernels compute.
 fn reference(w: &PackedWeight, a: &QuantizedActs) -> Vec<f64> {
     let mut y = vec![0f64; a.rows * w.rows];
     for t in 0..a.rows {
         for r in 0..w.rows {
             y[t * w.rows + r] = (0..w.cols)
-                .map(|c| {
-                    let b = c / BLOCK;
-                    let x = a.d[t * a.blocks + b] as f64 * a.q[t * a.blocks * BLOCK + c] as f64;
-                    w.get(r, c) as f64 * x
-                })
+                .map(|c| w.get(r, c) as f64 * a.value(t, c))
                 .sum();
         }
     }
@@ -126,10 +172,7 @@ fn reference(w: &PackedWeight, a: &QuantizedActs) -> Vec<f64> {
 /// times a margin for the per-block scale products.
 fn magnitude(w: &PackedWeight, a: &QuantizedActs, t: usize, r: usize) -> f64 {
     (0..w.cols)
-        .map(|c| {
-            let x = a.d[t * a.blocks + c / BLOCK] as f64 * a.q[t * a.blocks * BLOCK + c] as f64;
-            (w.get(r, c) as f64 * x).abs()
-        })
+        .map(|c| (w.get(r, c) as f64 * a.value(t, c)).abs())
         .sum()
 }
 
@@ -161,10 +204,14 @@ fn every_kernel_set_matches_the_reference_on_odd_shapes() {
                     dtype,
                 ))
                 .unwrap();
-                let mut a = QuantizedActs::default();
-                a.quantize(&random(&mut rng, tokens * cols), tokens, cols);
-                let want = reference(&w, &a);
-                for &isa in &isas {
+                let x = random(&mut rng, tokens * cols);
+                for (rounding, &isa) in ROUNDINGS
+                    .iter()
+                    .flat_map(|r| isas.iter().map(move |i| (r, i)))
+                {
+                    let mut a = QuantizedActs::default();
+                    a.quantize(&x, tokens, cols, *rounding);
+                    let want = reference(&w, &a);
                     let mut y = vec![f32::NAN; tokens * rows];
                     matmul(&w, &a, &mut y, isa);
                     for t in 0..tokens {
@@ -174,7 +221,7 @@ fn every_kernel_set_matches_the_reference_on_odd_shapes() {
                             worst = worst.max(err);
                             assert!(
                                 err < 1e-5,
-                                "{isa:?} {dtype:?} {rows}x{cols} t{t} r{r}: {got} vs {exp}"
+                                "{isa:?} {rounding:?} {dtype:?} {rows}x{cols} t{t} r{r}: {got} vs {exp}"
                             );
                         }
                     }
@@ -195,20 +242,23 @@ fn a_tokens_result_does_not_depend_on_its_neighbours() {
             PackedWeight::from_qtensor(&ggml(&random(&mut rng, rows * cols), rows, cols, dtype))
                 .unwrap();
         let x = random(&mut rng, tokens * cols);
-        for isa in Isa::available() {
+        for (rounding, isa) in ROUNDINGS
+            .iter()
+            .flat_map(|&r| Isa::available().into_iter().map(move |i| (r, i)))
+        {
             let mut all = QuantizedActs::default();
-            all.quantize(&x, tokens, cols);
+            all.quantize(&x, tokens, cols, rounding);
             let mut y = vec![0f32; tokens * rows];
             matmul(&w, &all, &mut y, isa);
             for t in 0..tokens {
                 let mut one = QuantizedActs::default();
-                one.quantize(&x[t * cols..][..cols], 1, cols);
+                one.quantize(&x[t * cols..][..cols], 1, cols, rounding);
                 let mut y1 = vec![0f32; rows];
                 matmul(&w, &one, &mut y1, isa);
                 assert_eq!(
                     &y[t * rows..][..rows],
                     &y1[..],
-                    "{isa:?} {dtype:?} token {t}"
+                    "{isa:?} {rounding:?} {dtype:?} token {t}"
                 );
             }
         }

@@ -92,7 +92,7 @@ fn greedy_output_is_the_same_with_speculation_on_and_off() {
     println!("{:?}", s.spec);
     assert!(s.spec.num_drafts > 20, "{:?}", s.spec);
     assert!(s.spec.num_accepted_tokens > 100, "{:?}", s.spec);
-    assert_eq!(on.stats().num_running, 0);
+    idle_stats(&on);
 }
 
 /// Critical value of chi-square with `df` degrees of freedom at p = 0.001 (Wilson-Hilferty).

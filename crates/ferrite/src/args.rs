@@ -4,6 +4,7 @@ use clap::Args;
 use ferrite_core::prefix_hash::HashAlgo;
 use ferrite_core::sampling::SamplingParams;
 use ferrite_core::spec_decode::{Speculation, SpeculativeConfig};
+use ferrite_model::kv_dtype::KvCacheDtype;
 use ferrite_model::loader::WeightFormat;
 use ferrite_model::loader::{
     DeviceKind, EngineArgs, LoadFormat, RunnerKind, DEFAULT_CPU_MEMORY_UTILIZATION,
@@ -104,6 +105,11 @@ pub struct EngineFlags {
     /// least 20 ms.
     #[arg(long)]
     pub max_step_ms: Option<f64>,
+    /// How the KV cache stores K and V: `auto` (the device's: fp16 on the CPU, bf16 on
+    /// CUDA), `fp16`, `bf16`, or 8 bits with a scale per token and head, `fp8` (e4m3) and
+    /// `int8`: 1.9x the tokens in the same memory (CPU; CUDA stores bf16).
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 fn parse_speculative_config(s: &str) -> Result<Speculation, String> {
@@ -181,6 +187,7 @@ impl EngineFlags {
             speculation: self.speculative_config.clone(),
             runner: self.runner,
             max_step_ms: self.max_step_ms,
+            kv_cache_dtype: self.kv_cache_dtype,
         }
     }
 }

@@ -10,9 +10,10 @@ use ferrite_model::backend::cuda::kernels::attention::{AttentionMeta, AttentionS
 use ferrite_model::backend::cuda::kernels::matmul::MatIn;
 use ferrite_model::backend::cuda::kernels::Kernels;
 use ferrite_model::backend::cuda::linear::{self, interleave_gate_up, Linear};
-use ferrite_model::backend::cuda::{open_device, CudaBackend};
+use ferrite_model::backend::cuda::{open_device, CudaBackend, KvPages};
 use ferrite_model::backend::Activation;
 use ferrite_model::config::ModelConfig;
+use ferrite_model::kv_dtype::KvCacheDtype;
 use ferrite_model::models;
 use ferrite_model::runner::StepModel;
 use ferrite_model::step::PackedStep;
@@ -489,8 +490,8 @@ fn attention_alone(
 ) -> Result<()> {
     let dev = Device::Cuda(cuda.clone());
     let kernels = Kernels::load(cuda)?;
-    println!("| attention (one layer) | key splits | step ms | K/V bytes read | floor ms | time / floor |");
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("| attention (one layer) | KV | key splits | step ms | K/V bytes read | floor ms | time / floor |");
+    println!("|---|---|---:|---:|---:|---:|---:|");
     // A batch-1 decode at 1K context as the bench's step graph splits it (8), as the engine's
     // graph for 8K-token requests does (64), and unsplit.
     for (batch, qlen, ctx, splits) in [
@@ -504,9 +505,6 @@ fn attention_alone(
     ] {
         let s = step(batch, qlen, ctx);
         let blocks = batch * ctx.div_ceil(BLOCK);
-        let shape = (blocks, c.num_kv_heads, BLOCK, c.head_dim);
-        let kc = Tensor::randn(0f32, 1.0, shape, &dev)?.to_dtype(DType::BF16)?;
-        let vc = Tensor::randn(0f32, 1.0, shape, &dev)?.to_dtype(DType::BF16)?;
         let t = s.num_tokens();
         let q =
             Tensor::randn(0f32, 1.0, (t, c.num_heads * c.head_dim), &dev)?.to_dtype(DType::BF16)?;
@@ -535,23 +533,28 @@ fn attention_alone(
             sliding_window: 0,
             softcap: 0.0,
         };
-        // Launches back to back, as in a step: a sync per launch would time the host.
-        const LAUNCHES: usize = 20;
-        let time = median(a.repeats, || {
-            for _ in 0..LAUNCHES {
-                kernels.paged_attention(&q, &kc, &vc, &meta, &ashape, None)?;
-            }
-            sync(&dev)
-        })? / LAUNCHES as f64;
-        let bytes = (batch * ctx * 2 * c.num_kv_heads * c.head_dim * 2) as f64;
-        println!(
-            "| batch {batch} x {qlen} tokens at {ctx} | {} | {:.3} | {:.1} MB | {:.3} | {:.2} |",
-            splits.map_or("auto".into(), |s| s.to_string()),
-            time * 1e3,
-            bytes / 1e6,
-            bytes / copy_bw * 1e3,
-            time / (bytes / copy_bw)
-        );
+        for kv in [KvCacheDtype::Bf16, KvCacheDtype::Fp8, KvCacheDtype::Int8] {
+            let mut pages = KvPages::zeros(blocks, c.num_kv_heads, BLOCK, c.head_dim, kv, &dev)?;
+            pages.randomize()?;
+            // Launches back to back, as in a step: a sync per launch would time the host.
+            const LAUNCHES: usize = 20;
+            let time = median(a.repeats, || {
+                for _ in 0..LAUNCHES {
+                    kernels.paged_attention(&q, &pages, &meta, &ashape, None)?;
+                }
+                sync(&dev)
+            })? / LAUNCHES as f64;
+            let bytes = (batch * ctx * 2 * c.num_kv_heads * kv.head_bytes(c.head_dim)) as f64;
+            println!(
+                "| batch {batch} x {qlen} tokens at {ctx} | {} | {} | {:.3} | {:.1} MB | {:.3} | {:.2} |",
+                kv.name(),
+                splits.map_or("auto".into(), |s| s.to_string()),
+                time * 1e3,
+                bytes / 1e6,
+                bytes / copy_bw * 1e3,
+                time / (bytes / copy_bw)
+            );
+        }
     }
     Ok(())
 }

@@ -492,6 +492,14 @@ fn plan_states_what_start_up_makes() {
     let gemma = plan(&gemma3, &[&kv[..], &["--max-num-seqs", "1"]].concat());
     assert_eq!(gemma, generate(&gemma3, &kv));
     assert_eq!(gemma.0, 200_000_000 / (16 * 2 * 256 * 2 * 3));
+    // 8-bit K/V: a code per value and an f32 scale per token and head (256 + 4 bytes against
+    // 512), the same in the plan and at start-up.
+    for dtype in ["fp8", "int8"] {
+        let args = [&kv[..], &["--kv-cache-dtype", dtype]].concat();
+        let eight = plan(&gemma3, &[&args[..], &["--max-num-seqs", "1"]].concat());
+        assert_eq!(eight, generate(&gemma3, &args), "{dtype}");
+        assert_eq!(eight.0, 200_000_000 / (16 * 2 * (256 + 4) * 3), "{dtype}");
+    }
     // The server at its defaults, stopped once it has stated its plan.
     let port = (20000 + std::process::id() % 20000).to_string();
     let mut server = Command::new(env!("CARGO_BIN_EXE_ferrite"))

@@ -7,6 +7,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+use crate::kv_dtype::KvCacheDtype;
 use crate::rope::RopeSpec;
 use crate::runner::DeviceDraws;
 use crate::step::PackedStep;
@@ -36,6 +37,17 @@ pub enum Stack {
     Concat,
     /// `[gate, up]`, read by [`Epilogue::Gated`]; the backend picks the row order.
     GateUp,
+}
+
+/// How much rounding a matrix's input tolerates. The backend may round a `Coarse` input
+/// (the CPU's int8 path: 8 bits per block of 32) but carries a `Fine` one to about 16 bits:
+/// the inputs of Q/K/V (whose errors softmax amplifies) and of the LM head, measured against
+/// transformers (`tests/oracle.rs`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Rounding {
+    #[default]
+    Coarse,
+    Fine,
 }
 
 /// What a linear layer reads.
@@ -271,12 +283,18 @@ pub trait Backend: Send + Sized {
     const REUSES_ACTIVATIONS: bool = true;
 
     fn vector(&self, v: Vec<f32>) -> Result<Self::Vector>;
-    fn linear(&self, parts: Vec<QTensor>, stack: Stack) -> Result<Self::Linear>;
+    fn linear(&self, parts: Vec<QTensor>, stack: Stack, input: Rounding) -> Result<Self::Linear>;
     fn embedding(&self, table: QTensor) -> Result<Self::Embedding>;
     /// Random weights of these shapes (`--load-format dummy`); a device may draw them itself.
-    fn random_linear(&self, rows: &[usize], cols: usize, stack: Stack) -> Result<Self::Linear> {
+    fn random_linear(
+        &self,
+        rows: &[usize],
+        cols: usize,
+        stack: Stack,
+        input: Rounding,
+    ) -> Result<Self::Linear> {
         let parts = rows.iter().map(|&r| random_matrix(r, cols));
-        self.linear(parts.collect::<Result<_>>()?, stack)
+        self.linear(parts.collect::<Result<_>>()?, stack, input)
     }
     fn random_embedding(&self, vocab: usize, hidden: usize) -> Result<Self::Embedding> {
         self.embedding(random_matrix(vocab, hidden)?)
@@ -307,13 +325,15 @@ pub trait Backend: Send + Sized {
     fn embedding_bytes(&self, e: &Self::Embedding) -> usize;
     /// Bytes of a mixture-of-experts layer.
     fn moe_bytes(&self, m: &Self::Moe) -> MoeBytes;
-    /// `num_blocks` pages of `block_size` tokens for a layer of `kv_heads` x `head_dim`.
+    /// `num_blocks` pages of `block_size` tokens for a layer of `kv_heads` x `head_dim`,
+    /// holding `dtype` (a type the device does not store is refused).
     fn layer_cache(
         &self,
         num_blocks: usize,
         block_size: usize,
         kv_heads: usize,
         head_dim: usize,
+        dtype: KvCacheDtype,
     ) -> Result<Self::LayerCache>;
 
     /// `slots` requests' recurrent state of a gated delta-net layer `spec`.

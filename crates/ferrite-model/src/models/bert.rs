@@ -7,7 +7,9 @@
 
 use super::layers::{matrix, norm, NormWeights};
 use super::{Buffers, Family};
-use crate::backend::{AttentionSpec, Backend, Epilogue, LinearIn, Pointwise, QkvPrep, Stack, Step};
+use crate::backend::{
+    AttentionSpec, Backend, Epilogue, LinearIn, Pointwise, QkvPrep, Rounding, Stack, Step,
+};
 use crate::config::ModelConfig;
 use crate::weights::config_source::ConfigSource;
 use crate::weights::WeightSource;
@@ -177,10 +179,11 @@ impl<B: Backend> Bert<B> {
                     &[(format!("{p}.{name}.weight"), rows)],
                     cols,
                     Stack::Concat,
+                    Rounding::Coarse,
                 )
             };
             layers.push(Layer {
-                qkv: matrix(b, w, &qkv, h, Stack::Concat)?,
+                qkv: matrix(b, w, &qkv, h, Stack::Concat, Rounding::Fine)?,
                 qkv_bias: b.vector(qkv_bias)?,
                 spec: spec.clone().at(layout, i),
                 o: linear(w, "attention.output.dense", h, h)?,
@@ -198,7 +201,14 @@ impl<B: Backend> Bert<B> {
             false => None,
             true => {
                 let m = |w: &mut WeightSource, name: &str, rows: usize| {
-                    matrix(b, w, &[(format!("{name}.weight"), rows)], h, Stack::Concat)
+                    matrix(
+                        b,
+                        w,
+                        &[(format!("{name}.weight"), rows)],
+                        h,
+                        Stack::Concat,
+                        Rounding::Coarse,
+                    )
                 };
                 Some(Classifier {
                     pooler: m(w, &format!("{root}pooler.dense"), h)?,

@@ -2,7 +2,7 @@
 //! projection's input, the gated MLP's weights, norms, and the weights' byte count.
 
 use super::Scratch;
-use crate::backend::{AttentionSpec, Backend, Epilogue, LinearIn, QkvPrep, Stack, Step};
+use crate::backend::{AttentionSpec, Backend, Epilogue, LinearIn, QkvPrep, Rounding, Stack, Step};
 use crate::weights::WeightSource;
 use anyhow::Result;
 use candle_core::quantized::QTensor;
@@ -41,23 +41,24 @@ pub fn norm<B: Backend>(
     b.vector(v)
 }
 
-/// The matrices `parts` (name, rows), each `cols` wide, as one weight stacked as `stack`;
-/// random ones of those shapes for `--load-format dummy`.
+/// The matrices `parts` (name, rows), each `cols` wide, as one weight stacked as `stack`
+/// reading an input rounded as `input`; random ones of those shapes for `--load-format dummy`.
 pub fn matrix<B: Backend>(
     b: &B,
     w: &mut WeightSource,
     parts: &[(String, usize)],
     cols: usize,
     stack: Stack,
+    input: Rounding,
 ) -> Result<B::Linear> {
     if w.is_dummy() {
         let rows: Vec<usize> = parts.iter().map(|p| p.1).collect();
-        return b.random_linear(&rows, cols, stack);
+        return b.random_linear(&rows, cols, stack, input);
     }
     let parts = parts
         .iter()
         .map(|(name, rows)| w.shaped(name, &[*rows, cols]));
-    b.linear(parts.collect::<Result<_>>()?, stack)
+    b.linear(parts.collect::<Result<_>>()?, stack, input)
 }
 
 pub struct Attention<B: Backend> {
@@ -103,11 +104,11 @@ impl<B: Backend> Attention<B> {
         let qkv = [("q_proj", q_w), ("k_proj", kv_w), ("v_proj", kv_w)]
             .map(|(n, rows)| (p(&format!("{n}.weight")), rows));
         let qkv = match q {
-            None => matrix(b, w, &qkv, hidden, Stack::Concat)?,
+            None => matrix(b, w, &qkv, hidden, Stack::Concat, Rounding::Fine)?,
             Some(q) => {
                 let k = w.shaped(&qkv[1].0, &[kv_w, hidden])?;
                 let v = w.shaped(&qkv[2].0, &[kv_w, hidden])?;
-                b.linear(vec![q, k, v], Stack::Concat)?
+                b.linear(vec![q, k, v], Stack::Concat, Rounding::Fine)?
             }
         };
         let bias = match w.opt_vector(&p("q_proj.bias"))? {
@@ -145,7 +146,14 @@ impl<B: Backend> Attention<B> {
             k_norm: qk_norm(w, "k_norm")?,
             qkv,
             bias,
-            o: matrix(b, w, &[(p("o_proj.weight"), hidden)], q_w, Stack::Concat)?,
+            o: matrix(
+                b,
+                w,
+                &[(p("o_proj.weight"), hidden)],
+                q_w,
+                Stack::Concat,
+                Rounding::Coarse,
+            )?,
             spec,
         })
     }
@@ -202,8 +210,15 @@ impl<B: Backend> Mlp<B> {
         let p = |n: &str| format!("{prefix}.mlp.{n}.weight");
         let gate_up = [(p("gate_proj"), inter), (p("up_proj"), inter)];
         Ok(Self {
-            gate_up: matrix(b, w, &gate_up, hidden, Stack::GateUp)?,
-            down: matrix(b, w, &[(p("down_proj"), hidden)], inter, Stack::Concat)?,
+            gate_up: matrix(b, w, &gate_up, hidden, Stack::GateUp, Rounding::Coarse)?,
+            down: matrix(
+                b,
+                w,
+                &[(p("down_proj"), hidden)],
+                inter,
+                Stack::Concat,
+                Rounding::Coarse,
+            )?,
         })
     }
 
@@ -245,7 +260,14 @@ pub fn lm_head<B: Backend>(
         true => "lm_head.weight",
         false => "model.embed_tokens.weight",
     };
-    matrix(b, w, &[(name.to_string(), vocab)], hidden, Stack::Concat)
+    matrix(
+        b,
+        w,
+        &[(name.to_string(), vocab)],
+        hidden,
+        Stack::Concat,
+        Rounding::Fine,
+    )
 }
 
 /// Bytes of a decoder's matrices on the device, given each layer's (norms and biases are

@@ -11,6 +11,7 @@ pub mod qwen3_5;
 
 use crate::backend::{Backend, GdnSpec, MoeBytes, Step};
 use crate::config::ModelConfig;
+use crate::kv_dtype::KvCacheDtype;
 use crate::runner::{DeviceDraws, RowDraw, StepModel};
 use crate::step::PackedStep;
 use crate::weights::config_source::ConfigSource;
@@ -212,6 +213,7 @@ pub fn load<B: Backend + 'static>(
         family,
         layout,
         cache: Vec::new(),
+        kv_dtype: KvCacheDtype::Auto,
         states: Vec::new(),
         buffers: Buffers::default(),
         max_positions,
@@ -242,6 +244,8 @@ pub struct Decoder<B: Backend> {
     pub layout: KvLayout,
     /// One per slot of the layout: layer `l` lives in `cache[layout.layer_slot[l]]`.
     cache: Vec<B::LayerCache>,
+    /// How the pages store K/V (`--kv-cache-dtype`), for every later [`Self::allocate_cache`].
+    kv_dtype: KvCacheDtype,
     /// One per linear-attention layer, `state_slots` requests each.
     states: Vec<B::StateCache>,
     buffers: Buffers<B>,
@@ -255,12 +259,21 @@ impl<B: Backend> Decoder<B> {
         let c = &self.config;
         self.cache.clear();
         for _ in 0..self.layout.slots {
-            let l = self
-                .backend
-                .layer_cache(num_blocks, block_size, c.num_kv_heads, c.head_dim)?;
+            let l = self.backend.layer_cache(
+                num_blocks,
+                block_size,
+                c.num_kv_heads,
+                c.head_dim,
+                self.kv_dtype,
+            )?;
             self.cache.push(l);
         }
         Ok(())
+    }
+
+    /// Stores K/V as `dtype` in every cache allocated from now on.
+    pub fn set_kv_dtype(&mut self, dtype: KvCacheDtype) {
+        self.kv_dtype = dtype;
     }
 
     /// Reserves the recurrent state of `slots` requests for every linear-attention layer

@@ -11,7 +11,7 @@ use super::layers::{
 use super::moe::{Ffn, MoeConfig};
 use super::{Buffers, Family};
 use crate::backend::{
-    AttentionSpec, Backend, Epilogue, GdnParams, GdnSpec, LinearIn, MoeBytes, Stack, Step,
+    AttentionSpec, Backend, Epilogue, GdnParams, GdnSpec, LinearIn, MoeBytes, Rounding, Stack, Step,
 };
 use crate::config::ModelConfig;
 use crate::rope::RopeSpec;
@@ -237,9 +237,9 @@ impl<B: Backend> Hybrid<B> {
                 let in_proj = match w.has(&fused) {
                     true => {
                         let t = qwen3_next_in_proj(w, &format!("{p}.linear_attn"), g, h)?;
-                        b.linear(vec![t], Stack::Concat)?
+                        b.linear(vec![t], Stack::Concat, Rounding::Fine)?
                     }
-                    false => matrix(b, w, &parts, h, Stack::Concat)?,
+                    false => matrix(b, w, &parts, h, Stack::Concat, Rounding::Fine)?,
                 };
                 let m = LinearAttention {
                     in_proj,
@@ -247,7 +247,14 @@ impl<B: Backend> Hybrid<B> {
                     a_log: vector(w, &q("A_log"), g.num_v_heads, 0.0)?,
                     dt_bias: vector(w, &q("dt_bias"), g.num_v_heads, 1.0)?,
                     norm: norm(b, w, &q("norm.weight"), g.v_dim, NormWeights::Plain)?,
-                    out: matrix(b, w, &[(q("out_proj.weight"), h)], vd, Stack::Concat)?,
+                    out: matrix(
+                        b,
+                        w,
+                        &[(q("out_proj.weight"), h)],
+                        vd,
+                        Stack::Concat,
+                        Rounding::Coarse,
+                    )?,
                     state: linear_layers,
                 };
                 linear_layers += 1;
@@ -256,10 +263,16 @@ impl<B: Backend> Hybrid<B> {
                 let a = format!("{p}.self_attn.q_proj.weight");
                 let qd = c.num_heads * c.head_dim;
                 let (q, gate) = match w.is_dummy() {
-                    true => (None, b.random_linear(&[qd], h, Stack::Concat)?),
+                    true => (
+                        None,
+                        b.random_linear(&[qd], h, Stack::Concat, Rounding::Coarse)?,
+                    ),
                     false => {
                         let (q, gate) = split_q_gate(w, &a, c.num_heads, c.head_dim, h)?;
-                        (Some(q), b.linear(vec![gate], Stack::Concat)?)
+                        (
+                            Some(q),
+                            b.linear(vec![gate], Stack::Concat, Rounding::Coarse)?,
+                        )
                     }
                 };
                 let s = spec.clone().at(layout, attention_layers);

@@ -6,6 +6,7 @@
 use super::quant::activations::QuantizedActs;
 use super::quant::packed::{Codes, PackedWeight};
 use super::quant::{matmul, Isa};
+use crate::backend::Rounding;
 use crate::engine_args::WeightFormat;
 use anyhow::{anyhow, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -21,6 +22,8 @@ enum Weights {
 pub struct Linear {
     weights: Weights,
     out_features: usize,
+    /// How finely the int8 kernels quantize this matrix's input.
+    input: Rounding,
 }
 
 /// A matmul input in both forms the layers read.
@@ -32,8 +35,14 @@ pub struct LinearInput<'a> {
 
 impl<'a> LinearInput<'a> {
     /// Quantizes `x` (`[rows, cols]`, `rows` may be 0) into `scratch`, whose buffers are reused.
-    pub fn new(x: &'a [f32], rows: usize, cols: usize, scratch: &'a mut QuantizedActs) -> Self {
-        scratch.quantize(x, rows, cols);
+    pub fn new(
+        x: &'a [f32],
+        rows: usize,
+        cols: usize,
+        rounding: Rounding,
+        scratch: &'a mut QuantizedActs,
+    ) -> Self {
+        scratch.quantize(x, rows, cols, rounding);
         Self {
             x,
             rows,
@@ -56,7 +65,7 @@ pub fn matrix_bytes(dtype: GgmlDType, rows: usize, cols: usize, format: WeightFo
 }
 
 impl Linear {
-    pub fn new(w: QTensor, format: WeightFormat) -> Result<Self> {
+    pub fn new(w: QTensor, format: WeightFormat, input: Rounding) -> Result<Self> {
         let out_features = w.shape().dims2()?.0;
         let weights = if packed_as(w.dtype(), format).is_none() {
             Weights::Float(w.dequantize(&Device::Cpu)?.t()?.contiguous()?)
@@ -66,14 +75,19 @@ impl Linear {
         Ok(Self {
             weights,
             out_features,
+            input,
         })
     }
 
     /// Projections of one input, stacked into one weight when they share a form.
-    pub fn projections(parts: Vec<QTensor>, format: WeightFormat) -> Result<Vec<Self>> {
+    pub fn projections(
+        parts: Vec<QTensor>,
+        format: WeightFormat,
+        input: Rounding,
+    ) -> Result<Vec<Self>> {
         let layers: Vec<Self> = parts
             .into_iter()
-            .map(|p| Self::new(p, format))
+            .map(|p| Self::new(p, format, input))
             .collect::<Result<_>>()?;
         let out_features = layers.iter().map(|l| l.out_features).sum();
         let all_float = layers
@@ -111,11 +125,16 @@ impl Linear {
         Ok(vec![Self {
             weights,
             out_features,
+            input,
         }])
     }
 
     pub fn out_features(&self) -> usize {
         self.out_features
+    }
+
+    pub fn input_rounding(&self) -> Rounding {
+        self.input
     }
 
     /// Bytes the weights occupy.

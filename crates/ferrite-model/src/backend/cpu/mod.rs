@@ -11,25 +11,25 @@ pub mod linear;
 pub mod moe;
 pub mod ops;
 pub mod quant;
+mod resident;
 
 use super::{
     AttentionSpec, Backend, Epilogue, GdnParams, GdnSpec, LinearIn, MoeBytes, MoeMatrices, MoeSpec,
-    Pointwise, QkvPrep, Stack, Step,
+    Pointwise, QkvPrep, Rounding, Stack, Step,
 };
-use crate::engine_args::WeightFormat;
+use crate::engine_args::{DeviceKind, WeightFormat};
+use crate::kv_dtype::KvCacheDtype;
 use crate::rope::{RopeSpec, RopeTable};
 use anyhow::{bail, Result};
 use attention::{paged_attention, AttentionMeta, AttentionParams};
 use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::QTensor;
 use candle_core::Device;
-use half::f16;
-use kv_cache::{write_kv, CacheShape, LayerCache};
+use kv_cache::{CacheShape, LayerCache};
 use linear::{project, Linear, LinearInput};
 use ops::{add_in_place, gated_mul, head_rms_norm, rms_norm, softcap};
 use quant::activations::QuantizedActs;
 use quant::Isa;
-use rayon::prelude::*;
 use std::sync::Arc;
 
 /// Row-major activations; `rows = data.len() / cols`.
@@ -140,7 +140,8 @@ impl CpuBackend {
             }
         };
         let rows = x.len().checked_div(cols).unwrap_or(0);
-        let input = LinearInput::new(x, rows, cols, &mut self.acts);
+        let rounding = w.first().map_or(Rounding::Coarse, Linear::input_rounding);
+        let input = LinearInput::new(x, rows, cols, rounding, &mut self.acts);
         project(w, &input, out, &mut self.part)
     }
 }
@@ -166,8 +167,8 @@ impl Backend for CpuBackend {
     }
 
     /// `[gate; up]` stacked by rows: [`gated_mul`] reads each row as `[gate | up]`.
-    fn linear(&self, parts: Vec<QTensor>, _stack: Stack) -> Result<Vec<Linear>> {
-        Linear::projections(parts, self.format)
+    fn linear(&self, parts: Vec<QTensor>, _stack: Stack, input: Rounding) -> Result<Vec<Linear>> {
+        Linear::projections(parts, self.format, input)
     }
 
     fn embedding(&self, table: QTensor) -> Result<Embedding> {
@@ -201,20 +202,15 @@ impl Backend for CpuBackend {
         block_size: usize,
         kv_heads: usize,
         head_dim: usize,
+        dtype: KvCacheDtype,
     ) -> Result<LayerCache> {
-        let n = num_blocks * block_size * kv_heads * head_dim;
-        let l = LayerCache {
-            k: resident_zeros(n),
-            v: resident_zeros(n),
-            shape: CacheShape {
-                num_blocks,
-                block_size,
-                num_kv_heads: kv_heads,
-                head_dim,
-            },
+        let shape = CacheShape {
+            num_blocks,
+            block_size,
+            num_kv_heads: kv_heads,
+            head_dim,
         };
-
-        Ok(l)
+        Ok(LayerCache::new(shape, dtype.resolve(DeviceKind::Cpu)))
     }
 
     fn state_cache(&self, slots: usize, spec: &GdnSpec) -> Result<gdn::StateCache> {
@@ -375,8 +371,7 @@ impl Backend for CpuBackend {
             rope.apply(qd, positions, a.num_heads, d);
             rope.apply(k, positions, a.num_kv_heads, d);
         }
-        let shape = cache.shape;
-        write_kv(cache, k, v, &s.host.kv[a.kv_group].slot_mapping, &shape);
+        cache.write(k, v, &s.host.kv[a.kv_group].slot_mapping);
         Ok(())
     }
 
@@ -496,93 +491,5 @@ impl Backend for CpuBackend {
             self.format,
             Isa::detect().name()
         )
-    }
-}
-
-/// `n` zeros whose every page becomes resident right after start-up, so RSS does not grow
-/// with load; in huge pages where the kernel gives them. Faulting a 6 GB pool in takes the
-/// kernel ~15 s on 2 cores: it happens in the background (`MADV_POPULATE_WRITE`, which never
-/// writes a byte, so it may run while requests fill the pool), and serving starts at once.
-/// Where the kernel lacks it, every page is touched here instead.
-fn resident_zeros(n: usize) -> Vec<f16> {
-    let mut raw = std::mem::ManuallyDrop::new(vec![0u16; n]);
-    // SAFETY: `f16` is a transparent `u16`, and zero bits are 0.0; the vector's allocation
-    // moves over whole (pointer, length, capacity).
-    let mut v =
-        unsafe { Vec::from_raw_parts(raw.as_mut_ptr().cast::<f16>(), raw.len(), raw.capacity()) };
-    huge_pages(&mut v);
-    if !populate_in_background(&v) {
-        v.par_chunks_mut(1024).for_each(|c| c[0] = f16::ZERO);
-    }
-    v
-}
-
-/// Faults `buf`'s pages in on the populating thread, 64 MiB at a time, without touching
-/// their contents; false when the kernel cannot (then nothing was queued). A buffer under a
-/// page is left as it is.
-fn populate_in_background<T>(buf: &[T]) -> bool {
-    let (start, len) = (buf.as_ptr() as usize, std::mem::size_of_val(buf));
-    let (first, last) = (start.next_multiple_of(PAGE), (start + len) / PAGE * PAGE);
-    // One page here: whether the kernel takes the advice at all.
-    if last <= first || !populate(first, first + PAGE) {
-        return last <= first;
-    }
-    static QUEUE: std::sync::OnceLock<std::sync::Mutex<std::sync::mpsc::Sender<(usize, usize)>>> =
-        std::sync::OnceLock::new();
-    let queue = QUEUE.get_or_init(|| {
-        let (tx, rx) = std::sync::mpsc::channel::<(usize, usize)>();
-        std::thread::Builder::new()
-            .name("kv-populate".into())
-            .spawn(move || {
-                // Behind the model's threads: serving comes first, the pool fills meanwhile.
-                // SAFETY: changes this thread's scheduling priority only.
-                unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 10) };
-                for (mut at, last) in rx {
-                    // Stops at the first failure: the buffer was freed (a re-sized cache).
-                    while at < last && populate(at, (at + POPULATE_STEP).min(last)) {
-                        at += POPULATE_STEP;
-                    }
-                }
-            })
-            .expect("spawn the KV populating thread");
-        std::sync::Mutex::new(tx)
-    });
-    let _ = queue.lock().unwrap().send((first + PAGE, last));
-    true
-}
-
-const PAGE: usize = 4096;
-const POPULATE_STEP: usize = 64 << 20;
-
-/// Makes `[from, to)` resident as if written, writing nothing; false on failure.
-fn populate(from: usize, to: usize) -> bool {
-    // SAFETY: the advice only makes pages of this process resident (ENOMEM once the range is
-    // unmapped); no byte is read or written.
-    unsafe {
-        libc::madvise(
-            from as *mut libc::c_void,
-            to - from,
-            libc::MADV_POPULATE_WRITE,
-        ) == 0
-    }
-}
-
-/// Asks for transparent huge pages over `buf`'s whole 2 MiB pages (a hint: where the kernel
-/// has them off, nothing changes).
-fn huge_pages<T>(buf: &mut [T]) {
-    const HUGE: usize = 2 << 20;
-    let start = buf.as_mut_ptr() as usize;
-    let end = start + std::mem::size_of_val(buf);
-    let (first, last) = (start.next_multiple_of(HUGE), end / HUGE * HUGE);
-    if last > first {
-        // SAFETY: the range lies inside `buf`, which this process owns; MADV_HUGEPAGE only
-        // changes how the kernel backs it.
-        unsafe {
-            libc::madvise(
-                first as *mut libc::c_void,
-                last - first,
-                libc::MADV_HUGEPAGE,
-            )
-        };
     }
 }

@@ -6,7 +6,7 @@
 use super::linear::{project, Linear, LinearInput};
 use super::ops::{add_in_place, gated_mul, rms_norm};
 use super::{CpuBackend, Mat};
-use crate::backend::{Activation, ExpertMatrices, MoeBytes, MoeMatrices, MoeSpec};
+use crate::backend::{Activation, ExpertMatrices, MoeBytes, MoeMatrices, MoeSpec, Rounding};
 use crate::engine_args::WeightFormat;
 use anyhow::{bail, Result};
 
@@ -19,8 +19,8 @@ pub struct Expert {
 impl Expert {
     fn new(m: ExpertMatrices, format: WeightFormat) -> Result<Self> {
         Ok(Self {
-            gate_up: Linear::projections(vec![m.gate, m.up], format)?,
-            down: Linear::projections(vec![m.down], format)?,
+            gate_up: Linear::projections(vec![m.gate, m.up], format, Rounding::Coarse)?,
+            down: Linear::projections(vec![m.down], format, Rounding::Coarse)?,
         })
     }
 
@@ -55,7 +55,7 @@ impl Moe {
         let gated_shared = m.shared_gate.is_some();
         let mut router = vec![m.router];
         router.extend(m.shared_gate);
-        let router = Linear::projections(router, WeightFormat::F32)?;
+        let router = Linear::projections(router, WeightFormat::F32, Rounding::Coarse)?;
         let [router] = <[Linear; 1]>::try_from(router).map_err(|_| anyhow::anyhow!("router"))?;
         Ok(Self {
             router,
@@ -143,7 +143,7 @@ impl CpuBackend {
         s.x.resize(residual.data.len(), 0.0);
         rms_norm(&residual.data, norm, eps, &mut s.x);
         let t = s.x.len() / h.max(1);
-        let input = LinearInput::new(&s.x, t, h, &mut self.acts);
+        let input = LinearInput::new(&s.x, t, h, Rounding::Coarse, &mut self.acts);
         m.router.forward(&input, &mut s.logits)?;
         let width = m.router.out_features();
         s.groups.resize_with(m.experts.len(), Vec::new);
@@ -200,12 +200,12 @@ impl CpuBackend {
         act: Activation,
         s: &mut Scratch,
     ) -> Result<()> {
-        let input = LinearInput::new(x, rows, h, &mut self.acts);
+        let input = LinearInput::new(x, rows, h, Rounding::Coarse, &mut self.acts);
         project(&e.gate_up, &input, &mut s.gate_up, &mut self.part)?;
         let inter = s.gate_up.len() / rows / 2;
         s.act.resize(rows * inter, 0.0);
         gated_mul(&s.gate_up, inter, act, &mut s.act);
-        let input = LinearInput::new(&s.act, rows, inter, &mut self.acts);
+        let input = LinearInput::new(&s.act, rows, inter, Rounding::Coarse, &mut self.acts);
         project(&e.down, &input, &mut s.y, &mut self.part)
     }
 }

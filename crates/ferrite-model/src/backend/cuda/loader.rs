@@ -43,6 +43,7 @@ pub fn load(
     drop(weights);
     let tokenizer = open_tokenizer(&args.model)?;
     let config = model.config.clone();
+    model.set_kv_dtype(args.kv_cache_dtype);
     let tokens = args.max_num_batched_tokens.min(max_model_len);
     let (mut activation_bytes, cost) = profile_step(&mut model, tokens, args.block_size)?;
     // candle's quantized matmuls keep a workspace they may move between calls, which a

@@ -13,9 +13,11 @@ pub mod moe;
 
 use super::{
     AttentionSpec, Backend, Epilogue, Forward, GdnParams, GdnSpec, LinearIn, MoeBytes, MoeMatrices,
-    MoeSpec, Pointwise, QkvPrep, Stack, Step,
+    MoeSpec, Pointwise, QkvPrep, Rounding, Stack, Step,
 };
 use crate::config::RopeStyle;
+use crate::engine_args::DeviceKind;
+use crate::kv_dtype::KvCacheDtype;
 use crate::rope::{RopeSpec, RopeTable};
 use crate::runner::DeviceDraws;
 use crate::step::PackedStep;
@@ -24,6 +26,7 @@ use candle_core::quantized::QTensor;
 use candle_core::{CudaDevice, DType, Device, Tensor};
 use graph::{DecodeGraphs, GraphShape};
 use inputs::{u32s, StepInputs};
+pub use kernels::attention::KvPages;
 use kernels::attention::{AttentionShape, QkvParams};
 use kernels::gdn::GdnStep;
 use kernels::matmul::MatIn;
@@ -54,23 +57,6 @@ impl Act {
         self.0
             .as_ref()
             .context("activation read before it was written")
-    }
-}
-
-/// One layer's K and V pages, `[num_blocks, kv_heads, block_size, head_dim]` bf16.
-pub struct KvPages {
-    pub k: Tensor,
-    pub v: Tensor,
-    block_size: usize,
-}
-
-impl KvPages {
-    /// Random values (benchmarks time attention on real-looking data).
-    pub fn randomize(&mut self) -> Result<()> {
-        for t in [&mut self.k, &mut self.v] {
-            *t = Tensor::randn(0f32, 1.0, t.shape(), t.device())?.to_dtype(DType::BF16)?;
-        }
-        Ok(())
     }
 }
 
@@ -225,7 +211,8 @@ impl Backend for CudaBackend {
         Ok(Tensor::from_vec(v, n, &self.device)?.to_dtype(DType::BF16)?)
     }
 
-    fn linear(&self, parts: Vec<QTensor>, stack: Stack) -> Result<Linear> {
+    /// Activations stay bf16 whatever `_input` asks.
+    fn linear(&self, parts: Vec<QTensor>, stack: Stack, _input: Rounding) -> Result<Linear> {
         linear::upload(&parts, stack, self.quantized, &self.device)
     }
 
@@ -233,7 +220,13 @@ impl Backend for CudaBackend {
         linear::bf16(&table, &self.device)
     }
 
-    fn random_linear(&self, rows: &[usize], cols: usize, _stack: Stack) -> Result<Linear> {
+    fn random_linear(
+        &self,
+        rows: &[usize],
+        cols: usize,
+        _stack: Stack,
+        _input: Rounding,
+    ) -> Result<Linear> {
         let total = rows.iter().sum();
         Ok(Linear::Dense(linear::random(total, cols, &self.device)?))
     }
@@ -286,13 +279,16 @@ impl Backend for CudaBackend {
         block_size: usize,
         kv_heads: usize,
         head_dim: usize,
+        dtype: KvCacheDtype,
     ) -> Result<KvPages> {
-        let shape = (num_blocks, kv_heads, block_size, head_dim);
-        Ok(KvPages {
-            k: Tensor::zeros(shape, DType::BF16, &self.device)?,
-            v: Tensor::zeros(shape, DType::BF16, &self.device)?,
+        KvPages::zeros(
+            num_blocks,
+            kv_heads,
             block_size,
-        })
+            head_dim,
+            dtype.resolve(DeviceKind::Cuda(0)),
+            &self.device,
+        )
     }
 
     fn state_cache(&self, slots: usize, spec: &GdnSpec) -> Result<Tensor> {
@@ -423,8 +419,7 @@ impl Backend for CudaBackend {
             qkv.get()?,
             &s.inputs.positions,
             &s.inputs.groups[a.kv_group].slots,
-            &cache.k,
-            &cache.v,
+            cache,
             &shape(a, cache),
             &params,
         )?;
@@ -445,10 +440,9 @@ impl Backend for CudaBackend {
             bail!("{ENCODERS}");
         }
         let meta = s.inputs.meta(a.kv_group);
-        let (k, v) = (&cache.k, &cache.v);
         let o = self
             .kernels
-            .paged_attention(q.get()?, k, v, &meta, &shape(a, cache), sinks)?;
+            .paged_attention(q.get()?, cache, &meta, &shape(a, cache), sinks)?;
         out.0 = Some(o);
         Ok(())
     }

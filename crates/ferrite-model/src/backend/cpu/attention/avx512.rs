@@ -1,12 +1,10 @@
 //! The AVX-512 micro-kernels of the CPU attention: register-blocked scores, V sums with
-//! each V row loaded once for a group of heads, and f16 widening. Each computes exactly
+//! each V row loaded once for a group of heads. Each computes exactly
 //! the arithmetic of its portable counterpart in the parent module.
 
 #![cfg(target_arch = "x86_64")]
 
 use super::{row_sums, ScoreBlock, LANES};
-use half::f16;
-use half::slice::HalfFloatSliceExt;
 
 /// [`piece_scores`] in 16-lane registers, register-blocked: up to 12 query vectors (several
 /// rows x heads) against up to 8 pieces at once, so each K load and each query broadcast feeds
@@ -201,16 +199,4 @@ pub(super) unsafe fn sums_avx512<const C: usize, const R: usize>(
             _mm512_storeu_ps(o.add(r * d + c * LANES), sum);
         }
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn widen_avx512(src: &[f16], dst: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let n = src.len() / 16 * 16;
-    for i in (0..n).step_by(16) {
-        let h = _mm256_loadu_si256(src.as_ptr().add(i) as *const __m256i);
-        _mm512_storeu_ps(dst.as_mut_ptr().add(i), _mm512_cvtph_ps(h));
-    }
-    src[n..].convert_to_f32_slice(&mut dst[n..]);
 }

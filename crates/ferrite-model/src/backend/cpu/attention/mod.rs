@@ -4,9 +4,8 @@
 
 use super::ops::exp_nonpositive;
 use crate::backend::cpu::disjoint::DisjointSlice;
+use crate::backend::cpu::kv_cache::Pages;
 use crate::backend::cpu::quant::isa::Isa;
-use half::f16;
-use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 mod tile;
@@ -15,7 +14,7 @@ use tile::*;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
-use avx512::{block_scores_avx512, row_sums_avx512, widen_avx512};
+use avx512::{block_scores_avx512, row_sums_avx512};
 
 /// Where each request's queries and keys are, in the packed step.
 pub struct AttentionMeta<'a> {
@@ -59,13 +58,13 @@ const Q_TILE: usize = 32;
 /// of one long decode run on different threads.
 const KEY_CHUNK: usize = 256;
 
-/// `q`: `[T, num_heads, head_dim]`; caches in f16, `k_cache`: `[num_blocks, num_kv_heads,
-/// head_dim, block_size]` (keys minor), `v_cache`: `[num_blocks, num_kv_heads, block_size,
-/// head_dim]`; `out`: `[T, num_heads, head_dim]`.
+/// `q`: `[T, num_heads, head_dim]`; caches as [`Pages`], `k_cache`: `[num_blocks,
+/// num_kv_heads, head_dim, block_size]` (keys minor), `v_cache`: `[num_blocks, num_kv_heads,
+/// block_size, head_dim]`; `out`: `[T, num_heads, head_dim]`.
 pub fn paged_attention(
     q: &[f32],
-    k_cache: &[f16],
-    v_cache: &[f16],
+    k_cache: &Pages,
+    v_cache: &Pages,
     meta: &AttentionMeta,
     p: &AttentionParams,
     out: &mut [f32],
@@ -78,8 +77,8 @@ pub fn paged_attention(
 pub fn paged_attention_isa(
     isa: Isa,
     q: &[f32],
-    k_cache: &[f16],
-    v_cache: &[f16],
+    k_cache: &Pages,
+    v_cache: &Pages,
     meta: &AttentionMeta,
     p: &AttentionParams,
     out: &mut [f32],
@@ -129,6 +128,7 @@ pub fn paged_attention_isa(
         w.parts.resize(part, 0.0);
         let parts = DisjointSlice::new(&mut w.parts);
         let inputs = LayerInputs {
+            isa,
             q,
             k_cache,
             v_cache,
@@ -251,9 +251,11 @@ struct Item {
 /// What every item of one call reads: the queries, the layer's caches, the step's layout.
 #[derive(Clone, Copy)]
 struct LayerInputs<'a> {
+    /// The kernel set (the caches are widened through it too).
+    isa: Isa,
     q: &'a [f32],
-    k_cache: &'a [f16],
-    v_cache: &'a [f16],
+    k_cache: &'a Pages,
+    v_cache: &'a Pages,
     meta: &'a AttentionMeta<'a>,
     p: &'a AttentionParams<'a>,
 }
@@ -281,6 +283,9 @@ struct TileScratch {
     vb: Vec<f32>,
     /// One row's scores, then its weights, `[heads, keys]`.
     w: Vec<f32>,
+    /// One block's K `[head_dim, block_size]` before it is cut into pieces (block sizes
+    /// other than LANES).
+    blk: Vec<f32>,
 }
 
 thread_local! {

@@ -43,6 +43,7 @@ pub(super) fn attend_tile(
     sums: impl Fn(&mut [f32], &[f32], usize, std::ops::Range<usize>, &[f32], bool, usize),
 ) {
     let LayerInputs {
+        isa,
         q,
         k_cache,
         v_cache,
@@ -63,7 +64,7 @@ pub(super) fn attend_tile(
     let c0 = keys.start / key_chunk(bs) * key_chunk(bs);
     let (b0, b1) = (keys.start / bs, keys.end.div_ceil(bs));
     let cols = (b1 * bs - c0).div_ceil(LANES) * LANES;
-    let TileScratch { kt, vb, w } = s;
+    let TileScratch { kt, vb, w, blk } = s;
     for (buf, len) in [
         (&mut *kt, d * cols),
         (&mut *vb, cols * d),
@@ -74,24 +75,26 @@ pub(super) fn attend_tile(
         }
     }
     for bi in b0..b1 {
-        let at = (table[bi] as usize * p.num_kv_heads + kvh) * d * bs;
+        let head = table[bi] as usize * p.num_kv_heads + kvh;
         if let Some(&ahead) = table[..b1].get(bi + PREFETCH_BLOCKS) {
-            let at = (ahead as usize * p.num_kv_heads + kvh) * d * bs;
-            prefetch(&k_cache[at..][..d * bs]);
-            prefetch(&v_cache[at..][..d * bs]);
+            let head = ahead as usize * p.num_kv_heads + kvh;
+            k_cache.prefetch(head, d, bs);
+            v_cache.prefetch(head, d, bs);
         }
         let col = bi * bs - c0;
         if bs == LANES && col.is_multiple_of(LANES) {
-            widen(&k_cache[at..][..d * bs], &mut kt[col * d..][..d * bs]);
+            k_cache.widen_k(head, d, bs, &mut kt[col * d..][..d * bs], isa);
         } else {
+            blk.resize(d * bs, 0.0);
+            k_cache.widen_k(head, d, bs, blk, isa);
             for dd in 0..d {
                 for k in 0..bs {
                     let (pc, lane) = ((col + k) / LANES, (col + k) % LANES);
-                    kt[(pc * d + dd) * LANES + lane] = k_cache[at + dd * bs + k].to_f32();
+                    kt[(pc * d + dd) * LANES + lane] = blk[dd * bs + k];
                 }
             }
         }
-        widen(&v_cache[at..][..bs * d], &mut vb[col * d..][..bs * d]);
+        v_cache.widen_v(head, d, bs, &mut vb[col * d..][..bs * d], isa);
     }
     // Rows in groups whose query vectors share each K^T load (up to 12 vectors; `w` holds a group).
     let group_rows = (12 / nh).max(1);
@@ -214,19 +217,6 @@ pub(super) fn row_sums(
 /// blocks are scattered over the pool, beyond what the hardware prefetcher follows.
 pub(super) const PREFETCH_BLOCKS: usize = 2;
 
-/// Asks for `data` to be brought into the cache.
-#[inline(always)]
-pub(super) fn prefetch(data: &[f16]) {
-    #[cfg(target_arch = "x86_64")]
-    for line in data.chunks(32) {
-        // SAFETY: a prefetch hint on a valid address; it never faults.
-        unsafe {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            _mm_prefetch::<_MM_HINT_T0>(line.as_ptr() as *const i8);
-        }
-    }
-}
-
 /// Keys per chunk for a block size: KEY_CHUNK rounded up to whole blocks.
 pub(super) fn key_chunk(block_size: usize) -> usize {
     KEY_CHUNK.div_ceil(block_size) * block_size
@@ -308,19 +298,6 @@ pub(super) fn sum_rows_any(o: &mut [f32], w: &[f32], v: &[f32], first_odd: bool)
             .for_each(|(a, &x)| *a = wj.mul_add(x, *a));
     }
     o.iter_mut().zip(&*odd).for_each(|(a, &b)| *a += b);
-}
-
-/// f16 -> f32, 16 values per instruction where the CPU has AVX-512 (half's slice conversion
-/// goes 8 at a time through a feature check per chunk, most of a decode's attention time).
-pub(super) fn widen(src: &[f16], dst: &mut [f32]) {
-    assert_eq!(src.len(), dst.len());
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU has AVX-512F; the lengths are equal.
-        unsafe { widen_avx512(src, dst) };
-        return;
-    }
-    src.convert_to_f32_slice(dst);
 }
 
 /// `a[j] += q * k[j]` as one fused multiply-add per lane.

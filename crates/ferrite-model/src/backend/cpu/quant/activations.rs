@@ -1,7 +1,13 @@
 //! Activations quantized to int8 once per matmul input, in blocks of 32 that line up with
 //! the weight blocks.
+//!
+//! Two roundings ([`Rounding`]): `Coarse` rounds each block to 8 bits (`x ~ d * q`); `Fine` also keeps the
+//! rounding residual to 8 more bits (`x ~ e * (256 q + r)`, `e = d / 256`), so a block's dot
+//! is two `vpdpbusd`s over the same weight codes: ~16-bit activations for the layers whose
+//! error the oracle sees (Q/K/V and the LM head), still exact integer sums (below 2^24).
 
 use super::packed::BLOCK;
+use crate::backend::Rounding;
 use rayon::prelude::*;
 
 /// `[rows, blocks * 32]` int8 codes with per-block scales; buffers are reused across steps.
@@ -10,46 +16,90 @@ pub struct QuantizedActs {
     pub rows: usize,
     /// Blocks per row, padded to even like the weights.
     pub blocks: usize,
+    pub rounding: Rounding,
     pub q: Vec<i8>,
-    /// Scale per block: `x ~ d * q`.
+    /// `Fine` only: residual codes, `[rows, blocks * 32]` like `q`.
+    pub r: Vec<i8>,
+    /// Scale per block: `x ~ d * q` (`Coarse`), `x ~ d * (256 q + r)` (`Fine`).
     pub d: Vec<f32>,
-    /// `d * sum(q)` per block: multiplies a `U4` block's offset `m`.
+    /// The block's sum `sum(x)` as the codes hold it (`d * sum(q)`, or `d * sum(256 q + r)`):
+    /// multiplies a `U4` block's offset `m`.
     pub s: Vec<f32>,
     /// Scales of two neighbouring blocks spread over 16 lanes (`[d0; 8] ++ [d1; 8]`).
     pub d_pairs: Vec<f32>,
     /// `-128 * (q[4i] + .. + q[4i + 3])`: turns `sum(code * q)` into `sum((code - 128) * q)`
     /// for `U8` weights when `vpdpbusd` starts from it.
     pub corr: Vec<i32>,
+    /// The same for `r` (`Fine` only).
+    pub corr_r: Vec<i32>,
 }
 
 impl QuantizedActs {
     /// Quantizes row-major `x` of `rows` rows, `cols` (a multiple of 32) wide.
-    pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize) {
+    pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize, rounding: Rounding) {
         assert!(cols.is_multiple_of(BLOCK) && x.len() == rows * cols);
         let blocks = (cols / BLOCK).next_multiple_of(2);
+        let fine = rounding == Rounding::Fine;
         self.rows = rows;
         self.blocks = blocks;
-        self.q.resize(rows * blocks * BLOCK, 0);
+        self.rounding = rounding;
+        let codes = rows * blocks * BLOCK;
+        self.q.resize(codes, 0);
+        self.r.resize(if fine { codes } else { 0 }, 0);
         self.d.resize(rows * blocks, 0.0);
         self.s.resize(rows * blocks, 0.0);
         self.d_pairs.resize(rows * blocks * 8, 0.0);
         self.corr.resize(rows * blocks * 8, 0);
-        self.q
+        self.corr_r
+            .resize(if fine { rows * blocks * 8 } else { 0 }, 0);
+        let rows_iter = self
+            .q
             .par_chunks_mut(blocks * BLOCK)
             .zip(self.d.par_chunks_mut(blocks))
             .zip(self.s.par_chunks_mut(blocks))
             .zip(self.d_pairs.par_chunks_mut(blocks * 8))
             .zip(self.corr.par_chunks_mut(blocks * 8))
-            .zip(x.par_chunks(cols))
-            .for_each(|(((((q, d), s), dp), corr), x)| {
-                quantize_row(x, q, d, s);
-                for (i, dp) in dp.chunks_exact_mut(8).enumerate() {
-                    dp.fill(d[i]);
-                }
-                for (c, q) in corr.iter_mut().zip(q.chunks_exact(4)) {
-                    *c = -128 * q.iter().map(|&v| v as i32).sum::<i32>();
-                }
+            .zip(x.par_chunks(cols));
+        let spread = |d: &[f32], dp: &mut [f32]| {
+            for (i, dp) in dp.chunks_exact_mut(8).enumerate() {
+                dp.fill(d[i]);
+            }
+        };
+        if fine {
+            let r_rows = self.r.par_chunks_mut(blocks * BLOCK);
+            let cr_rows = self.corr_r.par_chunks_mut(blocks * 8);
+            rows_iter.zip(r_rows).zip(cr_rows).for_each(
+                |(((((((q, d), s), dp), corr), x), r), cr)| {
+                    quantize_row(x, q, Some(&mut *r), d, s);
+                    spread(d, dp);
+                    quad_sums(q, corr);
+                    quad_sums(r, cr);
+                },
+            );
+        } else {
+            rows_iter.for_each(|(((((q, d), s), dp), corr), x)| {
+                quantize_row(x, q, None, d, s);
+                spread(d, dp);
+                quad_sums(q, corr);
             });
+        }
+    }
+
+    /// The value code `c` of row `t` stands for (tests check the kernels against it).
+    pub fn value(&self, t: usize, c: usize) -> f64 {
+        let (b, i) = (t * self.blocks + c / BLOCK, t * self.blocks * BLOCK + c);
+        let code = match self.rounding {
+            Rounding::Coarse => self.q[i] as f64,
+            Rounding::Fine => 256.0 * self.q[i] as f64 + self.r[i] as f64,
+        };
+        self.d[b] as f64 * code
+    }
+}
+
+/// `-128 * (v[4i] + .. + v[4i + 3])` for each group of four codes.
+fn quad_sums(v: &[i8], out: &mut [i32]) {
+    for (c, v) in out.iter_mut().zip(v.chunks_exact(4)) {
+        *c = -128 * v.iter().map(|&v| v as i32).sum::<i32>();
     }
 }
 
@@ -57,9 +107,13 @@ impl QuantizedActs {
 /// to even, in plain vectorizable arithmetic (`round_ties_even` becomes a libm call here).
 const ROUND: f32 = 12_582_912.0;
 
-/// Symmetric per-block quantization; blocks past the end of `x` are zero.
-fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+/// Symmetric per-block quantization, with the residuals when `r` is given; blocks past the
+/// end of `x` are zero.
+fn quantize_row(x: &[f32], q: &mut [i8], mut r: Option<&mut [i8]>, d: &mut [f32], s: &mut [f32]) {
     q.fill(0);
+    if let Some(r) = r.as_deref_mut() {
+        r.fill(0);
+    }
     d.fill(0.0);
     s.fill(0.0);
     for (b, v) in x.chunks_exact(BLOCK).enumerate() {
@@ -68,12 +122,29 @@ fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
             continue;
         }
         let inv = 127.0 / amax;
+        let q = &mut q[b * BLOCK..][..BLOCK];
         let mut sum = 0i32;
-        for (q, &x) in q[b * BLOCK..][..BLOCK].iter_mut().zip(v) {
+        for (q, &x) in q.iter_mut().zip(v) {
             *q = (x * inv + ROUND - ROUND) as i8;
             sum += *q as i32;
         }
-        d[b] = amax / 127.0;
-        s[b] = d[b] * sum as f32;
+        match r.as_deref_mut() {
+            None => {
+                d[b] = amax / 127.0;
+                s[b] = d[b] * sum as f32;
+            }
+            Some(r) => {
+                // The residual is within half a step; 256ths of a step, clamped to int8
+                // (only an exact half step reaches 128).
+                let mut fine = 256 * sum;
+                for ((r, &q), &x) in r[b * BLOCK..][..BLOCK].iter_mut().zip(q.iter()).zip(v) {
+                    let res = (x * inv - q as f32) * 256.0;
+                    *r = (res + ROUND - ROUND).clamp(-127.0, 127.0) as i8;
+                    fine += *r as i32;
+                }
+                d[b] = amax / 127.0 / 256.0;
+                s[b] = d[b] * fine as f32;
+            }
+        }
     }
 }

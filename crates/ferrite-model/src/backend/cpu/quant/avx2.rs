@@ -52,8 +52,19 @@ unsafe fn dot_small(u: __m256i, q: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1))
 }
 
+/// The block dot of `u` with `q`, or with `256 q + r` for fine activations (`F`).
+#[inline(always)]
+unsafe fn dot<const F: bool>(u: __m256i, q: __m256i, r: __m256i) -> __m256i {
+    let d = dot_small(u, q);
+    if F {
+        _mm256_add_epi32(_mm256_slli_epi32(d, 8), dot_small(u, r))
+    } else {
+        d
+    }
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn tile_u4<const R: usize, const C: usize>(
+pub(super) unsafe fn tile_u4<const R: usize, const C: usize, const F: bool>(
     w: &PackedWeight,
     r0: usize,
     a: &QuantizedActs,
@@ -67,10 +78,17 @@ pub(super) unsafe fn tile_u4<const R: usize, const C: usize>(
         let b = 2 * p;
         let mut q0 = [_mm256_setzero_si256(); C];
         let mut q1 = [_mm256_setzero_si256(); C];
+        let (mut rq0, mut rq1) = ([_mm256_setzero_si256(); C], [_mm256_setzero_si256(); C]);
         for j in 0..C {
-            let base = a.q.as_ptr().add(((t0 + j) * nb + b) * BLOCK);
+            let ai = ((t0 + j) * nb + b) * BLOCK;
+            let base = a.q.as_ptr().add(ai);
             q0[j] = _mm256_loadu_si256(base as *const __m256i);
             q1[j] = _mm256_loadu_si256(base.add(BLOCK) as *const __m256i);
+            if F {
+                let base = a.r.as_ptr().add(ai);
+                rq0[j] = _mm256_loadu_si256(base as *const __m256i);
+                rq1[j] = _mm256_loadu_si256(base.add(BLOCK) as *const __m256i);
+            }
         }
         for i in 0..R {
             let r = r0 + i;
@@ -82,8 +100,8 @@ pub(super) unsafe fn tile_u4<const R: usize, const C: usize>(
                 let ai = (t0 + j) * nb + b;
                 let s0 = _mm256_mul_ps(d0, _mm256_set1_ps(*a.d.get_unchecked(ai)));
                 let s1 = _mm256_mul_ps(d1, _mm256_set1_ps(*a.d.get_unchecked(ai + 1)));
-                let p0 = _mm256_cvtepi32_ps(dot_small(lo, q0[j]));
-                let p1 = _mm256_cvtepi32_ps(dot_small(hi, q1[j]));
+                let p0 = _mm256_cvtepi32_ps(dot::<F>(lo, q0[j], rq0[j]));
+                let p1 = _mm256_cvtepi32_ps(dot::<F>(hi, q1[j], rq1[j]));
                 acc[i][j] = _mm256_fmadd_ps(p0, s0, acc[i][j]);
                 acc[i][j] = _mm256_fmadd_ps(p1, s1, acc[i][j]);
             }
@@ -100,7 +118,7 @@ pub(super) unsafe fn tile_u4<const R: usize, const C: usize>(
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn tile_u8<const R: usize, const C: usize>(
+pub(super) unsafe fn tile_u8<const R: usize, const C: usize, const F: bool>(
     w: &PackedWeight,
     r0: usize,
     a: &QuantizedActs,
@@ -112,9 +130,13 @@ pub(super) unsafe fn tile_u8<const R: usize, const C: usize>(
     let mut acc = [[_mm256_setzero_ps(); C]; R];
     for b in 0..nb {
         let mut q = [_mm256_setzero_si256(); C];
+        let mut fine = [_mm256_setzero_si256(); C];
         for j in 0..C {
-            q[j] =
-                _mm256_loadu_si256(a.q.as_ptr().add(((t0 + j) * nb + b) * BLOCK) as *const __m256i);
+            let ai = ((t0 + j) * nb + b) * BLOCK;
+            q[j] = _mm256_loadu_si256(a.q.as_ptr().add(ai) as *const __m256i);
+            if F {
+                fine[j] = _mm256_loadu_si256(a.r.as_ptr().add(ai) as *const __m256i);
+            }
         }
         for i in 0..R {
             let r = r0 + i;
@@ -129,7 +151,11 @@ pub(super) unsafe fn tile_u8<const R: usize, const C: usize>(
             ))));
             for j in 0..C {
                 let s = _mm256_mul_ps(dw, _mm256_set1_ps(*a.d.get_unchecked((t0 + j) * nb + b)));
-                let p = _mm256_cvtepi32_ps(dot_small(abs, _mm256_sign_epi8(q[j], c)));
+                let p = _mm256_cvtepi32_ps(dot::<F>(
+                    abs,
+                    _mm256_sign_epi8(q[j], c),
+                    _mm256_sign_epi8(fine[j], c),
+                ));
                 acc[i][j] = _mm256_fmadd_ps(p, s, acc[i][j]);
             }
         }

@@ -35,7 +35,7 @@ unsafe fn offset_term(m: *const f16, s: *const f32, n: usize) -> f32 {
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-pub(super) unsafe fn tile_u4<const R: usize, const C: usize>(
+pub(super) unsafe fn tile_u4<const R: usize, const C: usize, const F: bool>(
     w: &PackedWeight,
     r0: usize,
     a: &QuantizedActs,
@@ -48,8 +48,13 @@ pub(super) unsafe fn tile_u4<const R: usize, const C: usize>(
     for p in 0..nb / 2 {
         let b = 2 * p;
         let mut q = [_mm512_setzero_si512(); C];
+        let mut fine = [_mm512_setzero_si512(); C];
         for j in 0..C {
-            q[j] = _mm512_loadu_si512(a.q.as_ptr().add(((t0 + j) * nb + b) * BLOCK) as *const _);
+            let ai = ((t0 + j) * nb + b) * BLOCK;
+            q[j] = _mm512_loadu_si512(a.q.as_ptr().add(ai) as *const _);
+            if F {
+                fine[j] = _mm512_loadu_si512(a.r.as_ptr().add(ai) as *const _);
+            }
         }
         for i in 0..R {
             let r = r0 + i;
@@ -60,7 +65,10 @@ pub(super) unsafe fn tile_u4<const R: usize, const C: usize>(
             let dw = pair_scales(w.d.as_ptr().add(r * nb + b));
             for j in 0..C {
                 let da = _mm512_loadu_ps(a.d_pairs.as_ptr().add(((t0 + j) * nb + b) * 8));
-                let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, q[j]);
+                let mut dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, q[j]);
+                if F {
+                    dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(dot, 8), codes, fine[j]);
+                }
                 acc[i][j] =
                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, da), acc[i][j]);
             }
@@ -77,7 +85,7 @@ pub(super) unsafe fn tile_u4<const R: usize, const C: usize>(
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-pub(super) unsafe fn tile_u8<const R: usize, const C: usize>(
+pub(super) unsafe fn tile_u8<const R: usize, const C: usize, const F: bool>(
     w: &PackedWeight,
     r0: usize,
     a: &QuantizedActs,
@@ -90,10 +98,16 @@ pub(super) unsafe fn tile_u8<const R: usize, const C: usize>(
         let b = 2 * p;
         let mut q = [_mm512_setzero_si512(); C];
         let mut corr = [_mm512_setzero_si512(); C];
+        let mut fine = [_mm512_setzero_si512(); C];
+        let mut corr_r = [_mm512_setzero_si512(); C];
         for j in 0..C {
             let ai = (t0 + j) * nb + b;
             q[j] = _mm512_loadu_si512(a.q.as_ptr().add(ai * BLOCK) as *const _);
             corr[j] = _mm512_loadu_si512(a.corr.as_ptr().add(ai * 8) as *const _);
+            if F {
+                fine[j] = _mm512_loadu_si512(a.r.as_ptr().add(ai * BLOCK) as *const _);
+                corr_r[j] = _mm512_loadu_si512(a.corr_r.as_ptr().add(ai * 8) as *const _);
+            }
         }
         for i in 0..R {
             let r = r0 + i;
@@ -102,7 +116,11 @@ pub(super) unsafe fn tile_u8<const R: usize, const C: usize>(
             for j in 0..C {
                 let da = _mm512_loadu_ps(a.d_pairs.as_ptr().add(((t0 + j) * nb + b) * 8));
                 // Starting from -128 * sum(q) makes the u8 codes signed: sum((code - 128) * q).
-                let dot = _mm512_dpbusd_epi32(corr[j], codes, q[j]);
+                let mut dot = _mm512_dpbusd_epi32(corr[j], codes, q[j]);
+                if F {
+                    let hi = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), corr_r[j]);
+                    dot = _mm512_dpbusd_epi32(hi, codes, fine[j]);
+                }
                 acc[i][j] =
                     _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, da), acc[i][j]);
             }

@@ -16,6 +16,7 @@ mod portable;
 mod tile;
 
 use crate::backend::cpu::disjoint::DisjointSlice;
+use crate::backend::Rounding;
 use activations::QuantizedActs;
 pub use isa::Isa;
 use packed::{Codes, PackedWeight};
@@ -30,18 +31,25 @@ const TILE_TOKENS: usize = 4;
 /// that a task's weights stay in L1 while every token tile reads them.
 const TASK_ROWS: usize = 32;
 
-/// Calls `$m::$f::<R, C>(args)` for the runtime tile shape `($r, $c)`, both in 1..=4.
+/// Calls `$m::$f::<R, C, F>(args)` for the runtime tile shape `($r, $c)`, both in 1..=4,
+/// and `F` true for fine activations.
 macro_rules! by_shape {
-    ($m:ident::$f:ident, $r:expr, $c:expr, $($arg:expr),*) => {
+    ($m:ident::$f:ident, $r:expr, $c:expr, $a:expr, $($arg:expr),*) => {
+        match $a.rounding {
+            Rounding::Coarse => by_shape!(@ $m::$f, false, $r, $c, $($arg),*),
+            Rounding::Fine => by_shape!(@ $m::$f, true, $r, $c, $($arg),*),
+        }
+    };
+    (@ $m:ident::$f:ident, $fine:literal, $r:expr, $c:expr, $($arg:expr),*) => {
         match ($r, $c) {
-            (4, 4) => $m::$f::<4, 4>($($arg),*), (4, 3) => $m::$f::<4, 3>($($arg),*),
-            (4, 2) => $m::$f::<4, 2>($($arg),*), (4, 1) => $m::$f::<4, 1>($($arg),*),
-            (3, 4) => $m::$f::<3, 4>($($arg),*), (3, 3) => $m::$f::<3, 3>($($arg),*),
-            (3, 2) => $m::$f::<3, 2>($($arg),*), (3, 1) => $m::$f::<3, 1>($($arg),*),
-            (2, 4) => $m::$f::<2, 4>($($arg),*), (2, 3) => $m::$f::<2, 3>($($arg),*),
-            (2, 2) => $m::$f::<2, 2>($($arg),*), (2, 1) => $m::$f::<2, 1>($($arg),*),
-            (1, 4) => $m::$f::<1, 4>($($arg),*), (1, 3) => $m::$f::<1, 3>($($arg),*),
-            (1, 2) => $m::$f::<1, 2>($($arg),*), (1, 1) => $m::$f::<1, 1>($($arg),*),
+            (4, 4) => $m::$f::<4, 4, $fine>($($arg),*), (4, 3) => $m::$f::<4, 3, $fine>($($arg),*),
+            (4, 2) => $m::$f::<4, 2, $fine>($($arg),*), (4, 1) => $m::$f::<4, 1, $fine>($($arg),*),
+            (3, 4) => $m::$f::<3, 4, $fine>($($arg),*), (3, 3) => $m::$f::<3, 3, $fine>($($arg),*),
+            (3, 2) => $m::$f::<3, 2, $fine>($($arg),*), (3, 1) => $m::$f::<3, 1, $fine>($($arg),*),
+            (2, 4) => $m::$f::<2, 4, $fine>($($arg),*), (2, 3) => $m::$f::<2, 3, $fine>($($arg),*),
+            (2, 2) => $m::$f::<2, 2, $fine>($($arg),*), (2, 1) => $m::$f::<2, 1, $fine>($($arg),*),
+            (1, 4) => $m::$f::<1, 4, $fine>($($arg),*), (1, 3) => $m::$f::<1, 3, $fine>($($arg),*),
+            (1, 2) => $m::$f::<1, 2, $fine>($($arg),*), (1, 1) => $m::$f::<1, 1, $fine>($($arg),*),
             _ => unreachable!("tile shape"),
         }
     };
@@ -63,18 +71,18 @@ fn tile(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `matmul` only passes an `isa` the CPU supports; indices are in bounds.
         (Isa::Avx512Vnni, Codes::U4) => unsafe {
-            by_shape!(avx512::tile_u4, nr, nt, w, r0, a, t0, out)
+            by_shape!(avx512::tile_u4, nr, nt, a, w, r0, a, t0, out)
         },
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx512Vnni, Codes::U8) => unsafe {
-            by_shape!(avx512::tile_u8, nr, nt, w, r0, a, t0, out)
+            by_shape!(avx512::tile_u8, nr, nt, a, w, r0, a, t0, out)
         },
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2, Codes::U4) => unsafe { by_shape!(avx2::tile_u4, nr, nt, w, r0, a, t0, out) },
+        (Isa::Avx2, Codes::U4) => unsafe { by_shape!(avx2::tile_u4, nr, nt, a, w, r0, a, t0, out) },
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2, Codes::U8) => unsafe { by_shape!(avx2::tile_u8, nr, nt, w, r0, a, t0, out) },
-        (_, Codes::U4) => by_shape!(portable::tile_u4, nr, nt, w, r0, a, t0, out),
-        (_, Codes::U8) => by_shape!(portable::tile_u8, nr, nt, w, r0, a, t0, out),
+        (Isa::Avx2, Codes::U8) => unsafe { by_shape!(avx2::tile_u8, nr, nt, a, w, r0, a, t0, out) },
+        (_, Codes::U4) => by_shape!(portable::tile_u4, nr, nt, a, w, r0, a, t0, out),
+        (_, Codes::U8) => by_shape!(portable::tile_u8, nr, nt, a, w, r0, a, t0, out),
     }
 }
 

@@ -7,7 +7,7 @@ use super::tile::Out;
 use half::f16;
 
 /// `U4` weights: rows `r0..r0 + R` times tokens `t0..t0 + C`.
-pub(super) fn tile_u4<const R: usize, const C: usize>(
+pub(super) fn tile_u4<const R: usize, const C: usize, const F: bool>(
     w: &PackedWeight,
     r0: usize,
     a: &QuantizedActs,
@@ -20,16 +20,11 @@ pub(super) fn tile_u4<const R: usize, const C: usize>(
         let row = &w.data[r * nb * 16..][..nb * 16];
         for j in 0..C {
             let t = t0 + j;
-            let q = &a.q[t * nb * BLOCK..][..nb * BLOCK];
             let mut acc = 0f32;
             for b in 0..nb {
                 let bytes = &row[(b / 2) * BLOCK..][..BLOCK];
                 let shift = 4 * (b % 2);
-                let dot: i32 = bytes
-                    .iter()
-                    .zip(&q[b * BLOCK..][..BLOCK])
-                    .map(|(&c, &q)| ((c >> shift) & 0x0F) as i32 * q as i32)
-                    .sum();
+                let dot = block_dot::<F>(a, t, b, |k| ((bytes[k] >> shift) & 0x0F) as i32);
                 acc += w.d[r * nb + b].to_f32() * a.d[t * nb + b] * dot as f32;
             }
             let off = offset_term(&w.m[r * nb..][..nb], &a.s[t * nb..][..nb]);
@@ -39,7 +34,7 @@ pub(super) fn tile_u4<const R: usize, const C: usize>(
 }
 
 /// `U8` weights: rows `r0..r0 + R` times tokens `t0..t0 + C`.
-pub(super) fn tile_u8<const R: usize, const C: usize>(
+pub(super) fn tile_u8<const R: usize, const C: usize, const F: bool>(
     w: &PackedWeight,
     r0: usize,
     a: &QuantizedActs,
@@ -52,18 +47,30 @@ pub(super) fn tile_u8<const R: usize, const C: usize>(
         let row = &w.data[r * nb * BLOCK..][..nb * BLOCK];
         for j in 0..C {
             let t = t0 + j;
-            let q = &a.q[t * nb * BLOCK..][..nb * BLOCK];
             let mut acc = 0f32;
             for b in 0..nb {
-                let dot: i32 = row[b * BLOCK..][..BLOCK]
-                    .iter()
-                    .zip(&q[b * BLOCK..][..BLOCK])
-                    .map(|(&c, &q)| (c as i32 - 128) * q as i32)
-                    .sum();
+                let codes = &row[b * BLOCK..][..BLOCK];
+                let dot = block_dot::<F>(a, t, b, |k| codes[k] as i32 - 128);
                 acc += w.d[r * nb + b].to_f32() * a.d[t * nb + b] * dot as f32;
             }
             out.set(t, r, acc);
         }
+    }
+}
+
+/// `sum_k w(k) * code[k]` over block `b` of token `t`, the code `256 q + r` when fine (`F`).
+fn block_dot<const F: bool>(
+    a: &QuantizedActs,
+    t: usize,
+    b: usize,
+    w: impl Fn(usize) -> i32,
+) -> i32 {
+    let i = (t * a.blocks + b) * BLOCK;
+    let dot = |v: &[i8]| -> i32 { (0..BLOCK).map(|k| w(k) * v[i + k] as i32).sum() };
+    if F {
+        256 * dot(&a.q) + dot(&a.r)
+    } else {
+        dot(&a.q)
     }
 }
 

@@ -1,8 +1,9 @@
 //! Q/K/V preparation (bias, Q/K norm, rotary, the K/V write) and paged varlen attention.
 
 use super::{cfg, opt, ptr, Arg, Kernels};
+use crate::kv_dtype::KvCacheDtype;
 use anyhow::{bail, ensure, Result};
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 const ATTENTION_THREADS: u32 = 128;
 /// Query rows (tokens x heads of one KV head) per attention program (`MMA_ROWS`).
@@ -39,6 +40,86 @@ pub struct AttentionShape {
     pub softcap: f32,
 }
 
+/// One layer's K and V pages, `[num_blocks, kv_heads, block_size, head_dim]`: bf16, or 8-bit
+/// codes (`u8`: e4m3 or int8) with an f32 scale per token and KV head, `[num_blocks, kv_heads,
+/// block_size]`, written with the token (`amax / 448`, `amax / 127`, as on the CPU).
+pub struct KvPages {
+    pub k: Tensor,
+    pub v: Tensor,
+    /// K's and V's scales (8-bit types).
+    pub scales: Option<(Tensor, Tensor)>,
+    /// Bf16, Fp8 or Int8.
+    pub dtype: KvCacheDtype,
+    pub block_size: usize,
+}
+
+impl KvPages {
+    /// Zeroed pages of `dtype` (one CUDA stores: bf16, fp8, int8).
+    pub fn zeros(
+        num_blocks: usize,
+        kv_heads: usize,
+        block_size: usize,
+        head_dim: usize,
+        dtype: KvCacheDtype,
+        dev: &Device,
+    ) -> Result<Self> {
+        let shape = (num_blocks, kv_heads, block_size, head_dim);
+        let scales = || Tensor::zeros((num_blocks, kv_heads, block_size), DType::F32, dev);
+        let (values, scales) = match dtype {
+            KvCacheDtype::Bf16 => (DType::BF16, None),
+            KvCacheDtype::Fp8 | KvCacheDtype::Int8 => (DType::U8, Some((scales()?, scales()?))),
+            d => bail!(
+                "--kv-cache-dtype {} is not stored on CUDA (auto/bf16, fp8 and int8 are)",
+                d.name()
+            ),
+        };
+        Ok(Self {
+            k: Tensor::zeros(shape, values, dev)?,
+            v: Tensor::zeros(shape, values, dev)?,
+            scales,
+            dtype,
+            block_size,
+        })
+    }
+
+    /// Random values (benchmarks time attention on real-looking data).
+    pub fn randomize(&mut self) -> Result<()> {
+        for t in [&mut self.k, &mut self.v] {
+            *t = match t.dtype() {
+                // Codes 0..=254 but 127: no e4m3 NaN (0x7F, 0xFF).
+                DType::U8 => {
+                    let r = Tensor::rand(0f32, 254.0, t.shape(), t.device())?.floor()?;
+                    (r.ge(127f32)?.to_dtype(DType::F32)? + r)?.to_dtype(DType::U8)?
+                }
+                _ => Tensor::randn(0f32, 1.0, t.shape(), t.device())?.to_dtype(DType::BF16)?,
+            };
+        }
+        if let Some((ks, vs)) = &mut self.scales {
+            for s in [ks, vs] {
+                *s = Tensor::rand(0.001f32, 0.01, s.shape(), s.device())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Which kernel of each set reads these pages.
+    fn variant(&self) -> usize {
+        match self.dtype {
+            KvCacheDtype::Fp8 => 1,
+            KvCacheDtype::Int8 => 2,
+            _ => 0,
+        }
+    }
+
+    fn scale_args(&self) -> Result<[Arg; 2]> {
+        let (k, v) = match &self.scales {
+            Some((k, v)) => (Some(k), Some(v)),
+            None => (None, None),
+        };
+        Ok([opt(k)?, opt(v)?])
+    }
+}
+
 /// The rotary, bias and per-head norm options of [`Kernels::qkv_rope_write`].
 pub struct QkvParams<'a> {
     pub bias: Option<&'a Tensor>,
@@ -60,8 +141,7 @@ impl Kernels {
         qkv: &Tensor,
         positions: &Tensor,
         slots: &Tensor,
-        k_cache: &Tensor,
-        v_cache: &Tensor,
+        pages: &KvPages,
         shape: &AttentionShape,
         p: &QkvParams,
     ) -> Result<Tensor> {
@@ -72,8 +152,9 @@ impl Kernels {
         if t > 0 {
             const WARPS: u32 = 8;
             let groups = ((h + 2 * hkv) as u32).div_ceil(WARPS);
+            let [ks, vs] = pages.scale_args()?;
             self.launch_chained(
-                &self.qkv_rope_write,
+                &self.qkv_rope_write[pages.variant()],
                 cfg((t as u32, groups, 1), 32 * WARPS, WARPS * d as u32 * 4),
                 &[
                     Arg::P(ptr(qkv)?),
@@ -86,8 +167,10 @@ impl Kernels {
                     Arg::P(ptr(p.rope_sin)?),
                     Arg::P(ptr(slots)?),
                     Arg::P(ptr(&q)?),
-                    Arg::P(ptr(k_cache)?),
-                    Arg::P(ptr(v_cache)?),
+                    Arg::P(ptr(&pages.k)?),
+                    Arg::P(ptr(&pages.v)?),
+                    ks,
+                    vs,
                     Arg::I(h as i32),
                     Arg::I(hkv as i32),
                     Arg::I(d as i32),
@@ -105,8 +188,7 @@ impl Kernels {
     pub fn paged_attention(
         &self,
         q: &Tensor,
-        k_cache: &Tensor,
-        v_cache: &Tensor,
+        pages: &KvPages,
         meta: &AttentionMeta,
         s: &AttentionShape,
         sinks: Option<&Tensor>,
@@ -117,13 +199,15 @@ impl Kernels {
             group <= MAX_GROUP,
             "{group} query heads per KV head (at most {MAX_GROUP})"
         );
-        let f = match d {
+        let by_dim = match d {
             32 => &self.attention_mma[0],
             64 => &self.attention_mma[1],
             128 => &self.attention_mma[2],
             256 => &self.attention_mma[3],
             _ => bail!("head_dim {d} (the CUDA attention kernels take 32, 64, 128, 256)"),
         };
+        let f = &by_dim[pages.variant()];
+        let [ks, vs] = pages.scale_args()?;
         let t = meta.num_tokens;
         let out = self.output((t, h * d), DType::BF16)?;
         if t == 0 {
@@ -151,8 +235,10 @@ impl Kernels {
             ),
             &[
                 Arg::P(ptr(q)?),
-                Arg::P(ptr(k_cache)?),
-                Arg::P(ptr(v_cache)?),
+                Arg::P(ptr(&pages.k)?),
+                Arg::P(ptr(&pages.v)?),
+                ks,
+                vs,
                 Arg::P(ptr(meta.cu_seqlens_q)?),
                 Arg::P(ptr(meta.seq_lens_k)?),
                 Arg::P(ptr(meta.block_tables)?),

@@ -39,9 +39,10 @@ pub struct Kernels {
     /// Blocks of `gemv[r - 1]` per multiprocessor with `k`-wide rows, by (r, k): asked of the
     /// driver once per shape, not at every launch.
     gemv_occupancy: Mutex<HashMap<(usize, usize), u32>>,
-    qkv_rope_write: CudaFunction,
-    /// Head sizes 32, 64, 128 and 256.
-    attention_mma: [CudaFunction; 4],
+    /// By KV dtype ([`attention::KvPages::variant`]).
+    qkv_rope_write: [CudaFunction; 3],
+    /// Head sizes 32, 64, 128 and 256, each by KV dtype.
+    attention_mma: [[CudaFunction; 3]; 4],
     merge_splits: CudaFunction,
     moe_route: CudaFunction,
     moe_align: CudaFunction,
@@ -207,13 +208,18 @@ impl Kernels {
             softcap: f("softcap_f32")?,
             gemv,
             gemv_occupancy: Mutex::default(),
-            qkv_rope_write: f("qkv_rope_write_bf16")?,
-            attention_mma: [
-                f("paged_attention_mma_d32_bf16")?,
-                f("paged_attention_mma_d64_bf16")?,
-                f("paged_attention_mma_d128_bf16")?,
-                f("paged_attention_mma_d256_bf16")?,
+            qkv_rope_write: [
+                f("qkv_rope_write_bf16")?,
+                f("qkv_rope_write_fp8")?,
+                f("qkv_rope_write_int8")?,
             ],
+            attention_mma: {
+                let by_dim = |d: usize| -> Result<[CudaFunction; 3]> {
+                    let g = |kv: &str| f(&format!("paged_attention_mma_d{d}_{kv}"));
+                    Ok([g("bf16")?, g("fp8")?, g("int8")?])
+                };
+                [by_dim(32)?, by_dim(64)?, by_dim(128)?, by_dim(256)?]
+            },
             merge_splits: f("merge_splits_bf16")?,
             moe_route: f("moe_route_f32")?,
             moe_align: f("moe_align")?,
