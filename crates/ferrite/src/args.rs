@@ -107,7 +107,7 @@ pub struct EngineFlags {
     pub max_step_ms: Option<f64>,
     /// How the KV cache stores K and V: `auto` (the device's: fp16 on the CPU, bf16 on
     /// CUDA), `fp16`, `bf16`, or 8 bits with a scale per token and head, `fp8` (e4m3) and
-    /// `int8`: 1.9x the tokens in the same memory (CPU; CUDA stores bf16).
+    /// `int8`: 1.9x the tokens in the same memory (CUDA stores bf16, fp8 and int8).
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: KvCacheDtype,
 }

@@ -135,6 +135,7 @@ pub fn ptr(t: &Tensor) -> Result<u64> {
         DType::BF16 => s.as_cuda_slice::<bf16>()?.device_ptr(&stream).0,
         DType::F32 => s.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
         DType::U32 => s.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
+        DType::U8 => s.as_cuda_slice::<u8>()?.device_ptr(&stream).0,
         d => bail!("no kernel takes {d:?}"),
     };
     Ok(base + (start * t.dtype().size_in_bytes()) as u64)
