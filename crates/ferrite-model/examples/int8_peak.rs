@@ -1,0 +1,64 @@
+//! The CPU's int8 dot-product peak: `vpdpbusd` (64 u8 x i8 products into 16 i32 lanes per
+//! instruction) on 12 independent 512-bit accumulators, from registers only, on 1 thread and
+//! on THREADS threads at once. The ceiling the int8 matmul kernels are compared against.
+//! Usage: cargo run --release -p ferrite-model --example int8_peak -- [THREADS]
+
+use ferrite_model::backend::cpu::quant::Isa;
+use std::time::Instant;
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn dots(iters: usize) -> i32 {
+    use std::arch::x86_64::*;
+    let a = _mm512_set1_epi8(3);
+    let b = _mm512_set1_epi8(-2);
+    let mut acc = [_mm512_setzero_si512(); 12];
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = _mm512_dpbusd_epi32(*x, a, b);
+        }
+    }
+    let mut s = _mm512_setzero_si512();
+    for x in acc {
+        s = _mm512_add_epi32(s, x);
+    }
+    _mm512_reduce_add_epi32(s)
+}
+
+/// Operations (multiply + add = 2) per second over `threads` threads.
+#[cfg(target_arch = "x86_64")]
+fn peak(threads: usize) -> f64 {
+    let iters = 20_000_000;
+    let t = Instant::now();
+    let sums: Vec<i32> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            // SAFETY: main checked that the CPU has AVX-512 VNNI.
+            .map(|_| s.spawn(move || unsafe { dots(iters) }))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let secs = t.elapsed().as_secs_f64();
+    assert!(sums.iter().all(|&x| x != 0));
+    (threads * iters * 12 * 64 * 2) as f64 / secs
+}
+
+fn main() {
+    let threads: usize = std::env::args().nth(1).map_or_else(
+        || std::thread::available_parallelism().map_or(1, |n| n.get()),
+        |s| s.parse().unwrap(),
+    );
+    if !Isa::Avx512Vnni.supported() {
+        println!("no AVX-512 VNNI on this CPU: no vpdpbusd peak to measure");
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let one = peak(1);
+        let all = peak(threads);
+        println!(
+            "vpdpbusd peak: {:.0} GOP/s on 1 thread, {:.0} GOP/s on {threads} threads",
+            one / 1e9,
+            all / 1e9
+        );
+    }
+}
