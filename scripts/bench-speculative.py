@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""Speculative decoding (n-gram) on and off, side by side in one run: two `ferrite serve` on the
-test model, one with `--speculative-config`, the same closed-loop load on each.
+"""Speculative decoding on and off, side by side in one run: two `ferrite serve` on the test
+model, one with `--speculative-config` (n-gram by default; `--draft-layers N` makes a draft
+model of the test model's first N layers with `cut_gguf`), the same closed-loop load on each.
 
 Splits: `copy` (answers that repeat or edit text of the prompt: JSON rewrites, code edits;
 greedy, the model stops by itself or at 160 tokens) and the agent `mini` split
 (`ferrite bench serve --dataset agent --preset mini --ignore-eos`). Per level: output tokens/s,
 mean ITL, and from the speculative server's /metrics the acceptance rate per draft position.
 
-Usage: scripts/bench-speculative.py [--concurrency 1,4,16] [--out docs/benchmarks/cpu-speculative.md]
+Usage: scripts/bench-speculative.py [--concurrency 1,4,16] [--draft-layers N] [--out docs/benchmarks/cpu-speculative.md]
 """
 import argparse
 import json
@@ -128,7 +129,20 @@ def main():
     ap.add_argument("--splits", default="copy,agent")
     ap.add_argument("--serve-args", default="", help="extra `ferrite serve` flags of both servers (e.g. --device cuda)")
     ap.add_argument("--machine", default=None, help="what to call the machine (default: the CPU)")
+    ap.add_argument("--draft-layers", type=int, default=0,
+                    help="speculate with a draft model: the test model's first N layers (written by cut_gguf)")
+    ap.add_argument("--draft", default=None, help="speculate with this draft model file")
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens of a draft model")
     a = ap.parse_args()
+    draft_note = ""
+    if a.draft_layers and not a.draft:
+        a.draft = os.path.join(tempfile.gettempdir(), f"ferrite-draft-{a.draft_layers}l.gguf")
+        subprocess.run(["cargo", "run", "--release", "-q", "-p", "ferrite-model", "--example", "cut_gguf", "--",
+                        a.model, a.draft, str(a.draft_layers)], cwd=ROOT, check=True)
+        draft_note = f" (`{os.path.basename(a.draft)}`: the first {a.draft_layers} layers of the same GGUF, by `cut_gguf`)"
+    if a.draft:
+        a.spec = json.dumps({"method": "draft_model", "model": a.draft, "num_speculative_tokens": a.k})
+    method = json.loads(a.spec)["method"].replace("_", " ")
     levels = [int(x) for x in a.concurrency.split(",")]
     prompts = copy_prompts(a.copy_prompts)
     rows, identical = [], []
@@ -159,12 +173,12 @@ def main():
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     with open(a.out, "w") as f:
-        f.write(f"""# Speculative decoding (n-gram) on and off
+        f.write(f"""# Speculative decoding ({method}) on and off
 
 Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `scripts/bench-speculative.py` (commit {commit}),
 {a.machine or f"CPU: {cpu_name()}, {os.cpu_count()} cores"}. Two `ferrite serve {os.path.basename(a.model)} --max-model-len 4096
 --kv-cache-memory 800000000 {a.serve_args}` in the same run, the second with
-`--speculative-config '{a.spec}'` (`disable_by_batch_size` unless it says: the default,
+`--speculative-config '{a.spec}'`{draft_note} (`disable_by_batch_size` unless it says: the default,
 {DISABLE}: no request drafts while more run). Load: closed loop at concurrency C, streamed, one engine at a time.
 
 - `copy`: {a.copy_prompts} chat requests whose answer repeats the prompt's text with an edit (a JSON

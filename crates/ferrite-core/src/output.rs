@@ -31,6 +31,9 @@ pub struct StepOutput {
     pub failed: HashMap<RequestId, String>,
     /// Each pooling request whose prompt the step completed: its pooled hidden state.
     pub pooled: HashMap<RequestId, Vec<f32>>,
+    /// The draft model's proposals for each request's next step (speculation with a draft
+    /// model).
+    pub drafts: HashMap<RequestId, Vec<u32>>,
 }
 
 /// One streamed piece of a request's result.

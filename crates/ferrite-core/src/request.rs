@@ -55,6 +55,10 @@ pub struct Request {
     pub pooling: bool,
     /// Per prompt token, its segment (pair inputs of cross-encoders); `None`: all 0.
     pub token_type_ids: Option<Vec<u32>>,
+    /// Speculation with a draft model: tokens whose K/V the draft model holds (the draft
+    /// model's own pages of this request's blocks), and its proposal for the next step.
+    pub draft_pos: usize,
+    pub proposed: Vec<u32>,
 }
 
 impl Request {
@@ -78,6 +82,8 @@ impl Request {
             constraint: None,
             pooling: false,
             token_type_ids: None,
+            draft_pos: 0,
+            proposed: Vec::new(),
         }
     }
 

@@ -8,7 +8,7 @@ use crate::kv_layout::{max_blocks, GroupWindow};
 use crate::prefix_hash::HashAlgo;
 use crate::request::{FinishReason, Request, RequestId, RequestStatus};
 use crate::sampling::SamplingParams;
-use crate::spec_decode::{SpecStats, Speculation};
+use crate::spec_decode::{DraftRun, Proposer, SpecStats, Speculation};
 use crate::state_checkpoints::StateCheckpoints;
 use crate::state_pool::{StatePool, StateSlot};
 use crate::step_cost::{StepCost, StepShape};
@@ -33,8 +33,8 @@ pub struct SchedulerConfig {
     /// Slots after those for checkpoints of the state at cached prefixes (see
     /// [`crate::state_checkpoints`]); with recurrent state, prefix caching needs some.
     pub state_checkpoints: usize,
-    /// Draft tokens for decodes (n-gram prompt lookup), verified in the same step; `None`:
-    /// off. Models with recurrent state cannot roll a rejected draft back and keep it off.
+    /// Draft tokens for decodes (n-gram prompt lookup or a draft model), verified in the
+    /// same step; `None`: off. Models with recurrent state cannot roll a rejected draft back and keep it off.
     pub speculation: Option<Speculation>,
     /// Every prompt is computed in one step, never in chunks: encoder models attend in both
     /// directions, so a token's state needs the tokens after it.
@@ -129,6 +129,8 @@ pub struct ScheduledRequest {
     /// Draft tokens fed after the last known one (`token_ids` ends with them): each of the
     /// last `draft.len() + 1` rows is sampled, and drafts are kept while they match.
     pub draft: Vec<u32>,
+    /// Speculation with a draft model: what it runs for this request after the step.
+    pub draft_run: Option<DraftRun>,
     pub prompt_logprobs: Option<PromptLogprobSpec>,
 }
 
@@ -362,22 +364,26 @@ impl Scheduler {
         &self.spec_stats
     }
 
-    /// Draft tokens for a decode of `req` (at most `budget`), when speculation is on, the
-    /// batch is small enough and nothing about the request changes from token to token
-    /// inside a window (grammars, penalties, bans, logprobs).
-    fn draft(&self, req: &Request, budget: usize) -> Vec<u32> {
-        let Some(spec) = &self.config.speculation else {
-            return Vec::new();
-        };
+    /// Whether `req` speculates this step: speculation is on, the batch is small enough and
+    /// nothing about the request changes from token to token inside a window (grammars,
+    /// penalties, bans, logprobs).
+    fn speculates(&self, req: &Request) -> Option<&Speculation> {
+        let spec = self.config.speculation.as_ref()?;
         let p = &req.params;
         let plain = req.constraint.is_none()
             && p.logprobs.is_none()
             && !p.has_penalties()
             && p.bad_words.is_empty()
             && req.output_token_ids.len() >= p.min_tokens();
-        if !plain || self.running.len() > spec.disable_by_batch_size || !self.states.is_empty() {
+        (plain && self.running.len() <= spec.disable_by_batch_size && self.states.is_empty())
+            .then_some(spec)
+    }
+
+    /// Draft tokens for a decode of `req` (at most `budget`) when it speculates.
+    fn draft(&self, req: &Request, budget: usize) -> Vec<u32> {
+        let Some(spec) = self.speculates(req) else {
             return Vec::new();
-        }
+        };
         // Each step yields the accepted drafts and one token more.
         let limit = (req
             .max_output_tokens
@@ -388,8 +394,88 @@ impl Scheduler {
                 .saturating_sub(req.num_tokens() + 1),
         )
         .min(budget);
+        if let Proposer::DraftModel { .. } = spec.proposer {
+            return req.proposed[..limit.min(req.proposed.len())].to_vec();
+        }
         let tokens: Vec<u32> = (0..req.num_tokens()).map(|i| req.token_at(i)).collect();
         spec.propose(&tokens, limit)
+    }
+
+    /// The draft model's work after this step, per planned request that speculates: it
+    /// catches up on what it lacks and proposes for requests that sample, within one step
+    /// budget of rows; room for the proposal's K/V comes from free blocks only.
+    fn draft_runs(
+        &mut self,
+        planned: &[(RequestId, usize, Vec<u32>)],
+    ) -> HashMap<RequestId, DraftRun> {
+        let mut runs = HashMap::new();
+        let k = match &self.config.speculation {
+            Some(Speculation {
+                k,
+                proposer: Proposer::DraftModel { .. },
+                ..
+            }) => *k,
+            _ => return runs,
+        };
+        let mut budget = self.config.max_num_batched_tokens;
+        for (id, num_new, draft) in planned {
+            let req = &self.requests[id];
+            if self.speculates(req).is_none() {
+                continue;
+            }
+            let start = req.num_computed_tokens;
+            // Ahead by the token it was fed last step at most: that one is fed again.
+            let from = req.draft_pos.min(start);
+            let end = start + num_new;
+            let catch_up: Vec<u32> = (from..start).map(|i| req.token_at(i)).collect();
+            if catch_up.len() + num_new + 1 > budget {
+                // Too far behind for this step (speculation paused for a while, or a
+                // prefix-cache hit): known tokens only, proposals once it has caught up.
+                let n = catch_up.len().min(budget);
+                if n > 0 {
+                    budget -= n;
+                    let catch_up = catch_up[..n].to_vec();
+                    runs.insert(
+                        *id,
+                        DraftRun {
+                            start: from,
+                            catch_up,
+                            with_step: false,
+                            propose: 0,
+                        },
+                    );
+                }
+                continue;
+            }
+            // The next step's draft stays within max_tokens and the model's length.
+            let mut propose = match end - draft.len() == req.num_tokens() {
+                true => k
+                    .min(
+                        req.max_output_tokens
+                            .saturating_sub(req.output_token_ids.len() + 2),
+                    )
+                    .min(self.config.max_model_len.saturating_sub(end)),
+                false => 0,
+            };
+            if propose > 0
+                && !self
+                    .kv
+                    .allocate_slots(*id, start, end + propose, &Vec::new())
+            {
+                propose = 0;
+            }
+            budget -= catch_up.len() + num_new + (propose > 0) as usize;
+            runs.insert(
+                *id,
+                DraftRun {
+                    start: from,
+                    catch_up,
+                    with_step: true,
+                    propose,
+                },
+            );
+        }
+        runs
     }
 
     pub fn kv_usage(&self) -> f64 {
@@ -559,9 +645,13 @@ impl Scheduler {
 
         // A checkpoint this step restores is not overwritten by one it writes.
         let busy: Vec<StateSlot> = self.restores.values().copied().collect();
+        let mut runs = self.draft_runs(&planned);
         let requests = planned
             .into_iter()
-            .map(|(id, n, draft)| self.scheduled_request(id, n, draft, &busy))
+            .map(|(id, n, draft)| {
+                let run = runs.remove(&id);
+                self.scheduled_request(id, n, draft, run, &busy)
+            })
             .collect();
         SchedulerOutput {
             requests,
@@ -575,6 +665,7 @@ impl Scheduler {
         id: RequestId,
         num_new: usize,
         draft: Vec<u32>,
+        draft_run: Option<DraftRun>,
         busy: &[StateSlot],
     ) -> ScheduledRequest {
         let req = &self.requests[&id];
@@ -648,6 +739,7 @@ impl Scheduler {
                 .as_ref()
                 .map_or(Vec::new(), |t| t[start..start + known].to_vec()),
             draft,
+            draft_run,
             prompt_logprobs,
         }
     }
@@ -658,6 +750,8 @@ impl Scheduler {
         let req = self.requests.get_mut(&id).unwrap();
         req.status = RequestStatus::Preempted;
         req.num_computed_tokens = 0;
+        req.draft_pos = 0;
+        req.proposed.clear();
         req.num_preemptions += 1;
         self.num_preemptions += 1;
         self.waiting.push_front(id);
@@ -697,6 +791,16 @@ impl Scheduler {
                 self.spec_stats.record(s.draft.len(), accepted);
                 (s.start_pos + 1 + accepted).min(req.num_tokens())
             };
+            req.proposed.clear();
+            if let Some(run) = &s.draft_run {
+                // The sampled token was fed to the draft model when it proposed.
+                req.draft_pos = match run.with_step {
+                    true => {
+                        req.num_computed_tokens + (run.propose > 0 && !drawn.is_empty()) as usize
+                    }
+                    false => run.start + run.catch_up.len(),
+                };
+            }
             self.kv.cache_blocks(req);
             if s.pool {
                 finished = Some(FinishReason::Stop);
@@ -711,6 +815,15 @@ impl Scheduler {
             }
         }
         updates
+    }
+
+    /// The draft model's proposals after a step, each for its request's next decode.
+    pub fn set_proposals(&mut self, proposals: HashMap<RequestId, Vec<u32>>) {
+        for (id, tokens) in proposals {
+            if let Some(req) = self.requests.get_mut(&id) {
+                req.proposed = tokens;
+            }
+        }
     }
 
     /// Ends a request (stop string, abort, or a stop condition) and frees its blocks.

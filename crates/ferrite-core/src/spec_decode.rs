@@ -1,6 +1,7 @@
 //! Speculative decoding as the scheduler sees it: which requests get draft tokens this step
-//! and what they are. Drafts come from the request's own tokens (n-gram prompt lookup), so
-//! nothing here touches a tensor; the runner verifies them in the packed step.
+//! and what they are. Drafts come from the request's own tokens (n-gram prompt lookup) or
+//! from a draft model the runner ran after the previous step, so nothing here touches a
+//! tensor; the runner verifies them in the packed step.
 
 use serde::Deserialize;
 
@@ -21,7 +22,8 @@ pub struct SpeculativeConfig {
     /// step, and verifying drafts that fail costs more than it saves.
     #[serde(default)]
     pub disable_by_batch_size: Option<usize>,
-    /// A draft model (method `draft_model`); none is served yet.
+    /// The draft model of method `draft_model`: a file or folder with the target's
+    /// tokenizer.
     #[serde(default)]
     pub model: Option<String>,
 }
@@ -30,9 +32,35 @@ pub struct SpeculativeConfig {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Speculation {
     pub k: usize,
-    pub min_n: usize,
-    pub max_n: usize,
+    pub proposer: Proposer,
     pub disable_by_batch_size: usize,
+}
+
+/// Where draft tokens come from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Proposer {
+    /// The request's own tokens: what followed the latest earlier occurrence of its suffix
+    /// (`min_n` to `max_n` tokens long).
+    Ngram { min_n: usize, max_n: usize },
+    /// A smaller model with the same tokenizer, its K/V in the target's blocks.
+    DraftModel { model: std::path::PathBuf },
+}
+
+/// What the draft model runs for one request after a step (it runs after the target, on
+/// the same block table): known tokens it lacks, then the step's accepted rows and the token
+/// sampled after them, then `propose` tokens of its own, one row per pass.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DraftRun {
+    /// Position of the first token the draft model is fed (its K/V holds the ones before).
+    pub start: usize,
+    /// Known tokens from `start` on that come before this step's rows.
+    pub catch_up: Vec<u32>,
+    /// Whether this step's accepted rows follow `catch_up` (false: the step's draft budget
+    /// ran out, and the draft model catches up over later steps).
+    pub with_step: bool,
+    /// Tokens to propose for the next step; when more than 0 the sampled token is fed too,
+    /// and the request's blocks have room for `propose` tokens past this step's rows.
+    pub propose: usize,
 }
 
 /// Largest k accepted: the verify rows of a step grow with it, its gain does not.
@@ -45,30 +73,47 @@ pub const DEFAULT_DISABLE_BY_BATCH_SIZE: usize = 4;
 impl SpeculativeConfig {
     /// Checks the config; an error says what to change.
     pub fn resolve(&self) -> Result<Speculation, String> {
-        match self.method.as_str() {
-            "ngram" | "prompt_lookup" => {}
-            "draft_model" | "eagle" | "eagle3" | "mtp" | "medusa" => {
+        let proposer = match self.method.as_str() {
+            "ngram" | "prompt_lookup" => {
+                if self.model.is_some() {
+                    return Err("the `ngram` method takes no `model`".into());
+                }
+                let max_n = self.prompt_lookup_max.unwrap_or(4);
+                let min_n = self.prompt_lookup_min.unwrap_or(max_n.min(2));
+                if min_n == 0 || min_n > max_n {
+                    return Err(format!(
+                        "prompt_lookup_min ({min_n}) must be at least 1 and at most prompt_lookup_max ({max_n})"
+                    ));
+                }
+                Proposer::Ngram { min_n, max_n }
+            }
+            "draft_model" => {
+                let Some(model) = &self.model else {
+                    return Err("the `draft_model` method needs a `model`: the draft's file or folder".into());
+                };
+                if self.prompt_lookup_min.is_some() || self.prompt_lookup_max.is_some() {
+                    return Err("prompt_lookup_min/max belong to the `ngram` method, not `draft_model`".into());
+                }
+                Proposer::DraftModel {
+                    model: model.into(),
+                }
+            }
+            "eagle" | "eagle3" | "mtp" | "medusa" => {
                 return Err(format!(
-                    "speculative method `{}` is not served by ferrite yet; use `ngram`",
+                    "speculative method `{}` is not served by ferrite yet; use `ngram` or `draft_model`",
                     self.method
                 ))
             }
-            m => return Err(format!("unknown speculative method `{m}`; use `ngram`")),
-        }
-        if self.model.is_some() {
-            return Err("the `ngram` method takes no `model`".into());
-        }
+            m => {
+                return Err(format!(
+                    "unknown speculative method `{m}`; use `ngram` or `draft_model`"
+                ))
+            }
+        };
         let k = self.num_speculative_tokens;
         if k == 0 || k > MAX_SPECULATIVE_TOKENS {
             return Err(format!(
                 "num_speculative_tokens must be 1 to {MAX_SPECULATIVE_TOKENS}, not {k}"
-            ));
-        }
-        let max_n = self.prompt_lookup_max.unwrap_or(4);
-        let min_n = self.prompt_lookup_min.unwrap_or(max_n.min(2));
-        if min_n == 0 || min_n > max_n {
-            return Err(format!(
-                "prompt_lookup_min ({min_n}) must be at least 1 and at most prompt_lookup_max ({max_n})"
             ));
         }
         let disable = self
@@ -79,8 +124,7 @@ impl SpeculativeConfig {
         }
         Ok(Speculation {
             k,
-            min_n,
-            max_n,
+            proposer,
             disable_by_batch_size: disable,
         })
     }
@@ -89,13 +133,16 @@ impl SpeculativeConfig {
 impl Speculation {
     /// Up to `limit` tokens that followed the latest earlier occurrence of the longest suffix
     /// of `tokens` (between `min_n` and `max_n` long) that occurred before: what the text
-    /// would say next if it repeated itself.
+    /// would say next if it repeated itself. Nothing for a draft model's speculation.
     pub fn propose(&self, tokens: &[u32], limit: usize) -> Vec<u32> {
         let limit = limit.min(self.k);
+        let Proposer::Ngram { min_n, max_n } = self.proposer else {
+            return Vec::new();
+        };
         if limit == 0 {
             return Vec::new();
         }
-        for n in (self.min_n..=self.max_n).rev() {
+        for n in (min_n..=max_n).rev() {
             if tokens.len() <= n {
                 continue;
             }
@@ -146,8 +193,7 @@ mod tests {
     fn ngram(k: usize, min_n: usize, max_n: usize) -> Speculation {
         Speculation {
             k,
-            min_n,
-            max_n,
+            proposer: Proposer::Ngram { min_n, max_n },
             disable_by_batch_size: 8,
         }
     }
@@ -181,10 +227,25 @@ mod tests {
             c(r#"{"method": "ngram", "num_speculative_tokens": 3}"#).unwrap(),
             Speculation {
                 k: 3,
-                min_n: 2,
-                max_n: 4,
+                proposer: Proposer::Ngram { min_n: 2, max_n: 4 },
                 disable_by_batch_size: DEFAULT_DISABLE_BY_BATCH_SIZE
             }
+        );
+        assert_eq!(
+            c(r#"{"method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 4}"#)
+                .unwrap()
+                .proposer,
+            Proposer::DraftModel {
+                model: "d.gguf".into()
+            }
+        );
+        assert!(
+            c(r#"{"method": "draft_model", "num_speculative_tokens": 4}"#)
+                .unwrap_err()
+                .contains("needs a `model`")
+        );
+        assert!(
+            c(r#"{"method": "ngram", "model": "d.gguf", "num_speculative_tokens": 4}"#).is_err()
         );
         assert!(c(r#"{"method": "ngram", "num_speculative_tokens": 0}"#).is_err());
         assert!(c(r#"{"method": "mtp", "num_speculative_tokens": 1}"#)

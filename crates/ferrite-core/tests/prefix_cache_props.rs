@@ -11,6 +11,7 @@ use ferrite_core::prefix_hash::HashAlgo;
 use ferrite_core::request::Request;
 use ferrite_core::sampling::SamplingParams;
 use ferrite_core::scheduler::{Scheduler, SchedulerConfig};
+use ferrite_core::spec_decode::{Proposer, Speculation};
 mod common;
 
 use common::MockModel;
@@ -98,7 +99,10 @@ fn run(cfg: SchedulerConfig, jobs: &[Job], one_at_a_time: bool) -> RunResult {
         let out = sched.schedule();
         assert!(out.num_batched_tokens <= cfg.max_num_batched_tokens);
         let sampled = mock.execute(&out);
-        for u in sched.update(&out, &sampled) {
+        let proposals = mock.propose(&out, &sampled);
+        let updates = sched.update(&out, &sampled);
+        sched.set_proposals(proposals);
+        for u in updates {
             if !u.new_tokens.is_empty() {
                 outputs.entry(u.req_id).or_default().extend(&u.new_tokens);
             }
@@ -227,8 +231,13 @@ proptest! {
             ..cfg(need + extra, bs, budget, Some(HashAlgo::Builtin))
         };
         let with = run(tight.clone(), &jobs, false);
-        let without = run(SchedulerConfig { prefix_caching: None, ..tight }, &jobs, false);
-        prop_assert_eq!(with.outputs, without.outputs);
+        let without = run(SchedulerConfig { prefix_caching: None, ..tight.clone() }, &jobs, false);
+        prop_assert_eq!(&with.outputs, &without.outputs);
+        // A draft model beside prefix caching: a hit's draft K/V is caught up on, never
+        // taken from the cached blocks (the mock checks its pages before every run).
+        let spec = Speculation { k: 3, proposer: Proposer::DraftModel { model: "mock".into() }, disable_by_batch_size: 4 };
+        let drafting = run(SchedulerConfig { speculation: Some(spec), ..tight }, &jobs, false);
+        prop_assert_eq!(drafting.outputs, without.outputs);
     }
 }
 

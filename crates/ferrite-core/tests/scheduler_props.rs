@@ -11,7 +11,7 @@ use ferrite_core::kv_layout::{first_needed_block, GroupWindow};
 use ferrite_core::request::{FinishReason, Request};
 use ferrite_core::sampling::SamplingParams;
 use ferrite_core::scheduler::{Scheduler, SchedulerConfig};
-use ferrite_core::spec_decode::Speculation;
+use ferrite_core::spec_decode::{Proposer, Speculation};
 mod common;
 
 use common::MockModel;
@@ -117,7 +117,10 @@ fn run(cfg: SchedulerConfig, work: &[Arrival]) -> (HashMap<u64, Vec<u32>>, u64) 
             assert!(!r.token_ids.is_empty());
         }
         let sampled = model.execute(&out);
-        for u in sched.update(&out, &sampled) {
+        let proposals = model.propose(&out, &sampled);
+        let updates = sched.update(&out, &sampled);
+        sched.set_proposals(proposals);
+        for u in updates {
             if !u.new_tokens.is_empty() {
                 outputs.entry(u.req_id).or_default().extend(&u.new_tokens);
             }
@@ -216,7 +219,49 @@ proptest! {
             speculation: None,
         };
         let on = SchedulerConfig {
-            speculation: Some(Speculation { k, min_n, max_n: 3, disable_by_batch_size: pause_above }),
+            speculation: Some(Speculation { k, proposer: Proposer::Ngram { min_n, max_n: 3 }, disable_by_batch_size: pause_above }),
+            ..off.clone()
+        };
+        let (want, _) = run(off, &work);
+        let (got, _) = run(on, &work);
+        prop_assert_eq!(got, want);
+    }
+
+    /// A draft model (the mock's) proposing after each step: its catch-up always starts
+    /// where its pages hold the target's history, its proposals' slots are the request's
+    /// (lookahead blocks), and outputs are those of a run without speculation.
+    #[test]
+    fn draft_model_speculation_changes_no_output(
+        work in arrivals(),
+        windowed in prop::bool::ANY,
+        block_size in 1usize..6,
+        extra_blocks in 0usize..6,
+        budget in 1usize..48,
+        k in 1usize..5,
+        pause_above in 1usize..6,
+    ) {
+        let groups: Vec<GroupWindow> = match windowed {
+            true => vec![None, Some(5)],
+            false => vec![None],
+        };
+        let longest = work.iter().map(|a| a.prompt.len() + a.max_tokens).max().unwrap();
+        let need = ferrite_core::kv_layout::max_blocks(&groups, longest, block_size, budget);
+        let off = SchedulerConfig {
+            max_num_batched_tokens: budget,
+            max_num_seqs: 4,
+            max_model_len: 64,
+            block_size,
+            num_blocks: need + extra_blocks,
+            prefix_caching: None,
+            kv_groups: groups,
+            state_slots: 0,
+            state_checkpoints: 0,
+            whole_prompts: false,
+            step_time: None,
+            speculation: None,
+        };
+        let on = SchedulerConfig {
+            speculation: Some(Speculation { k, proposer: Proposer::DraftModel { model: "mock".into() }, disable_by_batch_size: pause_above }),
             ..off.clone()
         };
         let (want, _) = run(off, &work);
@@ -248,25 +293,32 @@ fn speculation_drafts_under_the_property_tests_workloads() {
         state_checkpoints: 0,
         whole_prompts: false,
         step_time: None,
-        speculation: Some(Speculation {
-            k: 3,
-            min_n: 1,
-            max_n: 3,
-            disable_by_batch_size: 8,
-        }),
+        speculation: None,
     };
-    DRAFTS.with(|d| d.set(0));
-    let (got, _) = run(cfg.clone(), &work);
-    let drafts = DRAFTS.with(|d| d.get());
-    assert!(drafts > 10, "{drafts} drafts");
-    let (want, _) = run(
-        SchedulerConfig {
-            speculation: None,
-            ..cfg
+    let (want, _) = run(cfg.clone(), &work);
+    for proposer in [
+        Proposer::Ngram { min_n: 1, max_n: 3 },
+        Proposer::DraftModel {
+            model: "mock".into(),
         },
-        &work,
-    );
-    assert_eq!(got, want);
+    ] {
+        let spec = Speculation {
+            k: 3,
+            proposer,
+            disable_by_batch_size: 8,
+        };
+        DRAFTS.with(|d| d.set(0));
+        let (got, _) = run(
+            SchedulerConfig {
+                speculation: Some(spec.clone()),
+                ..cfg.clone()
+            },
+            &work,
+        );
+        let drafts = DRAFTS.with(|d| d.get());
+        assert!(drafts > 10, "{spec:?}: {drafts} drafts");
+        assert_eq!(got, want, "{spec:?}");
+    }
 }
 
 fn windows() -> impl Strategy<Value = Vec<GroupWindow>> {

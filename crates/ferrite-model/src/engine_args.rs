@@ -2,7 +2,7 @@
 
 use crate::config::ModelConfig;
 use crate::kv_dtype::KvCacheDtype;
-use crate::memory::{self, MemoryPlan, PlanInputs};
+use crate::memory::{self, DraftShare, MemoryPlan, PlanInputs};
 use crate::pooling::Pooling;
 use crate::runner::ModelRunner;
 use crate::tokenizer::ModelTokenizer;
@@ -286,23 +286,21 @@ impl EngineArgs {
         config: &ModelConfig,
         max_model_len: usize,
         device_bytes: u64,
-        weight_bytes: u64,
-        activation_bytes: u64,
-        state_bytes_per_slot: u64,
+        bytes: ModelBytes,
     ) -> Result<(MemoryPlan, SchedulerConfig)> {
         let layout = KvLayout::new(&config.layer_windows);
-        let bytes_per_block = self.kv_cache_dtype.resolve(self.device).block_bytes(
-            self.block_size,
-            config.num_kv_heads,
-            config.head_dim,
-            layout.slots,
-        ) as u64;
+        let draft = bytes.draft.unwrap_or(DraftShare {
+            weight_bytes: 0,
+            bytes_per_block: 0,
+        });
+        let bytes_per_block = self.kv_block_bytes(config, layout.slots) + draft.bytes_per_block;
+        let state_bytes_per_slot = bytes.state_per_slot;
         let plan = memory::plan(&PlanInputs {
             device_bytes,
             utilization: self.gpu_memory_utilization,
             kv_cache_memory: self.kv_cache_memory,
-            weight_bytes,
-            activation_bytes,
+            weight_bytes: bytes.weights + draft.weight_bytes,
+            activation_bytes: bytes.activations,
             bytes_per_block,
             kv_dtype: self.kv_cache_dtype.resolve(self.device),
             block_size: self.block_size,
@@ -317,6 +315,7 @@ impl EngineArgs {
                 Some(_) => self.max_num_seqs,
                 None => 0,
             },
+            draft: bytes.draft,
         })?;
         let scheduler = SchedulerConfig {
             max_num_batched_tokens: self.max_num_batched_tokens,
@@ -342,6 +341,29 @@ impl EngineArgs {
             }),
         };
         Ok((plan, scheduler))
+    }
+}
+
+/// What a loaded model takes besides its KV pool, for [`EngineArgs::plan`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ModelBytes {
+    pub weights: u64,
+    pub activations: u64,
+    /// One request's recurrent state (0 without linear-attention layers).
+    pub state_per_slot: u64,
+    /// A draft model's weights and K/V per block (speculation with a draft model).
+    pub draft: Option<DraftShare>,
+}
+
+impl EngineArgs {
+    /// Bytes of one KV block of a model with this config, `slots` layers a block.
+    pub(crate) fn kv_block_bytes(&self, config: &ModelConfig, slots: usize) -> u64 {
+        self.kv_cache_dtype.resolve(self.device).block_bytes(
+            self.block_size,
+            config.num_kv_heads,
+            config.head_dim,
+            slots,
+        ) as u64
     }
 }
 

@@ -6,6 +6,7 @@ pub mod backend;
 pub mod calibrate;
 pub mod checkpoint;
 pub mod config;
+pub mod draft;
 pub mod engine_args;
 pub mod kv_dtype;
 pub mod loader;

@@ -82,19 +82,49 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
         args.block_size,
         calibrate,
     )?;
+    // A draft model shares the target's blocks (its own pages of each) and the budget.
+    let mut draft = match crate::draft::draft_model_path(args) {
+        Some(path) => {
+            let mut d = load_cpu_decoder(
+                path,
+                args.load_format,
+                args.weight_format,
+                args.threads,
+                Some(max_model_len),
+                progress,
+            )?;
+            crate::draft::check_pair(&model, &tokenizer, &d, &open_tokenizer(path)?)?;
+            d.set_kv_dtype(args.kv_cache_dtype);
+            let (bytes, _) =
+                profile_activations(&mut d, args.max_num_batched_tokens, args.block_size, false)?;
+            Some((d, bytes))
+        }
+        None => None,
+    };
+    let bytes = ModelBytes {
+        weights: model.weight_bytes() as u64,
+        activations: activation_bytes + draft.as_ref().map_or(0, |d| d.1),
+        state_per_slot: model.state_bytes_per_slot() as u64,
+        draft: draft.as_ref().map(|(d, _)| crate::draft::share(args, d)),
+    };
     let (plan, mut scheduler) = args.plan(
         &config,
         max_model_len,
         memory::physical_memory_bytes()?,
-        model.weight_bytes() as u64,
-        activation_bytes,
-        model.state_bytes_per_slot() as u64,
+        bytes,
     )?;
     scheduler.whole_prompts = pooling.is_some();
     model.allocate_cache(plan.num_blocks, args.block_size)?;
     model.allocate_state(plan.state_slots + plan.state_checkpoints)?;
     scheduler.step_time = step_time(args, cost)?;
-    let runner = ModelRunner::new(Box::new(model), args.block_size, args.seed);
+    let draft = match draft.take() {
+        Some((mut d, _)) => {
+            d.allocate_cache(plan.num_blocks, args.block_size)?;
+            Some(crate::draft::DraftModel::beside(&model, d, args.block_size))
+        }
+        None => None,
+    };
+    let runner = ModelRunner::new(Box::new(model), args.block_size, args.seed).with_draft(draft);
     Ok(LoadedEngine {
         runner: runner.with_pooling(pooling.clone()),
         tokenizer,
@@ -173,13 +203,22 @@ pub fn plan_from_header(args: &EngineArgs, device_bytes: u64) -> Result<(MemoryP
     let config = models::config(&src)?;
     let max_model_len = args.max_model_len(&config, pooling.as_ref())?;
     let tokens = args.max_num_batched_tokens.min(max_model_len);
-    let (plan, _) = args.plan(
-        &config,
-        max_model_len,
-        device_bytes,
-        cpu_weight_bytes(&weights, args.weight_format) as u64,
-        memory::activation_estimate(&config, tokens),
-        models::state_bytes(&models::state_layers(&src)?) as u64,
-    )?;
+    let bytes = ModelBytes {
+        weights: cpu_weight_bytes(&weights, args.weight_format) as u64,
+        activations: memory::activation_estimate(&config, tokens),
+        state_per_slot: models::state_bytes(&models::state_layers(&src)?) as u64,
+        draft: crate::draft::draft_model_path(args)
+            .map(|path| {
+                let (src, weights) = open_weights(path, args.load_format)?;
+                let c = models::config(&src)?;
+                let slots = ferrite_core::kv_layout::KvLayout::new(&c.layer_windows).slots;
+                Ok::<_, anyhow::Error>(crate::memory::DraftShare {
+                    weight_bytes: cpu_weight_bytes(&weights, args.weight_format) as u64,
+                    bytes_per_block: args.kv_block_bytes(&c, slots),
+                })
+            })
+            .transpose()?,
+    };
+    let (plan, _) = args.plan(&config, max_model_len, device_bytes, bytes)?;
     Ok((plan, config))
 }

@@ -56,6 +56,14 @@ pub fn activation_estimate(c: &crate::config::ModelConfig, tokens: usize) -> u64
     (tokens * (6 * h + 3 * c.intermediate_size) * 4 + c.vocab_size * 4) as u64
 }
 
+/// A draft model's part of the plan (speculation): its weights, and its K/V in each block.
+/// Both are already in the plan's weights and bytes per block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DraftShare {
+    pub weight_bytes: u64,
+    pub bytes_per_block: u64,
+}
+
 #[derive(Clone, Debug)]
 pub struct MemoryPlan {
     pub device_bytes: u64,
@@ -83,6 +91,7 @@ pub struct MemoryPlan {
     pub state_slots: usize,
     pub state_checkpoints: usize,
     pub state_bytes: u64,
+    pub draft: Option<DraftShare>,
 }
 
 pub struct PlanInputs {
@@ -107,6 +116,8 @@ pub struct PlanInputs {
     /// KV pool.
     pub state_bytes_per_slot: u64,
     pub state_checkpoints: usize,
+    /// A draft model's share, included in `weight_bytes` and `bytes_per_block`.
+    pub draft: Option<DraftShare>,
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -199,6 +210,7 @@ pub fn plan(i: &PlanInputs) -> Result<MemoryPlan> {
         state_slots,
         state_checkpoints,
         state_bytes,
+        draft: i.draft,
     })
 }
 
@@ -271,6 +283,15 @@ impl fmt::Display for MemoryPlan {
                 self.state_bytes as f64 / GIB
             )?;
         }
+        if let Some(d) = self.draft {
+            write!(
+                f,
+                "; of these, the draft model's: weights {:.3} GiB, K/V {:.3} GiB ({:.0}% of each block)",
+                d.weight_bytes as f64 / GIB,
+                (d.bytes_per_block * self.num_blocks as u64) as f64 / GIB,
+                100.0 * d.bytes_per_block as f64 / self.bytes_per_block as f64
+            )?;
+        }
         if self.capped {
             write!(f, " (capped at max_num_seqs full-length requests)")?;
         }
@@ -298,6 +319,7 @@ mod tests {
             layers_per_block: 30,
             chunk: 512,
             state_bytes_per_slot: 0,
+            draft: None,
             state_checkpoints: 0,
         }
     }

@@ -1,6 +1,7 @@
 //! The model runner: packs a [`SchedulerOutput`] into one flat step, runs the model once,
 //! samples the rows that need a token and computes requested prompt logprobs.
 
+use crate::draft::DraftModel;
 use crate::pooling::Pooling;
 use crate::sampler::{argmax, log_sum_exp, logprob_and_rank, top_k_logprobs, Sampler};
 use crate::step::{PackedStep, NO_SLOT};
@@ -91,6 +92,8 @@ pub struct ModelRunner {
     block_size: usize,
     /// An embedding model's pooling: its steps' outputs are pooled hidden states.
     pooling: Option<Pooling>,
+    /// Speculation with a draft model: it proposes after each step.
+    draft: Option<DraftModel>,
 }
 
 /// A sampled row that needs nothing a device draw lacks: no logprobs, bans, penalties or
@@ -121,6 +124,20 @@ impl ModelRunner {
             sampler: Sampler::new(seed),
             block_size,
             pooling: None,
+            draft: None,
+        }
+    }
+
+    /// This runner with a draft model proposing the next step's drafts after each step.
+    pub fn with_draft(self, draft: Option<DraftModel>) -> Self {
+        Self { draft, ..self }
+    }
+
+    /// Backends, threads and weight formats of the model (and the draft model).
+    pub fn describe(&self) -> String {
+        match &self.draft {
+            None => self.model.describe(),
+            Some(d) => format!("{}; draft model: {}", self.model.describe(), d.describe()),
         }
     }
 
@@ -225,6 +242,17 @@ impl ModelRunner {
 
 impl Executor for ModelRunner {
     fn execute(&mut self, out: &SchedulerOutput) -> Result<StepOutput, ExecError> {
+        let mut result = self.run_step(out)?;
+        if let Some(draft) = &mut self.draft {
+            result.drafts = draft.propose(out, &result.sampled)?;
+        }
+        Ok(result)
+    }
+}
+
+impl ModelRunner {
+    /// The target's step: the packed forward pass, its drafts verified and its rows sampled.
+    fn run_step(&mut self, out: &SchedulerOutput) -> Result<StepOutput, ExecError> {
         let (step, uses, pools) = self.pack(out);
         if step.pooling {
             return Ok(self.pool(&step, &pools, out)?);

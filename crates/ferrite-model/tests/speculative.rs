@@ -1,14 +1,15 @@
-//! Speculative decoding (n-gram drafts verified in the packed step) through the engine on the
-//! real model (CPU backend): greedy output is the same token for token with speculation on
-//! and off, at concurrency 1 and 16, with stop strings and `max_tokens` inside a draft
-//! window; sampled output keeps its distribution (chi-square against speculation off).
+//! Speculative decoding (n-gram drafts, and a draft model's: the test model's first layers,
+//! or the test model itself) verified in the packed step, through the engine on the real
+//! model (CPU backend): greedy output is the same token for token with speculation on and
+//! off, at concurrency 1 and 16, with stop strings and `max_tokens` inside a draft window;
+//! sampled output keeps its distribution (chi-square against speculation off).
 
 mod common;
 
 use common::*;
 use ferrite_core::engine::EngineHandle;
 use ferrite_core::sampling::SamplingParams;
-use ferrite_core::spec_decode::Speculation;
+use ferrite_core::spec_decode::{Proposer, SpecStats, Speculation};
 use ferrite_model::loader::EngineArgs;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,18 +18,46 @@ const COPY: &str =
     "Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape, \
     honeydew, kiwi, lemon, mango. Again: apple, banana, cherry,";
 
-fn engine_spec(k: Option<usize>) -> (EngineHandle, Arc<ferrite_model::tokenizer::ModelTokenizer>) {
+fn engine_spec(
+    spec: Option<Speculation>,
+) -> (EngineHandle, Arc<ferrite_model::tokenizer::ModelTokenizer>) {
     let mut args = EngineArgs::new(model_path());
     args.max_model_len = Some(1024);
     args.max_num_batched_tokens = 256;
     args.kv_cache_memory = Some((512 * 16 * 2 * 30 * 192 * 4) as u64);
-    args.speculation = k.map(|k| Speculation {
-        k,
-        min_n: 1,
-        max_n: 3,
-        disable_by_batch_size: 64,
-    });
+    args.speculation = spec;
     engine_with(args)
+}
+
+fn ngram(k: usize) -> Option<Speculation> {
+    Some(Speculation {
+        k,
+        proposer: Proposer::Ngram { min_n: 1, max_n: 3 },
+        disable_by_batch_size: 64,
+    })
+}
+
+/// The test model's first `layers` layers, written once per process.
+fn cut_model(layers: u32) -> std::path::PathBuf {
+    static CUT: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+    let path = std::env::temp_dir().join(format!(
+        "ferrite-draft-{}-{layers}.gguf",
+        std::process::id()
+    ));
+    let mut done = CUT.lock().unwrap();
+    if !done.contains(&layers) {
+        ferrite_model::weights::cut::first_layers(&model_path(), &path, layers, false).unwrap();
+        done.push(layers);
+    }
+    path
+}
+
+fn draft(k: usize, model: std::path::PathBuf) -> Option<Speculation> {
+    Some(Speculation {
+        k,
+        proposer: Proposer::DraftModel { model },
+        disable_by_batch_size: 64,
+    })
 }
 
 /// Every prompt's output (tokens, text, finish reason), all submitted at once.
@@ -52,10 +81,10 @@ fn run(
         .collect()
 }
 
-#[test]
-fn greedy_output_is_the_same_with_speculation_on_and_off() {
+/// Runs the prompts greedily with each speculation of `specs` and without, one at a time and
+/// 16 at once; asserts the outputs are the same; returns each one's draft counts.
+fn greedy_is_unchanged(specs: &[Option<Speculation>]) -> Vec<SpecStats> {
     let (off, tok) = engine_spec(None);
-    let (on, _) = engine_spec(Some(4));
     let mut prompts: Vec<Vec<u32>> = vec![tok.encode(COPY, true).unwrap()];
     prompts.extend(PROMPTS.iter().map(|p| tok.encode(p, true).unwrap()));
     let greedy = |max_tokens, stop: &[&str]| SamplingParams {
@@ -69,30 +98,67 @@ fn greedy_output_is_the_same_with_speculation_on_and_off() {
         .collect();
     params[0] = greedy(60, &[" kiwi"]);
     params[2] = greedy(40, &["blue", "green"]);
-    // Concurrency 1: one request at a time.
-    for (p, params) in prompts.iter().zip(&params) {
-        let a = run(&off, std::slice::from_ref(p), std::slice::from_ref(params));
-        let b = run(&on, std::slice::from_ref(p), std::slice::from_ref(params));
-        assert_eq!(a, b, "concurrency 1, prompt {:?}", tok.decode(p, false));
-    }
-    // The stop string was met (inside an accepted draft, with speculation on).
-    let a = &run(&on, &prompts[..1], &params[..1])[0];
-    assert!(
-        a.2 == "stop" && !a.1.contains("kiwi") && a.0.len() < 60,
-        "{a:?}"
-    );
-    // Concurrency 16: the prompts twice over, in one batch.
+    let one_by_one = |engine: &EngineHandle| -> Vec<_> {
+        let pairs = prompts.iter().zip(&params);
+        pairs
+            .map(|(p, params)| {
+                run(
+                    engine,
+                    std::slice::from_ref(p),
+                    std::slice::from_ref(params),
+                )
+            })
+            .collect()
+    };
     let many: Vec<Vec<u32>> = prompts.iter().cycle().take(16).cloned().collect();
     let many_params: Vec<SamplingParams> = params.iter().cycle().take(16).cloned().collect();
-    let a = run(&off, &many, &many_params);
-    let b = run(&on, &many, &many_params);
-    assert_eq!(a, b, "concurrency 16");
+    let want = (one_by_one(&off), run(&off, &many, &many_params));
+    specs
+        .iter()
+        .map(|spec| {
+            let (on, _) = engine_spec(spec.clone());
+            // Concurrency 1: one request at a time; then 16: the prompts twice over at once.
+            assert_eq!(one_by_one(&on), want.0, "concurrency 1, {spec:?}");
+            assert_eq!(
+                run(&on, &many, &many_params),
+                want.1,
+                "concurrency 16, {spec:?}"
+            );
+            // The stop string was met (inside an accepted draft, with speculation on).
+            let a = &want.0[0][0];
+            assert!(
+                a.2 == "stop" && !a.1.contains("kiwi") && a.0.len() < 60,
+                "{a:?}"
+            );
+            let s = on.stats();
+            println!("{spec:?}: {:?}", s.spec);
+            idle_stats(&on);
+            s.spec
+        })
+        .collect()
+}
+
+#[test]
+fn greedy_output_is_the_same_with_speculation_on_and_off() {
     // Drafts were made, and many held (the copy prompt's most of all).
-    let s = on.stats();
-    println!("{:?}", s.spec);
-    assert!(s.spec.num_drafts > 20, "{:?}", s.spec);
-    assert!(s.spec.num_accepted_tokens > 100, "{:?}", s.spec);
-    idle_stats(&on);
+    let s = &greedy_is_unchanged(&[ngram(4)])[0];
+    assert!(s.num_drafts > 20, "{s:?}");
+    assert!(s.num_accepted_tokens > 100, "{s:?}");
+}
+
+#[test]
+fn greedy_output_is_the_same_with_a_draft_model() {
+    // The first 2 of 30 layers: drafts that mostly fail; the target as its own draft: its
+    // greedy drafts are its own tokens, so nearly all hold (not all: a row's rounding
+    // differs between a prefill chunk and a decode).
+    let stats = greedy_is_unchanged(&[draft(3, cut_model(2)), draft(4, model_path())]);
+    let s = &stats[0];
+    assert!(s.num_drafts > 50, "{s:?}");
+    assert!(s.num_accepted_tokens > 0, "{s:?}");
+    assert!(s.num_accepted_tokens < s.num_draft_tokens, "{s:?}");
+    let s = &stats[1];
+    let rate = s.num_accepted_tokens as f64 / s.num_draft_tokens as f64;
+    assert!(s.num_drafts > 50 && rate > 0.9, "{rate}: {s:?}");
 }
 
 /// Critical value of chi-square with `df` degrees of freedom at p = 0.001 (Wilson-Hilferty).
@@ -137,8 +203,19 @@ fn chi2(a: &HashMap<Vec<u32>, usize>, b: &HashMap<Vec<u32>, usize>) -> (f64, usi
 
 #[test]
 fn sampled_output_keeps_its_distribution_with_speculation() {
+    sampled_distribution_is_unchanged(ngram(3), &["temperature", "top-k", "top-p"]);
+}
+
+/// Verification does not depend on where drafts come from: one distribution suffices for
+/// the draft model's (n-gram's test covers the three).
+#[test]
+fn sampled_output_keeps_its_distribution_with_a_draft_model() {
+    sampled_distribution_is_unchanged(draft(3, cut_model(2)), &["top-p"]);
+}
+
+fn sampled_distribution_is_unchanged(spec: Option<Speculation>, which: &[&str]) {
     let (off, tok) = engine_spec(None);
-    let (on, _) = engine_spec(Some(3));
+    let (on, _) = engine_spec(spec);
     let prompt = tok.encode(COPY, true).unwrap();
     let n = 800;
     for (name, base) in [
@@ -165,7 +242,10 @@ fn sampled_output_keeps_its_distribution_with_speculation() {
                 ..SamplingParams::default()
             },
         ),
-    ] {
+    ]
+    .into_iter()
+    .filter(|(name, _)| which.contains(name))
+    {
         // The second token of each sample: it is a verified draft or its replacement (the
         // first comes from the prompt's step), so acceptance and replacement both shape it.
         let params: Vec<SamplingParams> = (0..n)

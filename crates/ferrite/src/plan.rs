@@ -85,6 +85,10 @@ pub fn run(args: PlanArgs) -> Result<()> {
             "state_slots": plan.state_slots,
             "state_checkpoints": plan.state_checkpoints,
             "state_bytes": plan.state_bytes,
+            "draft_model": plan.draft.map(|d| json!({
+                "weight_bytes": d.weight_bytes,
+                "bytes_per_block": d.bytes_per_block,
+            })),
             "startup_line": plan.to_string(),
         });
         println!("{}", serde_json::to_string_pretty(&out)?);

@@ -50,7 +50,7 @@ pub fn start(flags: &EngineFlags) -> Result<Started> {
         config.num_heads,
         config.num_kv_heads,
         scheduler.max_model_len,
-        runner.model.describe()
+        runner.describe()
     );
     tracing::info!("{plan}");
     let tokenizer = Arc::new(tokenizer);

@@ -500,6 +500,45 @@ fn plan_states_what_start_up_makes() {
         assert_eq!(eight, generate(&gemma3, &args), "{dtype}");
         assert_eq!(eight.0, 200_000_000 / (16 * 2 * (256 + 4) * 3), "{dtype}");
     }
+    // A draft model (here the target itself) takes its weights and its K/V in every block
+    // from the same budget: half the blocks, and the plan line says so.
+    let spec = format!(
+        r#"{{"method": "draft_model", "model": "{smollm2}", "num_speculative_tokens": 3}}"#
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+        .args([
+            "plan",
+            &smollm2,
+            "--json",
+            kv[0],
+            kv[1],
+            "--speculative-config",
+            &spec,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let line = v["startup_line"].as_str().unwrap();
+    let draft = &v["draft_model"];
+    assert_eq!(
+        plan_figures(line).0,
+        200_000_000 / (2 * 16 * 2 * 30 * 192 * 2),
+        "{line}"
+    );
+    assert_eq!(draft["bytes_per_block"], 16 * 2 * 30 * 192 * 2);
+    assert_eq!(
+        2 * draft["weight_bytes"].as_u64().unwrap(),
+        v["weight_bytes"].as_u64().unwrap()
+    );
+    assert!(
+        line.contains("of these, the draft model's: weights"),
+        "{line}"
+    );
     // The server at its defaults, stopped once it has stated its plan.
     let port = (20000 + std::process::id() % 20000).to_string();
     let mut server = Command::new(env!("CARGO_BIN_EXE_ferrite"))

@@ -191,6 +191,8 @@ impl<E: Executor> EngineCore<E> {
             .map(|(&id, s)| (id, s.iter().map(|t| t.token_id).collect()))
             .collect();
         let updates = self.scheduler.update(output, &tokens);
+        self.scheduler
+            .set_proposals(std::mem::take(&mut result.drafts));
         let mut generated = 0u64;
         for u in updates {
             if let Some(embedding) = result.pooled.remove(&u.req_id) {

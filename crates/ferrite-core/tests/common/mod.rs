@@ -10,6 +10,8 @@ use std::collections::HashMap;
 
 pub struct MockModel {
     pub slots: Vec<Option<u32>>,
+    /// The draft model's own pages of the same blocks (speculation with a draft model).
+    pub draft_slots: Vec<Option<u32>>,
     /// Per recurrent-state slot: a hash of every token the slot's request has fed since its
     /// first (reset when a request starts at position 0), mixed into the next token.
     pub states: Vec<u64>,
@@ -22,6 +24,7 @@ impl MockModel {
     pub fn new(num_blocks: usize, block_size: usize, vocab: u32, groups: &[GroupWindow]) -> Self {
         Self {
             slots: vec![None; num_blocks * block_size],
+            draft_slots: vec![None; num_blocks * block_size],
             states: Vec::new(),
             block_size,
             vocab,
@@ -94,5 +97,74 @@ impl MockModel {
             }
         }
         sampled
+    }
+
+    /// A mock draft model after the step: it feeds what each request's draft run says into
+    /// its own pages through the first full-attention group's table (checking that what it
+    /// holds before the run is the target's history) and proposes the next token of its
+    /// history, wrong one time in four.
+    pub fn propose(
+        &mut self,
+        out: &SchedulerOutput,
+        sampled: &HashMap<u64, Vec<u32>>,
+    ) -> HashMap<u64, Vec<u32>> {
+        let mut proposals = HashMap::new();
+        let Some(g) = self.groups.iter().position(Option::is_none) else {
+            return proposals;
+        };
+        for r in &out.requests {
+            let Some(run) = &r.draft_run else {
+                continue;
+            };
+            let table = &r.block_tables[g];
+            for p in 0..run.start {
+                let s = self.slot(table, p);
+                assert_eq!(
+                    self.draft_slots[s], self.slots[s],
+                    "draft K/V at {p} is stale"
+                );
+            }
+            let mut fed = run.catch_up.clone();
+            let drawn = sampled.get(&r.req_id);
+            let mut propose = 0;
+            if run.with_step {
+                let rows = drawn.map_or(r.token_ids.len(), |d| {
+                    r.token_ids.len() - r.draft.len() - 1 + d.len()
+                });
+                fed.extend(&r.token_ids[..rows]);
+                if let Some(&t) = drawn.and_then(|d| d.last()).filter(|_| run.propose > 0) {
+                    fed.push(t);
+                    propose = run.propose;
+                }
+            }
+            for (i, &t) in fed.iter().enumerate() {
+                let s = self.slot(table, run.start + i);
+                self.draft_slots[s] = Some(t);
+            }
+            let mut pos = run.start + fed.len();
+            let mut tokens = Vec::new();
+            while tokens.len() < propose {
+                let mut h: u64 = 1469598103934665603;
+                for p in 0..pos {
+                    let t = self.draft_slots[self.slot(table, p)].expect("draft slot written");
+                    h = (h ^ t as u64).wrapping_mul(1099511628211);
+                }
+                let mut t = (h % self.vocab as u64) as u32;
+                if (h >> 17).is_multiple_of(4) {
+                    t = (t + 1) % self.vocab;
+                }
+                tokens.push(t);
+                if tokens.len() < propose {
+                    // The next draft token is fed: its slot must be the request's.
+                    let s = self.slot(table, pos);
+                    self.draft_slots[s] = Some(t);
+                    pos += 1;
+                }
+            }
+            if propose > 0 {
+                proposals.insert(r.req_id, tokens);
+            }
+        }
+        proposals
     }
 }

@@ -3,6 +3,7 @@
 //! whatever the file.
 
 pub mod config_source;
+pub mod cut;
 pub mod download;
 pub mod experts;
 pub mod footprint;

@@ -5,7 +5,7 @@ use super::graph::{GraphShape, MAX_GRAPH_BATCH};
 use super::{cuda, open_device, CudaBackend};
 use crate::checkpoint::{open_tokenizer, open_weights};
 use crate::config::ModelConfig;
-use crate::engine_args::{EngineArgs, LoadedEngine, WeightFormat};
+use crate::engine_args::{EngineArgs, LoadedEngine, ModelBytes, WeightFormat};
 use crate::models::{self, Decoder};
 use crate::runner::{ModelRunner, StepModel};
 use crate::step::PackedStep;
@@ -38,7 +38,7 @@ pub fn load(
         _ => false,
     };
     let name = format!("cuda:{ordinal} ({gpu_name})");
-    let backend = CudaBackend::new(device, quantized, name)?;
+    let backend = CudaBackend::new(device.clone(), quantized, name.clone())?;
     let mut model = models::load(backend, &src, &mut weights, max_model_len, &mut progress)?;
     drop(weights);
     let tokenizer = open_tokenizer(&args.model)?;
@@ -52,14 +52,27 @@ pub fn load(
     if graphs {
         activation_bytes += graph_bytes(&config, args.max_num_seqs.min(MAX_GRAPH_BATCH));
     }
-    let (plan, scheduler) = args.plan(
-        &config,
-        max_model_len,
-        total as u64,
-        model.weight_bytes() as u64,
-        activation_bytes,
-        model.state_bytes_per_slot() as u64,
-    )?;
+    // A draft model shares the target's blocks (its own pages of each) and the budget; its
+    // steps run eagerly, on the same stream.
+    let draft = match crate::draft::draft_model_path(args) {
+        Some(path) => {
+            let (src, mut weights) = open_weights(path, args.load_format)?;
+            let backend = CudaBackend::new(device, quantized, format!("{name}, eager"))?;
+            let mut d = models::load(backend, &src, &mut weights, max_model_len, &mut progress)?;
+            crate::draft::check_pair(&model, &tokenizer, &d, &open_tokenizer(path)?)?;
+            d.set_kv_dtype(args.kv_cache_dtype);
+            let (bytes, _) = profile_step(&mut d, tokens, args.block_size)?;
+            Some((d, bytes))
+        }
+        None => None,
+    };
+    let bytes = ModelBytes {
+        weights: model.weight_bytes() as u64,
+        activations: activation_bytes + draft.as_ref().map_or(0, |d| d.1),
+        state_per_slot: model.state_bytes_per_slot() as u64,
+        draft: draft.as_ref().map(|(d, _)| crate::draft::share(args, d)),
+    };
+    let (plan, scheduler) = args.plan(&config, max_model_len, total as u64, bytes)?;
     // One slot more than the scheduler hands out, for decode graphs' padding rows.
     let stateful = plan.state_slots > 0;
     let scratch = plan.state_slots + plan.state_checkpoints;
@@ -79,8 +92,15 @@ pub fn load(
             kv_groups: model.layout.groups.len(),
         })?;
     }
+    let draft = match draft {
+        Some((mut d, _)) => {
+            d.allocate_cache(plan.num_blocks, args.block_size)?;
+            Some(crate::draft::DraftModel::beside(&model, d, args.block_size))
+        }
+        None => None,
+    };
     Ok(LoadedEngine {
-        runner: ModelRunner::new(Box::new(model), args.block_size, args.seed),
+        runner: ModelRunner::new(Box::new(model), args.block_size, args.seed).with_draft(draft),
         tokenizer,
         scheduler,
         plan,
