@@ -173,6 +173,11 @@ impl DraftModel {
             return Ok(proposals);
         }
         step.finish();
+        if live.is_empty() {
+            // Catching up only: K/V written, no row's logits wanted.
+            self.model.forward(&step)?;
+            return Ok(proposals);
+        }
         let mut drawn = self.model.forward_argmax(&step)?;
         loop {
             for (p, t) in live.iter_mut().zip(drawn) {

@@ -85,14 +85,9 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
     // A draft model shares the target's blocks (its own pages of each) and the budget.
     let mut draft = match crate::draft::draft_model_path(args) {
         Some(path) => {
-            let mut d = load_cpu_decoder(
-                path,
-                args.load_format,
-                args.weight_format,
-                args.threads,
-                Some(max_model_len),
-                progress,
-            )?;
+            let (src, mut weights) = open_weights(path, args.load_format)?;
+            let backend = model.backend.sharing_threads(args.weight_format);
+            let mut d = models::load(backend, &src, &mut weights, max_model_len, progress)?;
             crate::draft::check_pair(&model, &tokenizer, &d, &open_tokenizer(path)?)?;
             d.set_kv_dtype(args.kv_cache_dtype);
             let (bytes, _) =

@@ -514,6 +514,8 @@ fn plan_states_what_start_up_makes() {
             kv[1],
             "--speculative-config",
             &spec,
+            "--max-model-len",
+            "2048",
         ])
         .output()
         .unwrap();

@@ -109,9 +109,19 @@ impl CpuBackend {
             .thread_name(|i| format!("ferrite-compute-{i}"))
             .build()
             .expect("compute thread pool");
+        Self::on_pool(format, Arc::new(pool))
+    }
+
+    /// A second backend on this one's threads (a draft model beside its target): two pools
+    /// on the same cores would spin against each other at every hand-over.
+    pub fn sharing_threads(&self, format: WeightFormat) -> Self {
+        Self::on_pool(format, self.pool.clone())
+    }
+
+    fn on_pool(format: WeightFormat, pool: Arc<rayon::ThreadPool>) -> Self {
         Self {
             format: format.resolve_cpu(),
-            pool: Arc::new(pool),
+            pool,
             normed: Vec::new(),
             acts: QuantizedActs::default(),
             part: Vec::new(),
