@@ -314,7 +314,14 @@ fn attend(isa: Isa, x: &LayerInputs, it: &Item, part: &mut [f32], s: &mut TileSc
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn attend_tile_avx2(x: &LayerInputs, it: &Item, part: &mut [f32], s: &mut TileScratch) {
-    attend_tile(x, it, part, s, piece_scores, row_sums)
+    // Closures, not the fn items: a closure inherits this function's target features, while
+    // a fn item's `Fn::call` shim is compiled for the baseline target, where every
+    // `mul_add` is a call into software `fmaf` (prefill attention ~10x slower).
+    let scores = |b: &ScoreBlock, k: &[f32], out: &mut [f32]| piece_scores(b, k, out);
+    let sums = |o: &mut [f32], w: &[f32], cols, keys, vk: &[f32], odd, d| {
+        row_sums(o, w, cols, keys, vk, odd, d)
+    };
+    attend_tile(x, it, part, s, scores, sums)
 }
 
 /// [`attend_tile`] compiled with AVX-512: the 16-lane dot and exp fill one register.
@@ -323,7 +330,7 @@ unsafe fn attend_tile_avx2(x: &LayerInputs, it: &Item, part: &mut [f32], s: &mut
 unsafe fn attend_tile_avx512(x: &LayerInputs, it: &Item, part: &mut [f32], s: &mut TileScratch) {
     // SAFETY: this function runs only where the CPU has AVX-512F.
     if !x.p.head_dim.is_multiple_of(4) {
-        return attend_tile(x, it, part, s, piece_scores, row_sums);
+        return attend_tile_avx2(x, it, part, s);
     }
     let scores =
         |b: &ScoreBlock, k: &[f32], out: &mut [f32]| unsafe { block_scores_avx512(b, k, out) };
