@@ -195,7 +195,7 @@ fn profile_activations(
 pub fn plan_from_header(args: &EngineArgs, device_bytes: u64) -> Result<(MemoryPlan, ModelConfig)> {
     let (args, pooling) = &resolved_for_task(args)?;
     let (src, weights) = open_weights(&args.model, args.load_format)?;
-    let config = models::config(&src)?;
+    let config = models::checkpoint_config(&src, &weights)?;
     let max_model_len = args.max_model_len(&config, pooling.as_ref())?;
     let tokens = args.max_num_batched_tokens.min(max_model_len);
     let bytes = ModelBytes {
@@ -205,7 +205,7 @@ pub fn plan_from_header(args: &EngineArgs, device_bytes: u64) -> Result<(MemoryP
         draft: crate::draft::draft_model_path(args)
             .map(|path| {
                 let (src, weights) = open_weights(path, args.load_format)?;
-                let c = models::config(&src)?;
+                let c = models::checkpoint_config(&src, &weights)?;
                 let slots = ferrite_core::kv_layout::KvLayout::new(&c.layer_windows).slots;
                 Ok::<_, anyhow::Error>(crate::memory::DraftShare {
                     weight_bytes: cpu_weight_bytes(&weights, args.weight_format) as u64,

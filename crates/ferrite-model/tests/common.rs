@@ -61,6 +61,27 @@ pub fn load_model(format: WeightFormat) -> CpuDecoder {
     load_path(&model_path(), format)
 }
 
+/// The largest difference between two sets of rows.
+pub fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Block tables of `blocks` blocks for each of `groups` KV groups, the groups' blocks apart.
+pub fn fresh_tables(groups: usize, blocks: usize) -> Vec<Vec<u32>> {
+    (0..groups)
+        .map(|g| {
+            (0..blocks as u32)
+                .map(|b| (g * blocks) as u32 + b)
+                .collect()
+        })
+        .collect()
+}
+
 /// Logits of every position of `tokens`, run as one prefill in a fresh cache (each KV group
 /// in blocks of its own).
 pub fn all_logits<B: Backend>(model: &mut Decoder<B>, tokens: &[u32]) -> Vec<Vec<f32>> {
@@ -70,13 +91,7 @@ pub fn all_logits<B: Backend>(model: &mut Decoder<B>, tokens: &[u32]) -> Vec<Vec
     model.allocate_cache(blocks * groups, bs).unwrap();
     model.allocate_state(1).unwrap();
     let mut step = PackedStep::default();
-    let tables: Vec<Vec<u32>> = (0..groups)
-        .map(|g| {
-            (0..blocks as u32)
-                .map(|b| (g * blocks) as u32 + b)
-                .collect()
-        })
-        .collect();
+    let tables = fresh_tables(groups, blocks);
     step.push(tokens, 0, &tables, bs);
     step.state_slots.push(0);
     step.logits_indices = (0..tokens.len() as u32).collect();

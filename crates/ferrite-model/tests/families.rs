@@ -12,15 +12,6 @@ use ferrite_model::loader::{load_cpu_decoder, LoadFormat, WeightFormat};
 use ferrite_model::runner::StepModel;
 use ferrite_model::step::PackedStep;
 
-fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .flatten()
-        .zip(b.iter().flatten())
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 /// Logits within `1e-3` of transformers (f16 K/V) from the safetensors folder, and from the
 /// GGUF of the same weights where there is one.
 fn check(family: &str, has_gguf: bool) {

@@ -408,6 +408,16 @@ pub trait Backend: Send + Sized {
         state: &mut Self::StateCache,
         out: &mut Self::Act,
     ) -> Result<()>;
+    /// `out = rms_norm(x)` row by row (a hidden state handed to an MTP head).
+    fn rms_norm(
+        &mut self,
+        _x: &Self::Act,
+        _norm: &Self::Vector,
+        _eps: f32,
+        _out: &mut Self::Act,
+    ) -> Result<()> {
+        bail!("{}: no RMSNorm into a separate buffer yet", self.describe())
+    }
     /// `x *= sigmoid(gate)`, element-wise (Qwen3.5's gated attention output).
     fn gate_sigmoid(&mut self, x: &mut Self::Act, gate: &Self::Act) -> Result<()>;
     /// Logits of the step's `logits_indices` rows: the final norm of those rows only, the

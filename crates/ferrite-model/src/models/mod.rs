@@ -32,6 +32,25 @@ pub trait Family<B: Backend>: Send + Sync {
         ws: &mut Buffers<B>,
     ) -> Result<()>;
 
+    /// The multi-token-prediction head over `s`, right after [`Family::forward`]: row `i`
+    /// holds the token one past the forward's row `i` (same positions and block tables),
+    /// whose residual stream `ws.x` still holds; leaves the logits of the token after that
+    /// as `forward` leaves its own.
+    fn mtp(
+        &self,
+        _b: &mut B,
+        _s: &Step<B>,
+        _cache: &mut [B::LayerCache],
+        _ws: &mut Buffers<B>,
+    ) -> Result<()> {
+        bail!("this model family has no multi-token-prediction head")
+    }
+
+    /// Whether [`Family::mtp`] runs: the family has a head and the checkpoint its weights.
+    fn has_mtp(&self) -> bool {
+        false
+    }
+
     /// The linear-attention layers, in order: each keeps a recurrent state per request.
     fn state_layers(&self) -> Vec<GdnSpec> {
         Vec::new()
@@ -144,6 +163,17 @@ pub fn config(src: &ConfigSource) -> Result<ModelConfig> {
     }
 }
 
+/// [`config`] as loading the checkpoint gives it: with the K/V of an MTP head whose weights
+/// are there.
+pub fn checkpoint_config(src: &ConfigSource, weights: &WeightSource) -> Result<ModelConfig> {
+    let mut c = config(src)?;
+    if kind(src)? == Kind::Hybrid {
+        let h = qwen3_5::HybridConfig::read(src)?.with_mtp_of(weights)?;
+        c.layer_windows = h.common.layer_windows;
+    }
+    Ok(c)
+}
+
 /// The recurrent-state layers of a checkpoint's family, from its config alone (none but
 /// hybrids').
 pub fn state_layers(src: &ConfigSource) -> Result<Vec<GdnSpec>> {
@@ -166,7 +196,7 @@ pub fn load<B: Backend + 'static>(
     max_positions: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Decoder<B>> {
-    let mut config = config(src)?;
+    let mut config = checkpoint_config(src, weights)?;
     let layout = KvLayout::new(&config.layer_windows);
     let family: Box<dyn Family<B>> = match kind(src)? {
         Kind::Llama => Box::new(llama::Llama::load(
@@ -188,7 +218,7 @@ pub fn load<B: Backend + 'static>(
         )?),
         Kind::Hybrid => Box::new(qwen3_5::Hybrid::load(
             &backend,
-            qwen3_5::HybridConfig::read(src)?,
+            qwen3_5::HybridConfig::read(src)?.with_mtp_of(weights)?,
             moe::MoeConfig::read(src)?,
             &layout,
             weights,
@@ -353,6 +383,24 @@ impl<B: Backend> Decoder<B> {
             r
         };
         self.backend.step(step, draws, &mut forward)
+    }
+
+    /// The multi-token-prediction head over `step`: the step [`StepModel::forward`] just ran
+    /// with each row's token moved one ahead (the next prompt token, or the token sampled
+    /// after it); its logits on the host. It reads the activations that step left, so only
+    /// on a backend that keeps them.
+    pub fn forward_mtp(&mut self, step: &PackedStep) -> Result<&mut [f32]> {
+        if !B::REUSES_ACTIVATIONS {
+            bail!("the MTP head reads the target step's activations, which this backend drops");
+        }
+        if !self.family.has_mtp() {
+            bail!("this model has no multi-token-prediction head");
+        }
+        self.check(step)?;
+        let (family, cache, ws) = (&self.family, &mut self.cache, &mut self.buffers);
+        let mut forward = |b: &mut B, s: &Step<B>| family.mtp(b, s, cache, ws);
+        self.backend.step(step, None, &mut forward)?;
+        self.backend.host_logits()
     }
 
     /// The KV pages, one per slot of the layout (benchmarks fill them).

@@ -29,6 +29,9 @@ pub struct HybridConfig {
     /// Per layer: linear attention or not.
     pub linear: Vec<bool>,
     pub gdn: GdnSpec,
+    /// Multi-token-prediction layers the config declares (`num_nextn_predict_layers`,
+    /// `mtp_num_hidden_layers`); their weights may still be absent from the checkpoint.
+    pub mtp_layers: usize,
 }
 
 impl HybridConfig {
@@ -85,13 +88,37 @@ impl HybridConfig {
         {
             bail!("{}: linear attention shape {gdn:?}", src.path().display());
         }
+        let mtp_layers = src
+            .opt_usize("num_nextn_predict_layers")
+            .or_else(|| src.opt_usize("mtp_num_hidden_layers"))
+            .unwrap_or(0);
         Ok(Self {
             common,
             linear,
             gdn,
+            mtp_layers,
         })
     }
+
+    /// With the MTP head when the checkpoint carries its weights: its one full-attention
+    /// layer holds K/V after the stack's (one more layer in every block).
+    pub fn with_mtp_of(mut self, w: &WeightSource) -> Result<Self> {
+        if self.mtp_layers == 0 || !w.has(MTP_FC) {
+            self.mtp_layers = 0;
+            return Ok(self);
+        }
+        if self.mtp_layers > 1 {
+            bail!(
+                "{} multi-token-prediction layers: only checkpoints with one are supported",
+                self.mtp_layers
+            );
+        }
+        self.common.layer_windows.push(None);
+        Ok(self)
+    }
 }
+
+const MTP_FC: &str = "mtp.fc.weight";
 
 struct LinearAttention<B: Backend> {
     /// Q|K|V, z, b, a.
@@ -118,6 +145,19 @@ struct Layer<B: Backend> {
     ffn: Ffn<B>,
 }
 
+/// The multi-token-prediction head (as vLLM runs it): from the target's final hidden state
+/// at position p and the embedding of the token at p + 1, each RMS-normed, `fc` (2h to h, its
+/// halves kept apart so no concatenation is needed), one full-attention decoder layer with its
+/// own K/V, its norm and the target's LM head: the logits of the token at p + 2.
+struct Mtp<B: Backend> {
+    norm_embedding: B::Vector,
+    norm_hidden: B::Vector,
+    fc_embedding: B::Linear,
+    fc_hidden: B::Linear,
+    layer: Layer<B>,
+    norm: B::Vector,
+}
+
 pub struct Hybrid<B: Backend> {
     config: HybridConfig,
     embedding: B::Embedding,
@@ -125,6 +165,7 @@ pub struct Hybrid<B: Backend> {
     final_norm: B::Vector,
     lm_head: B::Linear,
     rope: B::Rope,
+    mtp: Option<Mtp<B>>,
 }
 
 /// A host `[rows, cols]` f32 matrix.
@@ -260,33 +301,20 @@ impl<B: Backend> Hybrid<B> {
                 linear_layers += 1;
                 Mixer::Linear(m)
             } else {
-                let a = format!("{p}.self_attn.q_proj.weight");
-                let qd = c.num_heads * c.head_dim;
-                let (q, gate) = match w.is_dummy() {
-                    true => (
-                        None,
-                        b.random_linear(&[qd], h, Stack::Concat, Rounding::Coarse)?,
-                    ),
-                    false => {
-                        let (q, gate) = split_q_gate(w, &a, c.num_heads, c.head_dim, h)?;
-                        (
-                            Some(q),
-                            b.linear(vec![gate], Stack::Concat, Rounding::Coarse)?,
-                        )
-                    }
-                };
                 let s = spec.clone().at(layout, attention_layers);
                 attention_layers += 1;
-                Mixer::Attention(Attention::load_with_q(b, w, &p, h, s, zc, q)?, gate)
+                gated_attention(b, w, &p, c, s)?
             };
-            layers.push(Layer {
-                input_norm: norm(b, w, &format!("{p}.input_layernorm.weight"), h, zc)?,
-                mixer,
-                ffn_norm: norm(b, w, &format!("{p}.post_attention_layernorm.weight"), h, zc)?,
-                ffn: Ffn::load(b, w, &p, i, h, c.intermediate_size, moe.as_ref())?,
-            });
+            layers.push(Layer::load(b, w, &p, i, c, mixer, moe.as_ref())?);
             progress(i + 1, c.num_layers);
         }
+        let mtp = match config.mtp_layers {
+            0 => None,
+            _ => {
+                let s = spec.at(layout, attention_layers);
+                Some(Mtp::load(b, w, c, s, moe.as_ref())?)
+            }
+        };
         Ok(Self {
             embedding,
             layers,
@@ -294,6 +322,143 @@ impl<B: Backend> Hybrid<B> {
             lm_head: lm_head(b, w, vocab, h)?,
             rope: b.rope(&RopeSpec::of(c), max_positions)?,
             config,
+            mtp,
+        })
+    }
+
+    /// One layer over the residual stream `ws.x`.
+    fn layer(
+        &self,
+        b: &mut B,
+        s: &Step<B>,
+        l: &Layer<B>,
+        cache: &mut [B::LayerCache],
+        states: &mut [B::StateCache],
+        ws: &mut Buffers<B>,
+    ) -> Result<()> {
+        let eps = self.config.common.rms_norm_eps;
+        let input = LinearIn::RmsNorm {
+            x: &ws.x,
+            norm: &l.input_norm,
+            eps,
+        };
+        match &l.mixer {
+            Mixer::Attention(attn, gate) => {
+                let lc = &mut cache[attn.spec.kv_slot];
+                attn.attend(b, s, input, &self.rope, eps, lc, &mut ws.tmp)?;
+                let input = LinearIn::RmsNorm {
+                    x: &ws.x,
+                    norm: &l.input_norm,
+                    eps,
+                };
+                b.matmul(input, gate, Epilogue::Store(&mut ws.tmp.gate))?;
+                b.gate_sigmoid(&mut ws.tmp.attn, &ws.tmp.gate)?;
+                let o_in = LinearIn::Plain(&ws.tmp.attn);
+                b.matmul(o_in, &attn.o, Epilogue::AddInto(&mut ws.x))?;
+            }
+            Mixer::Linear(m) => {
+                b.matmul(input, &m.in_proj, Epilogue::Store(&mut ws.tmp.qkv))?;
+                let p = GdnParams {
+                    conv: &m.conv,
+                    a_log: &m.a_log,
+                    dt_bias: &m.dt_bias,
+                    norm: &m.norm,
+                };
+                let st = &mut states[m.state];
+                let g = &self.config.gdn;
+                b.gated_delta(s, &ws.tmp.qkv, &p, g, st, &mut ws.tmp.attn)?;
+                let o_in = LinearIn::Plain(&ws.tmp.attn);
+                b.matmul(o_in, &m.out, Epilogue::AddInto(&mut ws.x))?;
+            }
+        }
+        l.ffn.forward(b, &mut ws.x, &l.ffn_norm, eps, &mut ws.tmp)
+    }
+}
+
+/// A full-attention mixer (`{p}.self_attn`): attention and its output gate's projection.
+fn gated_attention<B: Backend>(
+    b: &B,
+    w: &mut WeightSource,
+    p: &str,
+    c: &ModelConfig,
+    spec: AttentionSpec,
+) -> Result<Mixer<B>> {
+    let h = c.hidden_size;
+    let a = format!("{p}.self_attn.q_proj.weight");
+    let qd = c.num_heads * c.head_dim;
+    let (q, gate) = match w.is_dummy() {
+        true => (
+            None,
+            b.random_linear(&[qd], h, Stack::Concat, Rounding::Coarse)?,
+        ),
+        false => {
+            let (q, gate) = split_q_gate(w, &a, c.num_heads, c.head_dim, h)?;
+            (
+                Some(q),
+                b.linear(vec![gate], Stack::Concat, Rounding::Coarse)?,
+            )
+        }
+    };
+    let zc = NormWeights::OffsetByOne;
+    Ok(Mixer::Attention(
+        Attention::load_with_q(b, w, p, h, spec, zc, q)?,
+        gate,
+    ))
+}
+
+impl<B: Backend> Layer<B> {
+    /// Layer `p` around `mixer`; `index` decides a mixture-of-experts MLP.
+    fn load(
+        b: &B,
+        w: &mut WeightSource,
+        p: &str,
+        index: usize,
+        c: &ModelConfig,
+        mixer: Mixer<B>,
+        moe: Option<&MoeConfig>,
+    ) -> Result<Self> {
+        let (h, zc) = (c.hidden_size, NormWeights::OffsetByOne);
+        Ok(Self {
+            input_norm: norm(b, w, &format!("{p}.input_layernorm.weight"), h, zc)?,
+            mixer,
+            ffn_norm: norm(b, w, &format!("{p}.post_attention_layernorm.weight"), h, zc)?,
+            ffn: Ffn::load(b, w, p, index, h, c.intermediate_size, moe)?,
+        })
+    }
+
+    fn bytes(&self, b: &B) -> usize {
+        let mixer = match &self.mixer {
+            Mixer::Attention(a, g) => a.bytes(b) + b.linear_bytes(g),
+            Mixer::Linear(m) => b.linear_bytes(&m.in_proj) + b.linear_bytes(&m.out),
+        };
+        mixer + self.ffn.bytes(b)
+    }
+}
+
+impl<B: Backend> Mtp<B> {
+    fn load(
+        b: &B,
+        w: &mut WeightSource,
+        c: &ModelConfig,
+        spec: AttentionSpec,
+        moe: Option<&MoeConfig>,
+    ) -> Result<Self> {
+        let (h, zc) = (c.hidden_size, NormWeights::OffsetByOne);
+        let fc = w.shaped(MTP_FC, &[h, 2 * h])?.dequantize(&Device::Cpu)?;
+        let half = |at: usize| -> Result<B::Linear> {
+            let t = host(fc.narrow(1, at, h)?)?;
+            b.linear(vec![t], Stack::Concat, Rounding::Coarse)
+        };
+        // vLLM builds the layer as `mtp.layers.0`: its MLP is of layer 0's kind.
+        let p = "mtp.layers.0";
+        let mixer = gated_attention(b, w, p, c, spec)?;
+        Ok(Self {
+            norm_embedding: norm(b, w, "mtp.pre_fc_norm_embedding.weight", h, zc)?,
+            norm_hidden: norm(b, w, "mtp.pre_fc_norm_hidden.weight", h, zc)?,
+            fc_embedding: half(0)?,
+            fc_hidden: half(h)?,
+            layer: Layer::load(b, w, p, 0, c, mixer, moe)?,
+            norm: norm(b, w, "mtp.norm.weight", h, zc)?,
         })
     }
 }
@@ -310,58 +475,61 @@ impl<B: Backend> Family<B> for Hybrid<B> {
         let eps = self.config.common.rms_norm_eps;
         b.embed(s, &self.embedding, None, &mut ws.x)?;
         for l in &self.layers {
-            let input = LinearIn::RmsNorm {
-                x: &ws.x,
-                norm: &l.input_norm,
-                eps,
-            };
-            match &l.mixer {
-                Mixer::Attention(attn, gate) => {
-                    let lc = &mut cache[attn.spec.kv_slot];
-                    attn.attend(b, s, input, &self.rope, eps, lc, &mut ws.tmp)?;
-                    let input = LinearIn::RmsNorm {
-                        x: &ws.x,
-                        norm: &l.input_norm,
-                        eps,
-                    };
-                    b.matmul(input, gate, Epilogue::Store(&mut ws.tmp.gate))?;
-                    b.gate_sigmoid(&mut ws.tmp.attn, &ws.tmp.gate)?;
-                    let o_in = LinearIn::Plain(&ws.tmp.attn);
-                    b.matmul(o_in, &attn.o, Epilogue::AddInto(&mut ws.x))?;
-                }
-                Mixer::Linear(m) => {
-                    b.matmul(input, &m.in_proj, Epilogue::Store(&mut ws.tmp.qkv))?;
-                    let p = GdnParams {
-                        conv: &m.conv,
-                        a_log: &m.a_log,
-                        dt_bias: &m.dt_bias,
-                        norm: &m.norm,
-                    };
-                    let st = &mut states[m.state];
-                    let g = &self.config.gdn;
-                    b.gated_delta(s, &ws.tmp.qkv, &p, g, st, &mut ws.tmp.attn)?;
-                    let o_in = LinearIn::Plain(&ws.tmp.attn);
-                    b.matmul(o_in, &m.out, Epilogue::AddInto(&mut ws.x))?;
-                }
-            }
-            l.ffn.forward(b, &mut ws.x, &l.ffn_norm, eps, &mut ws.tmp)?;
+            self.layer(b, s, l, cache, states, ws)?;
         }
         output(b, s, &ws.x, &self.final_norm, eps, &self.lm_head, None)
     }
 
+    fn mtp(
+        &self,
+        b: &mut B,
+        s: &Step<B>,
+        cache: &mut [B::LayerCache],
+        ws: &mut Buffers<B>,
+    ) -> Result<()> {
+        let Some(m) = &self.mtp else {
+            bail!("this checkpoint has no multi-token-prediction weights");
+        };
+        let eps = self.config.common.rms_norm_eps;
+        // The target's hidden state as the head was trained on it: after the final norm.
+        b.rms_norm(&ws.x, &self.final_norm, eps, &mut ws.tmp.attn)?;
+        let hidden = LinearIn::RmsNorm {
+            x: &ws.tmp.attn,
+            norm: &m.norm_hidden,
+            eps,
+        };
+        b.matmul(hidden, &m.fc_hidden, Epilogue::Store(&mut ws.tmp.act))?;
+        b.embed(s, &self.embedding, None, &mut ws.x)?;
+        let embedded = LinearIn::RmsNorm {
+            x: &ws.x,
+            norm: &m.norm_embedding,
+            eps,
+        };
+        b.matmul(
+            embedded,
+            &m.fc_embedding,
+            Epilogue::AddInto(&mut ws.tmp.act),
+        )?;
+        std::mem::swap(&mut ws.x, &mut ws.tmp.act);
+        self.layer(b, s, &m.layer, cache, &mut [], ws)?;
+        output(b, s, &ws.x, &m.norm, eps, &self.lm_head, None)
+    }
+
+    fn has_mtp(&self) -> bool {
+        self.mtp.is_some()
+    }
+
     fn weight_bytes(&self, b: &B) -> usize {
-        let layers = self.layers.iter().map(|l| {
-            let mixer = match &l.mixer {
-                Mixer::Attention(a, g) => a.bytes(b) + b.linear_bytes(g),
-                Mixer::Linear(m) => b.linear_bytes(&m.in_proj) + b.linear_bytes(&m.out),
-            };
-            mixer + l.ffn.bytes(b)
+        let mtp = self.mtp.iter().map(|m| {
+            m.layer.bytes(b) + b.linear_bytes(&m.fc_embedding) + b.linear_bytes(&m.fc_hidden)
         });
+        let layers = self.layers.iter().map(|l| l.bytes(b)).chain(mtp);
         weight_bytes(b, &self.embedding, &self.lm_head, layers)
     }
 
     fn expert_bytes(&self, b: &B) -> MoeBytes {
-        let layers = self.layers.iter().map(|l| l.ffn.expert_bytes(b));
+        let mtp = self.mtp.iter().map(|m| &m.layer);
+        let layers = self.layers.iter().chain(mtp).map(|l| l.ffn.expert_bytes(b));
         layers.fold(MoeBytes::default(), |a, l| a + l)
     }
 

@@ -53,13 +53,9 @@ fn stored(src: &WeightSource) -> Vec<Stored> {
 }
 
 /// Tensors a family reads as vectors or not at all: norms, biases, the recurrent layers'
-/// conv kernels and decays, multi-token-prediction heads.
+/// conv kernels and decays.
 fn not_a_matrix(t: &Stored) -> bool {
-    t.dims.len() < 2
-        || t.name.contains("conv1d")
-        || t.name.contains("position_ids")
-        || t.name.starts_with("mtp.")
-        || t.name.starts_with("model.mtp")
+    t.dims.len() < 2 || t.name.contains("conv1d") || t.name.contains("position_ids")
 }
 
 fn is_embedding(name: &str) -> bool {

@@ -442,6 +442,11 @@ impl Backend for CpuBackend {
         gdn::gated_delta(proj, &h.cu_seqlens_q, &h.positions, &slots, &w, state, out)
     }
 
+    fn rms_norm(&mut self, x: &Mat, norm: &Vec<f32>, eps: f32, out: &mut Mat) -> Result<()> {
+        rms_norm(&x.data, norm, eps, out.shape(x.rows(), x.cols));
+        Ok(())
+    }
+
     fn gate_sigmoid(&mut self, x: &mut Mat, gate: &Mat) -> Result<()> {
         gdn::gate_sigmoid(x, gate)
     }
