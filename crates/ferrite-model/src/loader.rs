@@ -44,6 +44,18 @@ pub fn check_device(device: DeviceKind) -> Result<()> {
     Ok(())
 }
 
+/// A family and its multi-token-prediction head on the CPU backend (f32 or int8 weights per
+/// `format`), KV cache not yet allocated.
+pub fn load_cpu_decoder_with_mtp(
+    model: &Path,
+    format: WeightFormat,
+) -> Result<Decoder<CpuBackend>> {
+    let (src, mut weights) = open_weights(model, LoadFormat::Auto)?;
+    let max_positions = models::config(&src)?.context_length;
+    let backend = CpuBackend::new(format, None);
+    models::load_with_mtp(backend, &src, &mut weights, max_positions, &mut |_, _| {})
+}
+
 /// A family on the CPU backend, KV cache not yet allocated.
 pub fn load_cpu_decoder(
     model: &Path,
@@ -195,7 +207,7 @@ fn profile_activations(
 pub fn plan_from_header(args: &EngineArgs, device_bytes: u64) -> Result<(MemoryPlan, ModelConfig)> {
     let (args, pooling) = &resolved_for_task(args)?;
     let (src, weights) = open_weights(&args.model, args.load_format)?;
-    let config = models::checkpoint_config(&src, &weights)?;
+    let config = models::config(&src)?;
     let max_model_len = args.max_model_len(&config, pooling.as_ref())?;
     let tokens = args.max_num_batched_tokens.min(max_model_len);
     let bytes = ModelBytes {
@@ -205,7 +217,7 @@ pub fn plan_from_header(args: &EngineArgs, device_bytes: u64) -> Result<(MemoryP
         draft: crate::draft::draft_model_path(args)
             .map(|path| {
                 let (src, weights) = open_weights(path, args.load_format)?;
-                let c = models::checkpoint_config(&src, &weights)?;
+                let c = models::config(&src)?;
                 let slots = ferrite_core::kv_layout::KvLayout::new(&c.layer_windows).slots;
                 Ok::<_, anyhow::Error>(crate::memory::DraftShare {
                     weight_bytes: cpu_weight_bytes(&weights, args.weight_format) as u64,

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use ferrite_model::loader::WeightFormat;
+use ferrite_model::loader::{load_cpu_decoder_with_mtp, WeightFormat};
 use ferrite_model::runner::StepModel;
 use ferrite_model::step::PackedStep;
 
@@ -52,7 +52,7 @@ fn check(family: &str) {
     let (tokens, want_target) = tiny_oracle(&name, "logits_f16_kv");
     let (_, want) = tiny_oracle(&name, "mtp_logits_f16_kv");
     let dir = repo_root().join(format!("tests/oracle/tiny/{name}"));
-    let mut model = load_path(&dir, WeightFormat::F32);
+    let mut model = load_cpu_decoder_with_mtp(&dir, WeightFormat::F32).unwrap();
     let n = tokens.len();
     for ends in [vec![n], vec![20, 21, n]] {
         let (target, head) = teacher_forced(&mut model, &tokens, &ends);
@@ -63,11 +63,15 @@ fn check(family: &str) {
         assert!(dt <= 1e-3, "{name}: target logits off by {dt}");
         assert!(dh <= 1e-3, "{name}: MTP logits off by {dh}");
     }
-    // Without its weights the same family has no head, and no K/V for one.
-    let mut plain = load_path(&dir.with_file_name(family), WeightFormat::F32);
+    // Loaded plainly, the same checkpoint has no head and no K/V for one; without its weights
+    // it cannot be loaded with one.
+    let mut plain = load_path(&dir, WeightFormat::F32);
     assert_eq!(plain.layout.slots + 1, model.layout.slots);
     let err = teacher_forced_error(&mut plain, &tokens);
-    assert!(err.contains("no multi-token-prediction"), "{err}");
+    assert!(err.contains("no multi-token-prediction head"), "{err}");
+    let none = load_cpu_decoder_with_mtp(&dir.with_file_name(family), WeightFormat::F32);
+    let err = none.err().expect("a head without weights").to_string();
+    assert!(err.contains("declares no multi-token-prediction"), "{err}");
 }
 
 fn teacher_forced_error(model: &mut CpuDecoder, tokens: &[u32]) -> String {

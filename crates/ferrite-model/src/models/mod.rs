@@ -163,17 +163,6 @@ pub fn config(src: &ConfigSource) -> Result<ModelConfig> {
     }
 }
 
-/// [`config`] as loading the checkpoint gives it: with the K/V of an MTP head whose weights
-/// are there.
-pub fn checkpoint_config(src: &ConfigSource, weights: &WeightSource) -> Result<ModelConfig> {
-    let mut c = config(src)?;
-    if kind(src)? == Kind::Hybrid {
-        let h = qwen3_5::HybridConfig::read(src)?.with_mtp_of(weights)?;
-        c.layer_windows = h.common.layer_windows;
-    }
-    Ok(c)
-}
-
 /// The recurrent-state layers of a checkpoint's family, from its config alone (none but
 /// hybrids').
 pub fn state_layers(src: &ConfigSource) -> Result<Vec<GdnSpec>> {
@@ -189,6 +178,7 @@ pub fn state_bytes(layers: &[GdnSpec]) -> usize {
 }
 
 /// Loads the checkpoint's family onto `backend`; `progress(done, total)` follows the layers.
+/// A multi-token-prediction head in the checkpoint is left unread.
 pub fn load<B: Backend + 'static>(
     backend: B,
     src: &ConfigSource,
@@ -196,7 +186,41 @@ pub fn load<B: Backend + 'static>(
     max_positions: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Decoder<B>> {
-    let mut config = checkpoint_config(src, weights)?;
+    load_family(backend, src, weights, max_positions, false, progress)
+}
+
+/// [`load`] with the checkpoint's multi-token-prediction head (an error where it has none):
+/// its weights, and its layer's K/V in every block.
+pub fn load_with_mtp<B: Backend + 'static>(
+    backend: B,
+    src: &ConfigSource,
+    weights: &mut WeightSource,
+    max_positions: usize,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Decoder<B>> {
+    load_family(backend, src, weights, max_positions, true, progress)
+}
+
+fn load_family<B: Backend + 'static>(
+    backend: B,
+    src: &ConfigSource,
+    weights: &mut WeightSource,
+    max_positions: usize,
+    mtp: bool,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Decoder<B>> {
+    let mut config = config(src)?;
+    let hybrid = match kind(src)? {
+        Kind::Hybrid => Some(qwen3_5::HybridConfig::read(src)?.with_mtp(mtp, weights)?),
+        _ if mtp => bail!(
+            "{}: this family has no multi-token-prediction head",
+            src.path().display()
+        ),
+        _ => None,
+    };
+    if let Some(h) = &hybrid {
+        config.layer_windows = h.common.layer_windows.clone();
+    }
     let layout = KvLayout::new(&config.layer_windows);
     let family: Box<dyn Family<B>> = match kind(src)? {
         Kind::Llama => Box::new(llama::Llama::load(
@@ -218,7 +242,7 @@ pub fn load<B: Backend + 'static>(
         )?),
         Kind::Hybrid => Box::new(qwen3_5::Hybrid::load(
             &backend,
-            qwen3_5::HybridConfig::read(src)?.with_mtp_of(weights)?,
+            hybrid.expect("a hybrid's config, read above"),
             moe::MoeConfig::read(src)?,
             &layout,
             weights,

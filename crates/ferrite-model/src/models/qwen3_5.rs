@@ -100,18 +100,20 @@ impl HybridConfig {
         })
     }
 
-    /// With the MTP head when the checkpoint carries its weights: its one full-attention
-    /// layer holds K/V after the stack's (one more layer in every block).
-    pub fn with_mtp_of(mut self, w: &WeightSource) -> Result<Self> {
-        if self.mtp_layers == 0 || !w.has(MTP_FC) {
+    /// With the MTP head (`wanted`) or without: its one full-attention layer holds K/V
+    /// after the stack's (one more layer in every block).
+    pub fn with_mtp(mut self, wanted: bool, w: &WeightSource) -> Result<Self> {
+        if !wanted {
             self.mtp_layers = 0;
             return Ok(self);
         }
-        if self.mtp_layers > 1 {
-            bail!(
-                "{} multi-token-prediction layers: only checkpoints with one are supported",
-                self.mtp_layers
-            );
+        match self.mtp_layers {
+            0 => bail!("the config declares no multi-token-prediction layers"),
+            1 if w.has(MTP_FC) => {}
+            1 => bail!("the checkpoint has no multi-token-prediction weights (`{MTP_FC}`)"),
+            n => {
+                bail!("{n} multi-token-prediction layers: only checkpoints with one are supported")
+            }
         }
         self.common.layer_windows.push(None);
         Ok(self)

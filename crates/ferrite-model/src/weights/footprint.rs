@@ -58,6 +58,11 @@ fn not_a_matrix(t: &Stored) -> bool {
     t.dims.len() < 2 || t.name.contains("conv1d") || t.name.contains("position_ids")
 }
 
+/// A multi-token-prediction head's tensors, which serving does not load (yet).
+fn is_mtp(name: &str) -> bool {
+    name.starts_with("mtp.") || name.starts_with("model.mtp")
+}
+
 fn is_embedding(name: &str) -> bool {
     name == "token_embd.weight" || name == "model.embed_tokens.weight"
 }
@@ -88,7 +93,7 @@ pub fn cpu_weight_bytes(src: &WeightSource, format: WeightFormat) -> usize {
     // An encoder's pooler is read only under a classifier (a cross-encoder's head).
     let classifier = tensors.iter().any(|t| t.name == "classifier.weight");
     for t in &tensors {
-        if t.name.contains("pooler.") && !classifier {
+        if (t.name.contains("pooler.") && !classifier) || is_mtp(&t.name) {
             continue;
         }
         if is_router(&t.name) {
