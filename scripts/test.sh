@@ -15,7 +15,8 @@ if [ ! -x "$venv/bin/pytest" ] || ! "$venv/bin/python" -c 'import jsonschema, an
   python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet --disable-pip-version-check openai==2.* anthropic pytest requests jsonschema prometheus_client playwright
 fi
-"$venv/bin/pytest" -q tests/server
+# The slowest tests named in the log: CI must stay within its time.
+"$venv/bin/pytest" -q --durations=12 tests/server
 # Third-party clients built on the OpenAI API, in their own virtualenv (they pin a newer
 # `openai` than the API tests above use).
 clients=target/clients-venv

@@ -151,7 +151,7 @@ fn greedy_output_is_the_same_with_a_draft_model() {
     // The first 2 of 30 layers: drafts that mostly fail; the target as its own draft: its
     // greedy drafts are its own tokens, so nearly all hold (not all: a row's rounding
     // differs between a prefill chunk and a decode).
-    let stats = greedy_is_unchanged(&[draft(3, cut_model(2)), draft(4, model_path())]);
+    let stats = greedy_is_unchanged(&[draft(3, cut_model(2)), draft(2, model_path())]);
     let s = &stats[0];
     assert!(s.num_drafts > 50, "{s:?}");
     assert!(s.num_accepted_tokens > 0, "{s:?}");
