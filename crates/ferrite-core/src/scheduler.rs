@@ -8,7 +8,7 @@ use crate::kv_layout::{max_blocks, GroupWindow};
 use crate::prefix_hash::HashAlgo;
 use crate::request::{FinishReason, Request, RequestId, RequestStatus};
 use crate::sampling::SamplingParams;
-use crate::spec_decode::{DraftRun, Proposer, SpecStats, Speculation};
+use crate::spec_decode::{DraftRun, MtpRun, Proposer, SpecStats, Speculation};
 use crate::state_checkpoints::StateCheckpoints;
 use crate::state_pool::{StatePool, StateSlot};
 use crate::step_cost::{StepCost, StepShape};
@@ -33,9 +33,13 @@ pub struct SchedulerConfig {
     /// Slots after those for checkpoints of the state at cached prefixes (see
     /// [`crate::state_checkpoints`]); with recurrent state, prefix caching needs some.
     pub state_checkpoints: usize,
-    /// Draft tokens for decodes (n-gram prompt lookup or a draft model), verified in the
-    /// same step; `None`: off. Models with recurrent state cannot roll a rejected draft back and keep it off.
+    /// Draft tokens for decodes (n-gram prompt lookup, a draft model or an MTP head),
+    /// verified in the same step; `None`: off.
     pub speculation: Option<Speculation>,
+    /// With recurrent state and speculation: how many requests draft at once. Each holds a
+    /// set of `k` slots after the checkpoints, where a verify step writes the state after
+    /// each draft token, so a rejected draft's state is taken back by restoring from one.
+    pub draft_state_sets: usize,
     /// Every prompt is computed in one step, never in chunks: encoder models attend in both
     /// directions, so a token's state needs the tokens after it.
     pub whole_prompts: bool,
@@ -131,6 +135,11 @@ pub struct ScheduledRequest {
     pub draft: Vec<u32>,
     /// Speculation with a draft model: what it runs for this request after the step.
     pub draft_run: Option<DraftRun>,
+    /// Speculation with an MTP head: what it runs for this request after the step.
+    pub mtp_run: Option<MtpRun>,
+    /// A verify step with recurrent state: the first of `draft.len()` slots that receive the
+    /// state after the last known token and each draft but the last, in order.
+    pub draft_states: Option<StateSlot>,
     pub prompt_logprobs: Option<PromptLogprobSpec>,
 }
 
@@ -195,6 +204,11 @@ pub struct Scheduler {
     checkpoints: StateCheckpoints,
     /// Admitted this step from a checkpoint: the slot to restore in its first chunk.
     restores: HashMap<RequestId, StateSlot>,
+    /// Sets of draft-state slots (see [`SchedulerConfig::draft_state_sets`]), by set index.
+    draft_states: StatePool,
+    /// Requests whose last verify step rejected a draft: the draft-state slot holding the
+    /// state after the accepted tokens, restored by its next step.
+    rollbacks: HashMap<RequestId, StateSlot>,
     requests: HashMap<RequestId, Request>,
     waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
@@ -223,6 +237,8 @@ impl Scheduler {
                 config.state_checkpoints,
             ),
             restores: HashMap::new(),
+            draft_states: StatePool::new(config.draft_state_sets),
+            rollbacks: HashMap::new(),
             config,
             kv,
             requests: HashMap::new(),
@@ -375,8 +391,12 @@ impl Scheduler {
             && !p.has_penalties()
             && p.bad_words.is_empty()
             && req.output_token_ids.len() >= p.min_tokens();
-        (plain && self.running.len() <= spec.disable_by_batch_size && self.states.is_empty())
-            .then_some(spec)
+        // With recurrent state only a request with a set of draft-state slots can take a
+        // rejected draft back.
+        let rolls_back = self.states.is_empty()
+            || self.draft_states.slot(req.id).is_some()
+            || self.draft_states.num_free() > 0;
+        (plain && self.running.len() <= spec.disable_by_batch_size && rolls_back).then_some(spec)
     }
 
     /// Draft tokens for a decode of `req` (at most `budget`) when it speculates.
@@ -394,7 +414,7 @@ impl Scheduler {
                 .saturating_sub(req.num_tokens() + 1),
         )
         .min(budget);
-        if let Proposer::DraftModel { .. } = spec.proposer {
+        if spec.proposer.runs_after_step() {
             return req.proposed[..limit.min(req.proposed.len())].to_vec();
         }
         let tokens: Vec<u32> = (0..req.num_tokens()).map(|i| req.token_at(i)).collect();
@@ -426,7 +446,6 @@ impl Scheduler {
             let start = req.num_computed_tokens;
             // Ahead by the token it was fed last step at most: that one is fed again.
             let from = req.draft_pos.min(start);
-            let end = start + num_new;
             let catch_up: Vec<u32> = (from..start).map(|i| req.token_at(i)).collect();
             if catch_up.len() + num_new + 1 > budget {
                 // Too far behind for this step (speculation paused for a while, or a
@@ -447,23 +466,7 @@ impl Scheduler {
                 }
                 continue;
             }
-            // The next step's draft stays within max_tokens and the model's length.
-            let mut propose = match end - draft.len() == req.num_tokens() {
-                true => k
-                    .min(
-                        req.max_output_tokens
-                            .saturating_sub(req.output_token_ids.len() + 2),
-                    )
-                    .min(self.config.max_model_len.saturating_sub(end)),
-                false => 0,
-            };
-            if propose > 0
-                && !self
-                    .kv
-                    .allocate_slots(*id, start, end + propose, &Vec::new())
-            {
-                propose = 0;
-            }
+            let propose = self.room_to_propose(*id, *num_new, draft.len(), k);
             budget -= catch_up.len() + num_new + (propose > 0) as usize;
             runs.insert(
                 *id,
@@ -474,6 +477,63 @@ impl Scheduler {
                     propose,
                 },
             );
+        }
+        runs
+    }
+
+    /// Tokens a proposer may draft after this step of `id` (`num_new` rows, `drafted` of
+    /// them drafts) for its next one: 0 unless the step samples; within `k`, max_tokens and
+    /// the model's length, and the blocks hold them (free blocks only).
+    fn room_to_propose(
+        &mut self,
+        id: RequestId,
+        num_new: usize,
+        drafted: usize,
+        k: usize,
+    ) -> usize {
+        let req = &self.requests[&id];
+        let (start, end) = (req.num_computed_tokens, req.num_computed_tokens + num_new);
+        if end - drafted != req.num_tokens() {
+            return 0;
+        }
+        let propose = k
+            .min(
+                req.max_output_tokens
+                    .saturating_sub(req.output_token_ids.len() + 2),
+            )
+            .min(self.config.max_model_len.saturating_sub(end));
+        match propose > 0
+            && self
+                .kv
+                .allocate_slots(id, start, end + propose, &Vec::new())
+        {
+            true => propose,
+            false => 0,
+        }
+    }
+
+    /// The MTP head's work after this step, per planned request that speculates: it runs
+    /// over every chunk (its K/V must hold the whole context) and proposes after those that
+    /// sample.
+    fn mtp_runs(&mut self, planned: &[(RequestId, usize, Vec<u32>)]) -> HashMap<RequestId, MtpRun> {
+        let mut runs = HashMap::new();
+        let k = match &self.config.speculation {
+            Some(Speculation {
+                k,
+                proposer: Proposer::Mtp,
+                ..
+            }) => *k,
+            _ => return runs,
+        };
+        for (id, num_new, draft) in planned {
+            let req = &self.requests[id];
+            if req.pooling || self.speculates(req).is_none() {
+                continue;
+            }
+            let known_end = req.num_computed_tokens + num_new - draft.len();
+            let next = (known_end < req.num_tokens()).then(|| req.token_at(known_end));
+            let propose = self.room_to_propose(*id, *num_new, draft.len(), k);
+            runs.insert(*id, MtpRun { next, propose });
         }
         runs
     }
@@ -551,6 +611,13 @@ impl Scheduler {
                 1 => self.draft(req, budget - 1),
                 _ => Vec::new(),
             };
+            // With recurrent state a draft needs a set of slots to take its state back.
+            if !draft.is_empty()
+                && !self.states.is_empty()
+                && self.draft_states.acquire(id).is_none()
+            {
+                draft.clear();
+            }
             let next = req.num_computed_tokens;
             // A draft never costs another request its blocks: without room, it is dropped.
             if !draft.is_empty()
@@ -646,11 +713,14 @@ impl Scheduler {
         // A checkpoint this step restores is not overwritten by one it writes.
         let busy: Vec<StateSlot> = self.restores.values().copied().collect();
         let mut runs = self.draft_runs(&planned);
+        let mut mtp_runs = self.mtp_runs(&planned);
         let requests = planned
             .into_iter()
             .map(|(id, n, draft)| {
                 let run = runs.remove(&id);
-                self.scheduled_request(id, n, draft, run, &busy)
+                let mut r = self.scheduled_request(id, n, draft, run, &busy);
+                r.mtp_run = mtp_runs.remove(&id);
+                r
             })
             .collect();
         SchedulerOutput {
@@ -724,13 +794,22 @@ impl Scheduler {
             self.prompt_logprobs_done
                 .insert(id, start + spec.first_row + spec.targets.len());
         }
+        let draft_states = match (draft.is_empty(), &self.config.speculation) {
+            (false, Some(spec)) if !self.states.is_empty() => {
+                let first = (self.config.state_slots + self.config.state_checkpoints) as StateSlot;
+                let set = self.draft_states.slot(id).expect("acquired with the draft");
+                Some(first + set * spec.k as StateSlot)
+            }
+            _ => None,
+        };
+        let rollback = self.rollbacks.remove(&id);
         ScheduledRequest {
             req_id: id,
             token_ids,
             start_pos: start,
             block_tables: self.kv.block_tables(id).to_vec(),
             state_slot: self.states.slot(id),
-            state_restore: self.restores.get(&id).copied(),
+            state_restore: self.restores.get(&id).copied().or(rollback),
             state_save,
             sample,
             pool: completes && req.pooling,
@@ -740,13 +819,22 @@ impl Scheduler {
                 .map_or(Vec::new(), |t| t[start..start + known].to_vec()),
             draft,
             draft_run,
+            mtp_run: None,
+            draft_states,
             prompt_logprobs,
         }
+    }
+
+    /// Gives back what a request holds for speculation on a model with recurrent state.
+    fn release_draft_states(&mut self, id: RequestId) {
+        self.draft_states.release(id);
+        self.rollbacks.remove(&id);
     }
 
     fn preempt(&mut self, id: RequestId) {
         self.kv.free(id);
         self.states.release(id);
+        self.release_draft_states(id);
         let req = self.requests.get_mut(&id).unwrap();
         req.status = RequestStatus::Preempted;
         req.num_computed_tokens = 0;
@@ -789,6 +877,11 @@ impl Scheduler {
                 // slots are written over by the next step.
                 let accepted = drawn.len().saturating_sub(1).min(s.draft.len());
                 self.spec_stats.record(s.draft.len(), accepted);
+                if let Some(first) = s.draft_states.filter(|_| accepted < s.draft.len()) {
+                    // The state after the accepted tokens, for the next step to start from.
+                    self.rollbacks
+                        .insert(s.req_id, first + accepted as StateSlot);
+                }
                 (s.start_pos + 1 + accepted).min(req.num_tokens())
             };
             req.proposed.clear();
@@ -833,6 +926,7 @@ impl Scheduler {
         req.status = RequestStatus::Finished(reason);
         self.kv.forget(id);
         self.states.release(id);
+        self.release_draft_states(id);
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
         self.prompt_logprobs_done.remove(&id);
@@ -847,6 +941,11 @@ impl Scheduler {
     /// State slots held by live requests (for leak checks).
     pub fn num_state_slots_in_use(&self) -> usize {
         self.states.len() - self.states.num_free()
+    }
+
+    /// Sets of draft-state slots held by live requests (for leak checks).
+    pub fn num_draft_state_sets_in_use(&self) -> usize {
+        self.draft_states.len() - self.draft_states.num_free()
     }
 
     /// Checkpoint slots holding a state (they stay, as cached blocks do, until evicted).

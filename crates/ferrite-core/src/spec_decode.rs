@@ -1,7 +1,8 @@
 //! Speculative decoding as the scheduler sees it: which requests get draft tokens this step
-//! and what they are. Drafts come from the request's own tokens (n-gram prompt lookup) or
-//! from a draft model the runner ran after the previous step, so nothing here touches a
-//! tensor; the runner verifies them in the packed step.
+//! and what they are. Drafts come from the request's own tokens (n-gram prompt lookup), from
+//! a draft model or from the target's multi-token-prediction head, which the runner ran
+//! after the previous step, so nothing here touches a tensor; the runner verifies them in
+//! the packed step.
 
 use serde::Deserialize;
 
@@ -44,6 +45,16 @@ pub enum Proposer {
     Ngram { min_n: usize, max_n: usize },
     /// A smaller model with the same tokenizer, its K/V in the target's blocks.
     DraftModel { model: std::path::PathBuf },
+    /// The target's multi-token-prediction head (Qwen3-Next, Qwen3.5), run over the
+    /// target's hidden states after each step; k > 1 chains it on its own hidden state.
+    Mtp,
+}
+
+impl Proposer {
+    /// Whether drafts are what the runner proposed after the previous step.
+    pub fn runs_after_step(&self) -> bool {
+        !matches!(self, Proposer::Ngram { .. })
+    }
 }
 
 /// What the draft model runs for one request after a step (it runs after the target, on
@@ -60,6 +71,17 @@ pub struct DraftRun {
     pub with_step: bool,
     /// Tokens to propose for the next step; when more than 0 the sampled token is fed too,
     /// and the request's blocks have room for `propose` tokens past this step's rows.
+    pub propose: usize,
+}
+
+/// What the MTP head runs for one request after a step: over the step's rows with each
+/// row's token moved one ahead.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MtpRun {
+    /// The known token after the step's last row (a prefill chunk that leaves prompt
+    /// tokens); `None`: the token sampled after it.
+    pub next: Option<u32>,
+    /// Tokens to propose for the next step; the request's blocks have room for them.
     pub propose: usize,
 }
 
@@ -98,15 +120,25 @@ impl SpeculativeConfig {
                     model: model.into(),
                 }
             }
-            "eagle" | "eagle3" | "mtp" | "medusa" => {
+            // vLLM's names for the heads of the families ferrite serves.
+            "mtp" | "qwen3_next_mtp" | "qwen3_5_mtp" => {
+                if self.model.is_some() {
+                    return Err("the `mtp` method drafts with the target's own head: it takes no `model`".into());
+                }
+                if self.prompt_lookup_min.is_some() || self.prompt_lookup_max.is_some() {
+                    return Err("prompt_lookup_min/max belong to the `ngram` method, not `mtp`".into());
+                }
+                Proposer::Mtp
+            }
+            "eagle" | "eagle3" | "medusa" => {
                 return Err(format!(
-                    "speculative method `{}` is not served by ferrite yet; use `ngram` or `draft_model`",
+                    "speculative method `{}` is not served by ferrite yet; use `ngram`, `draft_model` or `mtp`",
                     self.method
                 ))
             }
             m => {
                 return Err(format!(
-                    "unknown speculative method `{m}`; use `ngram` or `draft_model`"
+                    "unknown speculative method `{m}`; use `ngram`, `draft_model` or `mtp`"
                 ))
             }
         };
@@ -248,9 +280,16 @@ mod tests {
             c(r#"{"method": "ngram", "model": "d.gguf", "num_speculative_tokens": 4}"#).is_err()
         );
         assert!(c(r#"{"method": "ngram", "num_speculative_tokens": 0}"#).is_err());
-        assert!(c(r#"{"method": "mtp", "num_speculative_tokens": 1}"#)
+        assert!(c(r#"{"method": "eagle", "num_speculative_tokens": 1}"#)
             .unwrap_err()
             .contains("not served"));
+        let mtp = c(r#"{"method": "mtp", "num_speculative_tokens": 2}"#).unwrap();
+        assert_eq!((mtp.k, mtp.proposer), (2, Proposer::Mtp));
+        assert!(
+            c(r#"{"method": "mtp", "model": "d.gguf", "num_speculative_tokens": 1}"#)
+                .unwrap_err()
+                .contains("takes no `model`")
+        );
         assert!(c(r#"{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}"#).is_err());
         assert!(serde_json::from_str::<SpeculativeConfig>(
             r#"{"method": "ngram", "num_speculative_tokens": 2, "typo": 1}"#

@@ -54,6 +54,7 @@ fn small_pool() -> SchedulerConfig {
         kv_groups: vec![None],
         state_slots: 0,
         state_checkpoints: 0,
+        draft_state_sets: 0,
         whole_prompts: false,
         step_time: None,
         speculation: None,

@@ -154,6 +154,7 @@ fn cfg(num_blocks: usize, bs: usize, budget: usize, prefix: Option<HashAlgo>) ->
         kv_groups: vec![None],
         state_slots: 0,
         state_checkpoints: 0,
+        draft_state_sets: 0,
         whole_prompts: false,
         step_time: None,
         speculation: None,
@@ -256,6 +257,7 @@ proptest! {
         let hybrid = SchedulerConfig {
             state_slots: 4,
             state_checkpoints: checkpoints,
+            draft_state_sets: 0,
             whole_prompts: false,
             step_time: None,
             ..cfg(longest.div_ceil(bs) + extra, bs, budget, Some(HashAlgo::Builtin))
@@ -288,6 +290,7 @@ fn a_hybrid_hit_reaches_the_last_checkpointed_block() {
     let hybrid = SchedulerConfig {
         state_slots: 2,
         state_checkpoints: 8,
+        draft_state_sets: 0,
         whole_prompts: false,
         step_time: None,
         ..cfg(64, 4, 5, Some(HashAlgo::Sha256))

@@ -172,6 +172,7 @@ proptest! {
             kv_groups: vec![None],
             state_slots: 0,
             state_checkpoints: 0,
+            draft_state_sets: 0,
             whole_prompts: false,
             step_time: None,
             speculation: None,
@@ -214,6 +215,7 @@ proptest! {
             kv_groups: groups,
             state_slots: 0,
             state_checkpoints: 0,
+            draft_state_sets: 0,
             whole_prompts: false,
             step_time: None,
             speculation: None,
@@ -256,6 +258,7 @@ proptest! {
             kv_groups: groups,
             state_slots: 0,
             state_checkpoints: 0,
+            draft_state_sets: 0,
             whole_prompts: false,
             step_time: None,
             speculation: None,
@@ -291,6 +294,7 @@ fn speculation_drafts_under_the_property_tests_workloads() {
         kv_groups: vec![None],
         state_slots: 0,
         state_checkpoints: 0,
+        draft_state_sets: 0,
         whole_prompts: false,
         step_time: None,
         speculation: None,
@@ -358,6 +362,7 @@ proptest! {
             kv_groups: groups,
             state_slots: 0,
             state_checkpoints: 0,
+            draft_state_sets: 0,
             whole_prompts: false,
             step_time: None,
             speculation: None,
@@ -390,6 +395,7 @@ fn preemption_happens_under_pressure_and_changes_nothing() {
         kv_groups: vec![None],
         state_slots: 0,
         state_checkpoints: 0,
+        draft_state_sets: 0,
         whole_prompts: false,
         step_time: None,
         speculation: None,
@@ -418,6 +424,7 @@ fn requests_that_can_never_fit_are_refused() {
         kv_groups: vec![None],
         state_slots: 0,
         state_checkpoints: 0,
+        draft_state_sets: 0,
         whole_prompts: false,
         step_time: None,
         speculation: None,
@@ -455,7 +462,9 @@ fn run_with_states(
 ) -> HashMap<u64, Vec<u32>> {
     let mut sched = Scheduler::new(cfg.clone());
     let mut model = MockModel::new(cfg.num_blocks, cfg.block_size, VOCAB, &cfg.kv_groups);
-    model.states = vec![0; cfg.state_slots];
+    let k = cfg.speculation.as_ref().map_or(0, |s| s.k);
+    let draft_slots = cfg.state_slots..cfg.state_slots + cfg.draft_state_sets * k;
+    model.states = vec![0; draft_slots.end];
     let mut outputs: HashMap<u64, Vec<u32>> = HashMap::new();
     let mut done = HashSet::new();
     let aborted: HashSet<u64> = aborts
@@ -484,6 +493,12 @@ fn run_with_states(
                 .expect("every scheduled request holds a state slot");
             assert!((s as usize) < cfg.state_slots);
             assert!(held.insert(s), "state slot {s} held twice");
+            if let Some(first) = r.draft_states {
+                for d in first..first + r.draft.len() as u32 {
+                    assert!(draft_slots.contains(&(d as usize)), "draft slot {d}");
+                    assert!(held.insert(d), "draft state slot {d} held twice");
+                }
+            }
         }
         assert!(sched.num_running() <= cfg.state_slots);
         let sampled = model.execute(&out);
@@ -500,6 +515,11 @@ fn run_with_states(
     }
     assert!(!sched.has_work());
     assert_eq!(sched.num_state_slots_in_use(), 0, "state slots leaked");
+    assert_eq!(
+        sched.num_draft_state_sets_in_use(),
+        0,
+        "draft state slots leaked"
+    );
     assert_eq!(sched.num_blocks_in_use(), 0, "blocks leaked");
     outputs.retain(|id, _| !aborted.contains(id));
     outputs
@@ -509,9 +529,11 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
     /// Recurrent-state slots under pressure (fewer slots than seats, a tight KV pool that
-    /// preempts) and aborts: every slot is held by one request at a time, all come back,
-    /// and requests that finish produce what they produce with room for everyone (a slot
-    /// shared or not started over after preemption would change their tokens).
+    /// preempts) and aborts, with and without n-gram speculation (fewer sets of draft slots
+    /// than requests): every slot is held by one request at a time, all come back, and
+    /// requests that finish produce what they produce with room for everyone and no
+    /// speculation (a slot shared, not started over after preemption, or a rejected draft's
+    /// state not taken back would change their tokens).
     #[test]
     fn state_slots_are_held_once_freed_always_and_change_no_output(
         work in arrivals(),
@@ -520,6 +542,7 @@ proptest! {
         budget in 1usize..48,
         slots in 1usize..4,
         aborts in prop::collection::vec((0usize..14, 0usize..60), 0..4),
+        spec in prop::option::of((1usize..4, 1usize..4)),
     ) {
         let longest = work.iter().map(|a| a.prompt.len() + a.max_tokens).max().unwrap();
         let cfg = SchedulerConfig {
@@ -532,9 +555,14 @@ proptest! {
             kv_groups: vec![None],
             state_slots: slots,
             state_checkpoints: 0,
+            draft_state_sets: spec.map_or(0, |s| s.1),
             whole_prompts: false,
             step_time: None,
-            speculation: None,
+            speculation: spec.map(|(k, _)| Speculation {
+                k,
+                proposer: Proposer::Ngram { min_n: 1, max_n: 3 },
+                disable_by_batch_size: 6,
+            }),
         };
         let got = run_with_states(cfg.clone(), &work, &aborts);
         let roomy = SchedulerConfig {
@@ -543,8 +571,10 @@ proptest! {
             max_num_seqs: 64,
             state_slots: 64,
             state_checkpoints: 0,
+            draft_state_sets: 0,
             whole_prompts: false,
             step_time: None,
+            speculation: None,
             ..cfg
         };
         let want = run_with_states(roomy, &work, &[]);
@@ -579,6 +609,7 @@ proptest! {
             kv_groups: vec![None],
             state_slots: 0,
             state_checkpoints: 0,
+            draft_state_sets: 0,
             whole_prompts: true,
             step_time: None,
             speculation: None,
@@ -646,6 +677,7 @@ proptest! {
             kv_groups: vec![None],
             state_slots: 0,
             state_checkpoints: 0,
+            draft_state_sets: 0,
             whole_prompts: false,
             step_time: None,
             speculation: None,
@@ -693,6 +725,7 @@ fn prefill_beside_decodes_is_cut_to_the_step_time_target() {
         kv_groups: vec![None],
         state_slots: 0,
         state_checkpoints: 0,
+        draft_state_sets: 0,
         whole_prompts: false,
         step_time: Some(StepTime {
             cost,

@@ -86,12 +86,52 @@ pub struct DraftModel {
 }
 
 /// A request still drafting: where its next draft token goes and what it has proposed.
-struct Proposing {
-    id: RequestId,
-    tables: Vec<Vec<u32>>,
-    next_pos: usize,
-    left: usize,
-    tokens: Vec<u32>,
+pub(crate) struct Proposing {
+    pub id: RequestId,
+    pub tables: Vec<Vec<u32>>,
+    /// Its recurrent-state slot (a model with linear-attention layers).
+    pub state_slot: Option<u32>,
+    pub next_pos: usize,
+    /// Its row in the last pass.
+    pub row: u32,
+    pub left: usize,
+    pub tokens: Vec<u32>,
+}
+
+/// Drafts for every request in `live` (in the order of the first pass's rows, which drew
+/// `drawn`): each further pass feeds every request still drafting its last draft token at
+/// its next position, one row each, and `pass` draws one token per row.
+pub(crate) fn draft_on(
+    mut live: Vec<Proposing>,
+    mut drawn: Vec<u32>,
+    block_size: usize,
+    mut pass: impl FnMut(&PackedStep) -> Result<Vec<u32>>,
+) -> Result<HashMap<RequestId, Vec<u32>>> {
+    let mut proposals = HashMap::new();
+    loop {
+        for (p, t) in live.iter_mut().zip(drawn) {
+            p.tokens.push(t);
+            p.left -= 1;
+        }
+        let (done, drafting): (Vec<_>, Vec<_>) = live.into_iter().partition(|p| p.left == 0);
+        proposals.extend(done.into_iter().map(|p| (p.id, p.tokens)));
+        live = drafting;
+        if live.is_empty() {
+            return Ok(proposals);
+        }
+        let mut step = PackedStep::default();
+        for (row, p) in live.iter_mut().enumerate() {
+            let last = *p.tokens.last().expect("drafted above");
+            step.push(&[last], p.next_pos, &p.tables, block_size);
+            step.state_slots.extend(p.state_slot);
+            step.hidden_rows.push(p.row);
+            step.logits_indices.push(row as u32);
+            p.next_pos += 1;
+            p.row = row as u32;
+        }
+        step.finish();
+        drawn = pass(&step)?;
+    }
 }
 
 impl DraftModel {
@@ -162,44 +202,26 @@ impl DraftModel {
                 live.push(Proposing {
                     id: r.req_id,
                     tables,
+                    state_slot: None,
                     next_pos: start + tokens.len(),
+                    row: 0,
                     left: propose,
                     tokens: Vec::with_capacity(propose),
                 });
             }
         }
-        let mut proposals = HashMap::new();
         if step.num_tokens() == 0 {
-            return Ok(proposals);
+            return Ok(HashMap::new());
         }
         step.finish();
         if live.is_empty() {
             // Catching up only: K/V written, no row's logits wanted.
             self.model.forward(&step)?;
-            return Ok(proposals);
+            return Ok(HashMap::new());
         }
-        let mut drawn = self.model.forward_argmax(&step)?;
-        loop {
-            for (p, t) in live.iter_mut().zip(drawn) {
-                p.tokens.push(t);
-                p.left -= 1;
-            }
-            let (done, drafting): (Vec<_>, Vec<_>) = live.into_iter().partition(|p| p.left == 0);
-            proposals.extend(done.into_iter().map(|p| (p.id, p.tokens)));
-            live = drafting;
-            if live.is_empty() {
-                return Ok(proposals);
-            }
-            // Each draft token is fed to draft the next one.
-            let mut step = PackedStep::default();
-            for p in &mut live {
-                let last = *p.tokens.last().expect("drafted above");
-                step.push(&[last], p.next_pos, &p.tables, bs);
-                step.logits_indices.push(step.num_tokens() as u32 - 1);
-                p.next_pos += 1;
-            }
-            step.finish();
-            drawn = self.model.forward_argmax(&step)?;
-        }
+        let drawn = self.model.forward_argmax(&step)?;
+        // Each draft token is fed to draft the next one.
+        let model = &mut self.model;
+        draft_on(live, drawn, bs, |s| model.forward_argmax(s))
     }
 }

@@ -279,6 +279,14 @@ impl EngineArgs {
         Ok(max_model_len)
     }
 
+    /// Requests that speculate at once (at most the batch size speculation pauses above):
+    /// with recurrent state, each holds `k` more state slots.
+    fn draft_state_sets(&self) -> usize {
+        self.speculation
+            .as_ref()
+            .map_or(0, |s| s.disable_by_batch_size.min(self.max_num_seqs))
+    }
+
     /// The KV pool sized from `device_bytes` of memory once weights and activations are
     /// counted, and the scheduler configuration that hands it out.
     pub(crate) fn plan(
@@ -315,6 +323,8 @@ impl EngineArgs {
                 Some(_) => self.max_num_seqs,
                 None => 0,
             },
+            state_draft_slots: self.draft_state_sets()
+                * self.speculation.as_ref().map_or(0, |s| s.k),
             draft: bytes.draft,
         })?;
         let scheduler = SchedulerConfig {
@@ -329,16 +339,11 @@ impl EngineArgs {
             state_checkpoints: plan.state_checkpoints,
             whole_prompts: false,
             step_time: None,
-            speculation: self.speculation.clone().filter(|_| {
-                let fits = plan.state_slots == 0;
-                if !fits {
-                    tracing::warn!(
-                        "speculative decoding is off for this model: its linear-attention \
-                         state cannot take back a rejected draft"
-                    );
-                }
-                fits
-            }),
+            speculation: self.speculation.clone(),
+            draft_state_sets: match plan.state_slots {
+                0 => 0,
+                _ => self.draft_state_sets(),
+            },
         };
         Ok((plan, scheduler))
     }

@@ -12,6 +12,7 @@ pub mod kv_dtype;
 pub mod loader;
 pub mod memory;
 pub mod models;
+pub mod mtp_draft;
 pub mod pooling;
 pub mod rope;
 pub mod runner;

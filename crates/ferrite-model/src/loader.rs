@@ -72,19 +72,26 @@ pub fn load_cpu_decoder(
     models::load(backend, &src, &mut weights, max_positions, progress)
 }
 
+/// Whether `--speculative-config` drafts with the model's own MTP head.
+pub(crate) fn drafts_with_mtp(args: &EngineArgs) -> bool {
+    args.speculation
+        .as_ref()
+        .is_some_and(|s| s.proposer == ferrite_core::spec_decode::Proposer::Mtp)
+}
+
 fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result<LoadedEngine> {
     let (args, pooling) = &resolved_for_task(args)?;
     let config = read_config(&args.model)?;
     let max_model_len = args.max_model_len(&config, pooling.as_ref())?;
     let tokenizer = open_tokenizer(&args.model)?;
-    let mut model = load_cpu_decoder(
-        &args.model,
-        args.load_format,
-        args.weight_format,
-        args.threads,
-        Some(max_model_len),
-        progress,
-    )?;
+    let mut model = {
+        let (src, mut weights) = open_weights(&args.model, args.load_format)?;
+        let backend = CpuBackend::new(args.weight_format, args.threads);
+        match drafts_with_mtp(args) {
+            true => models::load_with_mtp(backend, &src, &mut weights, max_model_len, progress)?,
+            false => models::load(backend, &src, &mut weights, max_model_len, progress)?,
+        }
+    };
     let config = model.config.clone();
     model.set_kv_dtype(args.kv_cache_dtype);
     let calibrate = pooling.is_none() && args.step_target()?.is_some();
@@ -122,7 +129,7 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
     )?;
     scheduler.whole_prompts = pooling.is_some();
     model.allocate_cache(plan.num_blocks, args.block_size)?;
-    model.allocate_state(plan.state_slots + plan.state_checkpoints)?;
+    model.allocate_state(plan.state_slots + plan.state_checkpoints + plan.state_draft_slots)?;
     scheduler.step_time = step_time(args, cost)?;
     let draft = match draft.take() {
         Some((mut d, _)) => {
@@ -131,7 +138,9 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
         }
         None => None,
     };
-    let runner = ModelRunner::new(Box::new(model), args.block_size, args.seed).with_draft(draft);
+    let runner = ModelRunner::new(Box::new(model), args.block_size, args.seed)
+        .with_draft(draft)
+        .with_mtp(drafts_with_mtp(args));
     Ok(LoadedEngine {
         runner: runner.with_pooling(pooling.clone()),
         tokenizer,

@@ -90,6 +90,8 @@ pub struct MemoryPlan {
     /// requests' slots, prefix-cache checkpoints, and their bytes.
     pub state_slots: usize,
     pub state_checkpoints: usize,
+    /// Slots holding the state after each draft token of verify steps (speculation).
+    pub state_draft_slots: usize,
     pub state_bytes: u64,
     pub draft: Option<DraftShare>,
 }
@@ -116,6 +118,8 @@ pub struct PlanInputs {
     /// KV pool.
     pub state_bytes_per_slot: u64,
     pub state_checkpoints: usize,
+    /// With speculation: `k` slots for each request that may draft at once.
+    pub state_draft_slots: usize,
     /// A draft model's share, included in `weight_bytes` and `bytes_per_block`.
     pub draft: Option<DraftShare>,
 }
@@ -133,7 +137,9 @@ pub fn plan(i: &PlanInputs) -> Result<MemoryPlan> {
     let stateful = i.state_bytes_per_slot > 0;
     let state_slots = if stateful { i.max_num_seqs } else { 0 };
     let state_checkpoints = if stateful { i.state_checkpoints } else { 0 };
-    let state_bytes = (state_slots + state_checkpoints) as u64 * i.state_bytes_per_slot;
+    let state_draft_slots = if stateful { i.state_draft_slots } else { 0 };
+    let state_bytes =
+        (state_slots + state_checkpoints + state_draft_slots) as u64 * i.state_bytes_per_slot;
     let kv_bytes = match i.kv_cache_memory {
         Some(b) => b,
         None => {
@@ -209,6 +215,7 @@ pub fn plan(i: &PlanInputs) -> Result<MemoryPlan> {
         capped,
         state_slots,
         state_checkpoints,
+        state_draft_slots,
         state_bytes,
         draft: i.draft,
     })
@@ -273,12 +280,13 @@ impl fmt::Display for MemoryPlan {
             write!(f, " (pool set by --kv-cache-memory)")?;
         }
         if self.state_slots > 0 {
-            let n = self.state_slots + self.state_checkpoints;
+            let n = self.state_slots + self.state_checkpoints + self.state_draft_slots;
             write!(
                 f,
-                "; recurrent state: {} slots + {} prefix-cache checkpoints x {:.2} MiB = {:.2} GiB",
+                "; recurrent state: {} slots + {} prefix-cache checkpoints + {} draft slots x {:.2} MiB = {:.2} GiB",
                 self.state_slots,
                 self.state_checkpoints,
+                self.state_draft_slots,
                 self.state_bytes as f64 / n as f64 / (1 << 20) as f64,
                 self.state_bytes as f64 / GIB
             )?;
@@ -321,6 +329,7 @@ mod tests {
             state_bytes_per_slot: 0,
             draft: None,
             state_checkpoints: 0,
+            state_draft_slots: 0,
         }
     }
 

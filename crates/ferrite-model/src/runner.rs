@@ -35,6 +35,11 @@ pub trait StepModel: Send {
         anyhow::bail!("this backend samples on the host")
     }
 
+    /// The model's multi-token-prediction head over `step` (see `Decoder::forward_mtp`).
+    fn forward_mtp(&mut self, _step: &PackedStep, _chained: bool) -> Result<&mut [f32]> {
+        anyhow::bail!("this model has no multi-token-prediction head")
+    }
+
     fn vocab_size(&self) -> usize;
 
     /// Backend, threads and weight format, for the start-up log line.
@@ -92,8 +97,15 @@ pub struct ModelRunner {
     block_size: usize,
     /// An embedding model's pooling: its steps' outputs are pooled hidden states.
     pooling: Option<Pooling>,
-    /// Speculation with a draft model: it proposes after each step.
-    draft: Option<DraftModel>,
+    /// What proposes the next step's drafts after each step, if anything does.
+    proposer: Option<StepProposer>,
+}
+
+/// A proposer that runs after the target's step.
+enum StepProposer {
+    DraftModel(DraftModel),
+    /// The target's own multi-token-prediction head.
+    Mtp,
 }
 
 /// A sampled row that needs nothing a device draw lacks: no logprobs, bans, penalties or
@@ -124,20 +136,43 @@ impl ModelRunner {
             sampler: Sampler::new(seed),
             block_size,
             pooling: None,
-            draft: None,
+            proposer: None,
         }
     }
 
     /// This runner with a draft model proposing the next step's drafts after each step.
     pub fn with_draft(self, draft: Option<DraftModel>) -> Self {
-        Self { draft, ..self }
+        match draft {
+            Some(d) => Self {
+                proposer: Some(StepProposer::DraftModel(d)),
+                ..self
+            },
+            None => self,
+        }
+    }
+
+    /// This runner with the model's MTP head proposing after each step (the model was
+    /// loaded with it).
+    pub fn with_mtp(self, mtp: bool) -> Self {
+        match mtp {
+            true => Self {
+                proposer: Some(StepProposer::Mtp),
+                ..self
+            },
+            false => self,
+        }
     }
 
     /// Backends, threads and weight formats of the model (and the draft model).
     pub fn describe(&self) -> String {
-        match &self.draft {
+        match &self.proposer {
+            Some(StepProposer::DraftModel(d)) => {
+                format!("{}; draft model: {}", self.model.describe(), d.describe())
+            }
+            Some(StepProposer::Mtp) => {
+                format!("{}; drafts from its MTP head", self.model.describe())
+            }
             None => self.model.describe(),
-            Some(d) => format!("{}; draft model: {}", self.model.describe(), d.describe()),
         }
     }
 
@@ -197,6 +232,9 @@ impl ModelRunner {
                 step.state_restores.push(r.state_restore.unwrap_or(NO_SLOT));
                 let save = r.state_save.map_or([0, NO_SLOT], |(n, s)| [n as u32, s]);
                 step.state_saves.push(save);
+                let known = r.token_ids.len() - r.draft.len();
+                let drafts = r.draft_states.map_or([0, NO_SLOT], |s| [known as u32, s]);
+                step.state_drafts.push(drafts);
             }
             if let Some(pl) = &r.prompt_logprobs {
                 for (j, &target) in pl.targets.iter().enumerate() {
@@ -242,20 +280,34 @@ impl ModelRunner {
 
 impl Executor for ModelRunner {
     fn execute(&mut self, out: &SchedulerOutput) -> Result<StepOutput, ExecError> {
-        let mut result = self.run_step(out)?;
-        if let Some(draft) = &mut self.draft {
-            result.drafts = draft.propose(out, &result.sampled)?;
-        }
+        let (step, uses, pools) = self.pack(out);
+        let mut result = self.run_step(out, &step, uses, &pools)?;
+        result.drafts = match &mut self.proposer {
+            Some(StepProposer::DraftModel(d)) => d.propose(out, &result.sampled)?,
+            Some(StepProposer::Mtp) => crate::mtp_draft::propose(
+                self.model.as_mut(),
+                out,
+                &step,
+                &result.sampled,
+                self.block_size,
+            )?,
+            None => HashMap::new(),
+        };
         Ok(result)
     }
 }
 
 impl ModelRunner {
     /// The target's step: the packed forward pass, its drafts verified and its rows sampled.
-    fn run_step(&mut self, out: &SchedulerOutput) -> Result<StepOutput, ExecError> {
-        let (step, uses, pools) = self.pack(out);
+    fn run_step(
+        &mut self,
+        out: &SchedulerOutput,
+        step: &PackedStep,
+        uses: Vec<RowUse>,
+        pools: &[PoolRows],
+    ) -> Result<StepOutput, ExecError> {
         if step.pooling {
-            return Ok(self.pool(&step, &pools, out)?);
+            return Ok(self.pool(step, pools, out)?);
         }
         let mut result = StepOutput::default();
         let specs: Option<Vec<&SampleSpec>> = uses
@@ -272,7 +324,7 @@ impl ModelRunner {
         if let Some(specs) = specs.filter(|s| s.iter().all(|s| drawable(s)) && !drafts_sampled) {
             let constrained = specs.iter().any(|s| s.constraint.is_some());
             let tokens = if specs.iter().all(|s| s.params.is_greedy()) && !constrained {
-                Some((self.model.forward_argmax(&step)?, HashMap::new()))
+                Some((self.model.forward_argmax(step)?, HashMap::new()))
             } else if self.model.draws_on_device() {
                 let draws: Vec<RowDraw> = specs.iter().map(|s| self.draw(s)).collect();
                 // A grammar that fails fails its row only: drawn unmasked, then dropped.
@@ -312,7 +364,7 @@ impl ModelRunner {
                         fill: &fill,
                     }),
                 };
-                let tokens = self.model.forward_draw(&step, d)?;
+                let tokens = self.model.forward_draw(step, d)?;
                 Some((tokens, failed.into_inner().unwrap()))
             } else {
                 None
@@ -374,7 +426,7 @@ impl ModelRunner {
                         .collect::<HashMap<usize, Result<Vec<u32>, String>>>()
                 })
             });
-            let logits = model.forward(&step);
+            let logits = model.forward(step);
             let masks = masks
                 .map(|h| h.join().expect("mask thread"))
                 .unwrap_or_default();

@@ -37,6 +37,14 @@ pub struct PackedStep {
     /// `[B]` beside `state_slots` (or empty: none): `[n, slot]`, the state after the chunk's
     /// first `n` tokens written into checkpoint `slot`, or `[0, NO_SLOT]`.
     pub state_saves: Vec<[u32; 2]>,
+    /// `[B]` beside `state_slots` (or empty: none): `[n, first]`, the state after each of the
+    /// chunk's tokens from the `n`-th on, but the last, written into slots `first`,
+    /// `first + 1`, ... (a verify step: the state after each accepted-draft count), or
+    /// `[0, NO_SLOT]`.
+    pub state_drafts: Vec<[u32; 2]>,
+    /// An MTP head's step: the row of the previous step's hidden states each row continues
+    /// from (empty: the same rows).
+    pub hidden_rows: Vec<u32>,
     /// A pooling step: the `logits_indices` rows' hidden states are the output, not logits.
     pub pooling: bool,
     /// `[T]` each token's segment (pair inputs of cross-encoders); empty: all 0.
@@ -59,6 +67,7 @@ impl PackedStep {
     pub fn moves_state(&self) -> bool {
         self.state_restores.iter().any(|&r| r != NO_SLOT)
             || self.state_saves.iter().any(|s| s[1] != NO_SLOT)
+            || self.state_drafts.iter().any(|s| s[1] != NO_SLOT)
     }
 
     /// Positions and token ids within what a model of `max_positions` positions and a

@@ -1,12 +1,15 @@
 //! A hybrid model (the tiny random-weight Qwen3.5 of `tests/oracle/tiny`: gated delta-net
 //! layers beside full attention) through the whole engine: each running request holds a
-//! recurrent-state slot; preemption by recompute, fewer slots than requests and prefix-cache
-//! hits (which restore a checkpointed state) change no greedy token.
+//! recurrent-state slot; preemption by recompute, fewer slots than requests, prefix-cache
+//! hits (which restore a checkpointed state) and speculation (whose rejected drafts restore
+//! the state saved after the accepted tokens) change no greedy token.
 
 mod common;
 
 use common::*;
+use ferrite_core::engine::EngineStats;
 use ferrite_core::sampling::SamplingParams;
+use ferrite_core::spec_decode::{Proposer, Speculation};
 use ferrite_model::loader::EngineArgs;
 
 /// Six prompts of 20-45 tokens of the tiny vocabulary.
@@ -26,7 +29,11 @@ fn prompts() -> Vec<Vec<u32>> {
 }
 
 fn args(kv_blocks: usize, max_num_seqs: usize) -> EngineArgs {
-    let mut args = EngineArgs::new(repo_root().join("tests/oracle/tiny/qwen3_5"));
+    args_of("qwen3_5", kv_blocks, max_num_seqs)
+}
+
+fn args_of(model: &str, kv_blocks: usize, max_num_seqs: usize) -> EngineArgs {
+    let mut args = EngineArgs::new(repo_root().join("tests/oracle/tiny").join(model));
     args.max_model_len = Some(128);
     args.max_num_batched_tokens = 32;
     args.max_num_seqs = max_num_seqs;
@@ -37,24 +44,33 @@ fn args(kv_blocks: usize, max_num_seqs: usize) -> EngineArgs {
 
 /// Greedy tokens of every prompt at once, and the preemptions it took.
 fn run(kv_blocks: usize, max_num_seqs: usize) -> (Vec<Vec<u32>>, u64) {
-    let (engine, _) = engine_with(args(kv_blocks, max_num_seqs));
-    let streams: Vec<_> = prompts()
-        .into_iter()
-        .map(|p| {
-            let params = SamplingParams {
-                temperature: 0.0,
-                max_tokens: Some(40),
-                ignore_eos: true,
-                ..Default::default()
-            };
-            engine.add_request(p, params).unwrap()
-        })
-        .collect();
-    let out = streams
-        .into_iter()
-        .map(|s| tokens_of(&collect(s).unwrap()))
-        .collect();
-    (out, engine.stats().num_preemptions)
+    let (out, stats) = run_with(args(kv_blocks, max_num_seqs), &prompts(), true);
+    (out, stats.num_preemptions)
+}
+
+/// Greedy tokens of `prompts` (all at once, or one after another), and the engine's stats
+/// once idle.
+fn run_with(args: EngineArgs, prompts: &[Vec<u32>], at_once: bool) -> (Vec<Vec<u32>>, EngineStats) {
+    let (engine, _) = engine_with(args);
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens: Some(40),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let submit = |p: &Vec<u32>| engine.add_request(p.clone(), params.clone()).unwrap();
+    let out = match at_once {
+        true => {
+            let streams: Vec<_> = prompts.iter().map(submit).collect();
+            let outs = streams.into_iter().map(|s| tokens_of(&collect(s).unwrap()));
+            outs.collect()
+        }
+        false => prompts
+            .iter()
+            .map(|p| tokens_of(&collect(submit(p)).unwrap()))
+            .collect(),
+    };
+    (out, idle_stats(&engine))
 }
 
 #[test]
@@ -108,4 +124,56 @@ fn prefix_cache_hits_restore_the_state_and_change_no_greedy_token() {
     // Each later request shares at least the stem's two full blocks with the first.
     assert!(hits >= 4 * 32, "{hits} prompt tokens hit");
     assert_eq!(cached, cold);
+}
+
+/// Speculation on hybrids (both heads: Qwen3.5's dense, Qwen3-Next's with experts): a verify
+/// step writes the state after each draft into the request's draft slots, and the step after
+/// a rejection starts from the one after the accepted tokens. Greedy output is the same with
+/// n-gram drafts and with the MTP head's (k = 1 and 3), one request at a time and 16 at
+/// once, and with a pool small enough to preempt. (Random weights: the drafts fail nearly
+/// always, so every step after a verify restores; `mtp.rs` checks accepted drafts' states.)
+#[test]
+fn speculation_changes_no_greedy_token_on_a_hybrid() {
+    let spec = |k, proposer| {
+        Some(Speculation {
+            k,
+            proposer,
+            disable_by_batch_size: 64,
+        })
+    };
+    let ngram = Proposer::Ngram { min_n: 1, max_n: 3 };
+    let specs = [
+        spec(3, ngram),
+        spec(1, Proposer::Mtp),
+        spec(3, Proposer::Mtp),
+    ];
+    let many: Vec<Vec<u32>> = prompts().into_iter().cycle().take(16).collect();
+    for model in ["qwen3_5_mtp", "qwen3_next_mtp"] {
+        let with = |spec: &Option<Speculation>, kv_blocks| {
+            // The head's attention layer is one more layer of every block.
+            let head = spec.as_ref().is_some_and(|s| s.proposer == Proposer::Mtp);
+            let mut a = args_of(model, kv_blocks * (1 + head as usize), 16);
+            a.speculation = spec.clone();
+            a
+        };
+        let (one, _) = run_with(with(&None, 600), &prompts(), false);
+        let (all, _) = run_with(with(&None, 600), &many, true);
+        for spec in &specs {
+            let (got, s1) = run_with(with(spec, 600), &prompts(), false);
+            assert_eq!(got, one, "{model}, concurrency 1, {spec:?}");
+            let (got, s16) = run_with(with(spec, 600), &many, true);
+            assert_eq!(got, all, "{model}, concurrency 16, {spec:?}");
+            let (got, tight) = run_with(with(spec, 9), &prompts(), true);
+            assert_eq!(got, all[..6], "{model}, preempted, {spec:?}");
+            println!(
+                "{model} {spec:?}: C=1 {:?}; C=16 {:?}; {} preemptions",
+                s1.spec, s16.spec, tight.num_preemptions
+            );
+            assert!(tight.num_preemptions > 0);
+            for s in [&s1.spec, &s16.spec] {
+                assert!(s.num_drafts > 20, "{s:?}");
+                assert!(s.num_accepted_tokens < s.num_draft_tokens, "{s:?}");
+            }
+        }
+    }
 }

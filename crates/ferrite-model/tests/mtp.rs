@@ -6,9 +6,14 @@
 mod common;
 
 use common::*;
+use ferrite_core::output::SampledToken;
+use ferrite_core::scheduler::{ScheduledRequest, SchedulerOutput};
+use ferrite_core::spec_decode::MtpRun;
 use ferrite_model::loader::{load_cpu_decoder_with_mtp, WeightFormat};
+use ferrite_model::mtp_draft::propose;
 use ferrite_model::runner::StepModel;
-use ferrite_model::step::PackedStep;
+use ferrite_model::step::{PackedStep, NO_SLOT};
+use std::collections::HashMap;
 
 /// The target's and the head's logits at every position, the sequence run in chunks ending at
 /// `ends`: after
@@ -42,7 +47,9 @@ fn teacher_forced(
             model.forward(&step(&tokens[r.clone()], r.start)).unwrap(),
         ));
         let next: Vec<u32> = r.clone().map(|i| tokens[(i + 1) % n]).collect();
-        head.extend(rows(model.forward_mtp(&step(&next, r.start)).unwrap()));
+        head.extend(rows(
+            model.forward_mtp(&step(&next, r.start), false).unwrap(),
+        ));
     }
     (target, head)
 }
@@ -88,7 +95,7 @@ fn teacher_forced_error(model: &mut CpuDecoder, tokens: &[u32]) -> String {
     s.logits_indices = vec![3];
     s.finish();
     model.forward(&s).unwrap();
-    model.forward_mtp(&s).unwrap_err().to_string()
+    model.forward_mtp(&s, false).unwrap_err().to_string()
 }
 
 #[test]
@@ -99,4 +106,146 @@ fn qwen3_next_mtp_head_with_experts() {
 #[test]
 fn qwen3_5_mtp_head() {
     check("qwen3_5");
+}
+
+/// One request of a hand-built step.
+fn scheduled(tokens: &[u32], start: usize, tables: &[Vec<u32>]) -> ScheduledRequest {
+    ScheduledRequest {
+        req_id: 7,
+        token_ids: tokens.to_vec(),
+        start_pos: start,
+        block_tables: tables.to_vec(),
+        state_slot: Some(0),
+        state_restore: None,
+        state_save: None,
+        sample: None,
+        pool: false,
+        token_type_ids: Vec::new(),
+        draft: Vec::new(),
+        draft_run: None,
+        mtp_run: None,
+        draft_states: None,
+        prompt_logprobs: None,
+    }
+}
+
+/// The target's step of `r` as the runner packs it (every row's logits).
+fn target_step(r: &ScheduledRequest, bs: usize) -> PackedStep {
+    let mut s = PackedStep::default();
+    s.push(&r.token_ids, r.start_pos, &r.block_tables, bs);
+    s.state_slots.push(0);
+    s.state_restores.push(r.state_restore.unwrap_or(NO_SLOT));
+    s.state_saves.push([0, NO_SLOT]);
+    let known = (r.token_ids.len() - r.draft.len()) as u32;
+    s.state_drafts
+        .push(r.draft_states.map_or([0, NO_SLOT], |d| [known, d]));
+    s.logits_indices = (0..r.token_ids.len() as u32).collect();
+    s.finish();
+    s
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let best = row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1));
+    best.unwrap().0 as u32
+}
+
+/// The MTP proposer after a prefill, after a verify step that rejected a draft, and after the
+/// decode that follows it: each first draft is the argmax of transformers' head at the row of
+/// the last accepted token, and the decode after the rejection starts from the state saved
+/// after the accepted tokens (its target logits are the oracle's; without the restore they are
+/// not).
+#[test]
+fn mtp_proposer_drafts_the_heads_argmax_and_a_rejected_draft_rolls_back() {
+    let name = "qwen3_next_mtp";
+    let (s, want_target) = tiny_oracle(name, "logits_f16_kv");
+    let (_, want_head) = tiny_oracle(name, "mtp_logits_f16_kv");
+    let dir = repo_root().join(format!("tests/oracle/tiny/{name}"));
+    let mut model = load_cpu_decoder_with_mtp(&dir, WeightFormat::F32).unwrap();
+    let (bs, v, groups) = (16, model.config.vocab_size, model.layout.groups.len());
+    model.allocate_cache(4 * groups, bs).unwrap();
+    // Slot 0 the request's, 1-2 its draft states.
+    model.allocate_state(3).unwrap();
+    let tables = fresh_tables(groups, 4);
+    let n = 20;
+    let sampled = |t: &[u32]| {
+        let d = t.iter().map(|&token_id| SampledToken {
+            token_id,
+            logprobs: None,
+        });
+        HashMap::from([(7, d.collect())])
+    };
+    let mut run = |r: ScheduledRequest, drawn: &[u32]| {
+        let step = target_step(&r, bs);
+        let logits: Vec<Vec<f32>> = model
+            .forward(&step)
+            .unwrap()
+            .chunks(v)
+            .map(|c| c.to_vec())
+            .collect();
+        let out = SchedulerOutput {
+            requests: vec![r],
+            ..Default::default()
+        };
+        let drafts = propose(&mut model, &out, &step, &sampled(drawn), bs).unwrap();
+        (logits, drafts.get(&7).cloned().unwrap_or_default())
+    };
+    let mtp = |propose| {
+        Some(MtpRun {
+            next: None,
+            propose,
+        })
+    };
+    let close = |got: &[f32], p: usize| max_diff(&[got.to_vec()], &[want_target[p].clone()]);
+
+    // The prompt's last chunk: the head drafts after the sampled token.
+    let mut r = scheduled(&s[..n], 0, &tables);
+    r.mtp_run = mtp(1);
+    let (logits, drafts) = run(r, &[s[n]]);
+    assert!(close(&logits[n - 1], n - 1) <= 1e-3);
+    assert_eq!(drafts, vec![argmax(&want_head[n - 1])]);
+
+    // A verify step: the first draft holds, the second does not.
+    let wrong = (s[n + 2] + 1) % v as u32;
+    let mut r = scheduled(&[s[n], s[n + 1], wrong], n, &tables);
+    r.draft = vec![s[n + 1], wrong];
+    r.draft_states = Some(1);
+    r.mtp_run = mtp(1);
+    let (logits, drafts) = run(r, &[s[n + 1], s[n + 2]]);
+    assert!(close(&logits[0], n) <= 1e-3 && close(&logits[1], n + 1) <= 1e-3);
+    assert_eq!(drafts, vec![argmax(&want_head[n + 1])]);
+
+    // The next decode restores the state after the accepted tokens (slot 1 + 1 accepted);
+    // the head drafts three tokens, the first from the target's hidden state.
+    let mut r = scheduled(&[s[n + 2]], n + 2, &tables);
+    r.state_restore = Some(2);
+    r.mtp_run = mtp(3);
+    let (logits, drafts) = run(r, &[s[n + 3]]);
+    let d = close(&logits[0], n + 2);
+    println!("after the rollback: max |dlogit| {d:.2e}");
+    assert!(d <= 1e-3, "the decode after a rejected draft is off by {d}");
+    assert_eq!(drafts.len(), 3);
+    assert_eq!(drafts[0], argmax(&want_head[n + 2]));
+
+    // A verify step whose drafts all hold: the live state is right, nothing is restored.
+    let mut r = scheduled(&[s[n + 3], s[n + 4], s[n + 5]], n + 3, &tables);
+    r.draft = vec![s[n + 4], s[n + 5]];
+    r.draft_states = Some(1);
+    r.mtp_run = mtp(1);
+    let (logits, drafts) = run(r, &[s[n + 4], s[n + 5], s[n + 6]]);
+    assert!((0..3).all(|i| close(&logits[i], n + 3 + i) <= 1e-3));
+    assert_eq!(drafts, vec![argmax(&want_head[n + 5])]);
+    let mut r = scheduled(&[s[n + 6]], n + 6, &tables);
+    r.mtp_run = mtp(1);
+    let (logits, drafts) = run(r.clone(), &[s[n + 7]]);
+    assert!(close(&logits[0], n + 6) <= 1e-3);
+    assert_eq!(drafts, vec![argmax(&want_head[n + 6])]);
+
+    // The same decode restoring a wrong saved state (after one token less): its logits are
+    // off, so the checks above see the state.
+    r.state_restore = Some(2);
+    let (logits, _) = run(r, &[s[n + 7]]);
+    assert!(
+        close(&logits[0], n + 6) > 1e-2,
+        "a wrong state left no trace"
+    );
 }

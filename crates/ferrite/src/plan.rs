@@ -84,6 +84,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
             "kv_cache": kv,
             "state_slots": plan.state_slots,
             "state_checkpoints": plan.state_checkpoints,
+            "state_draft_slots": plan.state_draft_slots,
             "state_bytes": plan.state_bytes,
             "draft_model": plan.draft.map(|d| json!({
                 "weight_bytes": d.weight_bytes,
@@ -131,9 +132,10 @@ fn print_text(
     );
     if plan.state_slots > 0 {
         println!(
-            "recurrent state: {} slots + {} checkpoints, {:.3} GiB",
+            "recurrent state: {} slots + {} checkpoints + {} draft slots, {:.3} GiB",
             plan.state_slots,
             plan.state_checkpoints,
+            plan.state_draft_slots,
             plan.state_bytes as f64 / GIB
         );
     }

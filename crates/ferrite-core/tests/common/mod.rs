@@ -13,7 +13,8 @@ pub struct MockModel {
     /// The draft model's own pages of the same blocks (speculation with a draft model).
     pub draft_slots: Vec<Option<u32>>,
     /// Per recurrent-state slot: a hash of every token the slot's request has fed since its
-    /// first (reset when a request starts at position 0), mixed into the next token.
+    /// first (reset when a request starts at position 0), mixed into the next token (a
+    /// verify step's rows each see the state after their own token).
     pub states: Vec<u64>,
     block_size: usize,
     vocab: u32,
@@ -47,6 +48,8 @@ impl MockModel {
         let mut sampled = HashMap::new();
         for r in &out.requests {
             assert_eq!(r.block_tables.len(), self.groups.len());
+            // The state after each row (a model without state: none).
+            let mut row_states = Vec::new();
             if let Some(s) = r.state_slot {
                 let mut st = self.states[s as usize];
                 if r.start_pos == 0 {
@@ -59,10 +62,22 @@ impl MockModel {
                 }
                 for (i, &t) in r.token_ids.iter().enumerate() {
                     st = (st ^ t as u64).wrapping_mul(1099511628211);
+                    row_states.push(st);
                     if let Some((n, c)) = r.state_save.filter(|(n, _)| *n == i + 1) {
                         assert_ne!(c, s, "a checkpoint slot is not a running slot");
                         assert!(n <= r.token_ids.len());
                         self.states[c as usize] = st;
+                    }
+                }
+                // A verify step keeps the state after the known token and each draft but
+                // the last, for the next step to take a rejected draft back.
+                if let Some(first) = r.draft_states {
+                    assert!(!r.draft.is_empty(), "draft states without a draft");
+                    let known = r.token_ids.len() - r.draft.len();
+                    for m in known..r.token_ids.len() {
+                        let slot = first as usize + m - known;
+                        assert_ne!(slot, s as usize, "a draft slot is not a running slot");
+                        self.states[slot] = row_states[m - 1];
                     }
                 }
                 self.states[s as usize] = st;
@@ -84,8 +99,8 @@ impl MockModel {
                             h = (h ^ t as u64).wrapping_mul(1099511628211);
                         }
                     }
-                    if let Some(s) = r.state_slot {
-                        h ^= self.states[s as usize];
+                    if let Some(st) = row_states.get(pos - r.start_pos) {
+                        h ^= st;
                     }
                     let t = (h % self.vocab as u64) as u32;
                     drawn.push(t);

@@ -418,6 +418,10 @@ pub trait Backend: Send + Sized {
     ) -> Result<()> {
         bail!("{}: no RMSNorm into a separate buffer yet", self.describe())
     }
+    /// `out[i] = x[rows[i]]` (an MTP head's step continuing some rows of the last one).
+    fn select_rows(&mut self, _x: &Self::Act, _rows: &[u32], _out: &mut Self::Act) -> Result<()> {
+        bail!("{}: no row selection yet", self.describe())
+    }
     /// `x *= sigmoid(gate)`, element-wise (Qwen3.5's gated attention output).
     fn gate_sigmoid(&mut self, x: &mut Self::Act, gate: &Self::Act) -> Result<()>;
     /// Logits of the step's `logits_indices` rows: the final norm of those rows only, the

@@ -32,16 +32,17 @@ pub trait Family<B: Backend>: Send + Sync {
         ws: &mut Buffers<B>,
     ) -> Result<()>;
 
-    /// The multi-token-prediction head over `s`, right after [`Family::forward`]: row `i`
-    /// holds the token one past the forward's row `i` (same positions and block tables),
-    /// whose residual stream `ws.x` still holds; leaves the logits of the token after that
-    /// as `forward` leaves its own.
+    /// The multi-token-prediction head over `s`, right after [`Family::forward`] (or, when
+    /// `chained`, after the head's own last step): row `i` holds the token one past the
+    /// position of row `hidden_rows[i]` of that step, whose residual stream `ws.x` still
+    /// holds; leaves the logits of the token after that as `forward` leaves its own.
     fn mtp(
         &self,
         _b: &mut B,
         _s: &Step<B>,
         _cache: &mut [B::LayerCache],
         _ws: &mut Buffers<B>,
+        _chained: bool,
     ) -> Result<()> {
         bail!("this model family has no multi-token-prediction head")
     }
@@ -409,24 +410,6 @@ impl<B: Backend> Decoder<B> {
         self.backend.step(step, draws, &mut forward)
     }
 
-    /// The multi-token-prediction head over `step`: the step [`StepModel::forward`] just ran
-    /// with each row's token moved one ahead (the next prompt token, or the token sampled
-    /// after it); its logits on the host. It reads the activations that step left, so only
-    /// on a backend that keeps them.
-    pub fn forward_mtp(&mut self, step: &PackedStep) -> Result<&mut [f32]> {
-        if !B::REUSES_ACTIVATIONS {
-            bail!("the MTP head reads the target step's activations, which this backend drops");
-        }
-        if !self.family.has_mtp() {
-            bail!("this model has no multi-token-prediction head");
-        }
-        self.check(step)?;
-        let (family, cache, ws) = (&self.family, &mut self.cache, &mut self.buffers);
-        let mut forward = |b: &mut B, s: &Step<B>| family.mtp(b, s, cache, ws);
-        self.backend.step(step, None, &mut forward)?;
-        self.backend.host_logits()
-    }
-
     /// The KV pages, one per slot of the layout (benchmarks fill them).
     pub fn caches_mut(&mut self) -> &mut [B::LayerCache] {
         &mut self.cache
@@ -460,6 +443,25 @@ impl<B: Backend> StepModel for Decoder<B> {
     fn forward_draw(&mut self, step: &PackedStep, draws: DeviceDraws) -> Result<Vec<u32>> {
         self.run(step, Some(draws))?;
         self.backend.drawn_tokens()
+    }
+
+    /// The multi-token-prediction head over `step`: rows of the step [`StepModel::forward`]
+    /// just ran (`step.hidden_rows`, or all) with each row's token moved one ahead (the next
+    /// prompt token, or the token sampled after it); `chained`: rows of the head's own last
+    /// step instead, each one position on. Its logits on the host. It reads the activations
+    /// the last step left, so only on a backend that keeps them.
+    fn forward_mtp(&mut self, step: &PackedStep, chained: bool) -> Result<&mut [f32]> {
+        if !B::REUSES_ACTIVATIONS {
+            bail!("the MTP head reads the target step's activations, which this backend drops");
+        }
+        if !self.family.has_mtp() {
+            bail!("this model has no multi-token-prediction head");
+        }
+        self.check(step)?;
+        let (family, cache, ws) = (&self.family, &mut self.cache, &mut self.buffers);
+        let mut forward = |b: &mut B, s: &Step<B>| family.mtp(b, s, cache, ws, chained);
+        self.backend.step(step, None, &mut forward)?;
+        self.backend.host_logits()
     }
 
     fn vocab_size(&self) -> usize {

@@ -488,13 +488,20 @@ impl<B: Backend> Family<B> for Hybrid<B> {
         s: &Step<B>,
         cache: &mut [B::LayerCache],
         ws: &mut Buffers<B>,
+        chained: bool,
     ) -> Result<()> {
         let Some(m) = &self.mtp else {
             bail!("this checkpoint has no multi-token-prediction weights");
         };
         let eps = self.config.common.rms_norm_eps;
-        // The target's hidden state as the head was trained on it: after the final norm.
-        b.rms_norm(&ws.x, &self.final_norm, eps, &mut ws.tmp.attn)?;
+        if !s.host.hidden_rows.is_empty() {
+            b.select_rows(&ws.x, &s.host.hidden_rows, &mut ws.tmp.gate)?;
+            std::mem::swap(&mut ws.x, &mut ws.tmp.gate);
+        }
+        // The hidden state as vLLM hands it to the head: the target's after its final norm,
+        // or the head's own after its norm (a chained draft).
+        let norm = if chained { &m.norm } else { &self.final_norm };
+        b.rms_norm(&ws.x, norm, eps, &mut ws.tmp.attn)?;
         let hidden = LinearIn::RmsNorm {
             x: &ws.tmp.attn,
             norm: &m.norm_hidden,

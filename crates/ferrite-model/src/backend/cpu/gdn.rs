@@ -65,6 +65,23 @@ pub struct Slots<'a> {
     pub restores: &'a [u32],
     /// Per request, or empty: `[n, slot]`, the state after `n` tokens into checkpoint `slot`.
     pub saves: &'a [[u32; 2]],
+    /// Per request, or empty: `[n, first]`, the state after `n`, `n + 1`, ... tokens (all
+    /// but the last row) into `first`, `first + 1`, ... (a verify step's drafts).
+    pub drafts: &'a [[u32; 2]],
+}
+
+impl Slots<'_> {
+    /// Where request `i` (of `rows` rows) writes its state besides its own slot: `(n, slot)`,
+    /// the state after `n` tokens.
+    fn extra(&self, i: usize, rows: usize) -> Vec<(usize, u32)> {
+        let save = self.saves.get(i).filter(|s| s[1] != NO_SLOT);
+        let mut out: Vec<(usize, u32)> = save.map(|s| (s[0] as usize, s[1])).into_iter().collect();
+        if let Some(&[n, first]) = self.drafts.get(i).filter(|d| d[1] != NO_SLOT) {
+            let n = n as usize;
+            out.extend((n..rows).map(|m| (m, first + (m - n) as u32)));
+        }
+        out
+    }
 }
 
 /// The layer over every request of the step; see `Backend::gated_delta`.
@@ -92,14 +109,17 @@ pub fn gated_delta(
     if slots.state.len() != seqs
         || !per_request(slots.restores.len())
         || !per_request(slots.saves.len())
+        || !per_request(slots.drafts.len())
     {
         bail!("state slots for {} of {seqs} requests", slots.state.len());
     }
-    let saves = |i: usize| slots.saves.get(i).filter(|s| s[1] != NO_SLOT);
-    // Every slot this step writes, once: the requests' own and their checkpoints.
+    let rows = |i: usize| (cu_seqlens[i + 1] - cu_seqlens[i]) as usize;
+    let extra: Vec<Vec<(usize, u32)>> = (0..seqs).map(|i| slots.extra(i, rows(i))).collect();
+    // Every slot this step writes, once: the requests' own, their checkpoints and drafts.
     let mut seen = vec![false; state.slots()];
-    let written = (0..seqs).flat_map(|i| [Some(slots.state[i]), saves(i).map(|s| s[1])]);
-    for slot in written.flatten() {
+    let written =
+        (0..seqs).flat_map(|i| std::iter::once(slots.state[i]).chain(extra[i].iter().map(|e| e.1)));
+    for slot in written {
         match seen.get_mut(slot as usize) {
             Some(s) if !*s => *s = true,
             Some(_) => bail!("state slot {slot} written twice in one step"),
@@ -107,11 +127,12 @@ pub fn gated_delta(
         }
     }
     let elems = s.state_elems();
-    // Hits start from their checkpoint (which no request of the step writes).
+    // Restores are copied before any request runs: a request may restore from a slot it
+    // writes again this step (the draft slots of a rolled-back verify step).
     for (i, &from) in slots.restores.iter().enumerate() {
         if from != NO_SLOT {
-            if from as usize >= state.slots() || seen[from as usize] {
-                bail!("state slot {from} restored and written in one step");
+            if from as usize >= state.slots() || from == slots.state[i] {
+                bail!("state slot {from} restored into itself or out of range");
             }
             let to = slots.state[i] as usize * elems;
             state
@@ -130,28 +151,27 @@ pub fn gated_delta(
         // above), and each request writes only its own rows of `out`.
         let st = unsafe { states.range(slots.state[i] as usize * elems, elems) };
         let o = unsafe { outs.range(r0 * vd, (r1 - r0) * vd) };
-        let save = saves(i).map(|&[n, slot]| {
-            (n as usize, unsafe {
-                states.range(slot as usize * elems, elems)
-            })
-        });
+        let saves = extra[i]
+            .iter()
+            .map(|&(n, slot)| (n, unsafe { states.range(slot as usize * elems, elems) }))
+            .collect();
         if r0 < r1 && positions[r0] == 0 {
             st.fill(0.0);
         }
         let rows = &proj.data[r0 * proj.cols..r1 * proj.cols];
-        request(rows, w, s, st, save, o);
+        request(rows, w, s, st, saves, o);
     });
     Ok(())
 }
 
-/// One request's rows (`proj` rows in, `out` rows out) through its state `st`; with `save`,
-/// the state after its first `n` rows is also written there.
+/// One request's rows (`proj` rows in, `out` rows out) through its state `st`; each of
+/// `saves`, `(n, buffer)`, also receives the state after its first `n` rows.
 fn request(
     proj: &[f32],
     w: &Weights,
     s: &GdnSpec,
     st: &mut [f32],
-    save: Option<(usize, &mut [f32])>,
+    saves: Vec<(usize, &mut [f32])>,
     out: &mut [f32],
 ) {
     let (conv_dim, kd, vd) = (
@@ -161,14 +181,15 @@ fn request(
     );
     let taps = s.conv_kernel;
     let (window, rule) = st.split_at_mut(conv_dim * (taps - 1));
-    let (save_at, save) = match save {
-        Some((n, buf)) => (n, buf),
-        None => (0, &mut [][..]),
-    };
-    let (save_window, save_rule) = match save_at {
-        0 => (&mut [][..], &mut [][..]),
-        _ => save.split_at_mut(conv_dim * (taps - 1)),
-    };
+    // Each save's convolution window and delta-rule matrices, by the row after which it
+    // is taken (n = 0 saves nothing: the state before the chunk is not asked for).
+    let mut save_windows = Vec::new();
+    let mut save_rules = Vec::new();
+    for (n, buf) in saves.into_iter().filter(|s| s.0 > 0) {
+        let (sw, sr) = buf.split_at_mut(conv_dim * (taps - 1));
+        save_windows.push((n, sw));
+        save_rules.push((n, DisjointSlice::new(sr)));
+    }
     let rows = proj.len() / s.proj_dim();
     // The convolution (SiLU) of every row, sliding the window: `[rows, conv_dim]`.
     let mut qkv = vec![0f32; rows * conv_dim];
@@ -184,8 +205,8 @@ fn request(
         }
         window.copy_within(conv_dim.., 0);
         window[(taps - 2) * conv_dim..].copy_from_slice(x);
-        if r + 1 == save_at {
-            save_window.copy_from_slice(window);
+        for (_, sw) in save_windows.iter_mut().filter(|s| s.0 == r + 1) {
+            sw.copy_from_slice(window);
         }
     }
     for y in qkv.chunks_mut(conv_dim) {
@@ -198,7 +219,6 @@ fn request(
     let per_k = s.num_v_heads / s.num_k_heads;
     let mat = s.k_dim * s.v_dim;
     let heads = DisjointSlice::new(out);
-    let saved = DisjointSlice::new(save_rule);
     rule.par_chunks_mut(mat).enumerate().for_each(|(h, m)| {
         let kh = h / per_k;
         let mut kv = vec![0f32; s.v_dim];
@@ -225,8 +245,8 @@ fn request(
                     *x += ki * (vj - kvj) * beta;
                 }
             }
-            if r + 1 == save_at {
-                // SAFETY: head h's part of the checkpoint is written by this task only.
+            for (_, saved) in save_rules.iter().filter(|s| s.0 == r + 1) {
+                // SAFETY: head h's part of each save is written by this task only.
                 unsafe { saved.range(h * mat, mat) }.copy_from_slice(m);
             }
             o.fill(0.0);

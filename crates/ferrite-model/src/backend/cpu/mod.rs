@@ -438,12 +438,25 @@ impl Backend for CpuBackend {
             state: &h.state_slots,
             restores: &h.state_restores,
             saves: &h.state_saves,
+            drafts: &h.state_drafts,
         };
         gdn::gated_delta(proj, &h.cu_seqlens_q, &h.positions, &slots, &w, state, out)
     }
 
     fn rms_norm(&mut self, x: &Mat, norm: &Vec<f32>, eps: f32, out: &mut Mat) -> Result<()> {
         rms_norm(&x.data, norm, eps, out.shape(x.rows(), x.cols));
+        Ok(())
+    }
+
+    fn select_rows(&mut self, x: &Mat, rows: &[u32], out: &mut Mat) -> Result<()> {
+        let (n, cols) = (x.rows(), x.cols);
+        if let Some(&r) = rows.iter().find(|&&r| r as usize >= n) {
+            bail!("row {r} of {n}");
+        }
+        let dst = out.shape(rows.len(), cols);
+        for (d, &r) in dst.chunks_mut(cols).zip(rows) {
+            d.copy_from_slice(&x.data[r as usize * cols..][..cols]);
+        }
         Ok(())
     }
 

@@ -46,6 +46,17 @@ pub fn u32s(v: &[u32], dev: &Device) -> Result<Tensor> {
 impl StepInputs {
     /// Copies the step's index arrays to the device.
     pub fn upload(step: &PackedStep, dev: &Device) -> Result<Self> {
+        // Refused at start-up (loader); a step that has them anyway is an error, not a
+        // silently wrong state.
+        if step
+            .state_drafts
+            .iter()
+            .any(|d| d[1] != crate::step::NO_SLOT)
+        {
+            anyhow::bail!(
+                "the CUDA gated delta-net kernels do not keep the state after each draft token"
+            );
+        }
         let groups = step
             .kv
             .iter()

@@ -25,6 +25,9 @@ pub fn load(
     if args.pooling()?.is_some() {
         bail!("embedding models run on the CPU backend only; use --device cpu");
     }
+    if crate::loader::drafts_with_mtp(args) {
+        bail!("the MTP proposer runs on the CPU backend only so far; use --device cpu");
+    }
     let (src, mut weights) = open_weights(&args.model, args.load_format)?;
     let max_model_len = args.max_model_len(&models::config(&src)?, None)?;
     // `native` keeps a GGUF's blocks (candle's quantized matmuls), `f32` dequantizes to bf16
@@ -73,6 +76,13 @@ pub fn load(
         draft: draft.as_ref().map(|(d, _)| crate::draft::share(args, d)),
     };
     let (plan, scheduler) = args.plan(&config, max_model_len, total as u64, bytes)?;
+    if plan.state_slots > 0 && args.speculation.is_some() {
+        bail!(
+            "speculative decoding of a model with linear-attention layers runs on the CPU \
+             backend only so far: the CUDA gated delta-net kernels do not yet keep the state \
+             after each draft token; drop --speculative-config or use --device cpu"
+        );
+    }
     // One slot more than the scheduler hands out, for decode graphs' padding rows.
     let stateful = plan.state_slots > 0;
     let scratch = plan.state_slots + plan.state_checkpoints;
