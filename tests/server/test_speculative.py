@@ -81,7 +81,8 @@ def test_spec_decode_metrics(request, method):
 
 
 @pytest.mark.parametrize("config,message", [
-    ('{"method": "mtp", "num_speculative_tokens": 1}', "not served by ferrite yet"),
+    ('{"method": "eagle", "num_speculative_tokens": 1}', "not served by ferrite yet"),
+    ('{"method": "mtp", "num_speculative_tokens": 1}', "this family has no multi-token-prediction head"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be 1 to"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}', "unknown field `lookahead`"),
     ("ngram", "not a speculative config"),
