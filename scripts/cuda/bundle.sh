@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Builds ferrite with `--features cuda` and its CUDA test binary on a machine without a GPU,
 # and packs them with a 10-layer cut of the test model (Q4_0 embedding, ~40 MB: the whole
-# GGUF is too big to send) into .device/bundle.tar.xz, for a GPU host with no network.
+# GGUF is too big to send) into .device/bin.tar.xz and .device/models.tar.xz, for a GPU
+# host with no network. Send them in two calls (see the end of this script):
+#   carry .device/models.tar.xz: mkdir -p /tmp/ferrite && xz -dc .device/models.tar.xz | tar -C /tmp/ferrite -xf -
+#   carry .device/bin.tar.xz:    bash scripts/cuda/check.sh
 # Usage: scripts/cuda/bundle.sh   (first time: scripts/cuda/setup-toolchain.sh)
 # On the GPU host: scripts/cuda/check.sh runs the tests and the device benchmark,
 # scripts/cuda/serve-peer.sh the served benchmark against transformers.
@@ -37,6 +40,11 @@ cargo run --release -q -p ferrite-model --example cut_gguf -- "$model" "$stage/m
 # The 8B shape with SmolLM2's tokenizer, for the served peer benchmark (serve-peer.sh).
 cargo run --release -q -p ferrite-model --example hf_folder -- "$model" scripts/cuda/llama-3.1-8b.json \
   "$stage/models/llama-8b-shape"
+# Two archives: with the working tree both exceed what one device call carries (64 MiB), so
+# the models travel in a first call that unpacks them into /tmp/ferrite, the binaries in the
+# call that runs check.sh (the machine keeps /tmp while it stays warm).
 mkdir -p .device
-tar -C "$stage" -cf - bin models | xz -6 -T2 > .device/bundle.tar.xz
-ls -la .device/bundle.tar.xz
+rm -f .device/bundle.tar.xz
+tar -C "$stage" -cf - bin | xz -6 -T2 > .device/bin.tar.xz
+tar -C "$stage" -cf - models | xz -6 -T2 > .device/models.tar.xz
+ls -la .device/bin.tar.xz .device/models.tar.xz

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Runs on the GPU host, from the repository root, with .device/bundle.tar.xz carried there
-# (scripts/cuda/bundle.sh makes it): the CUDA kernel and model tests, then the device
+# Runs on the GPU host, from the repository root, with .device/bin.tar.xz carried there and
+# the models unpacked into /tmp/ferrite by an earlier call (scripts/cuda/bundle.sh makes both
+# archives and says how): the CUDA kernel and model tests, then the device
 # benchmark and the engine's offline benchmark on a Llama-3.1-8B-shaped model with random
 # weights. Logs go to $OUT (or /tmp/ferrite-out).
 set -euo pipefail
 out=${OUT:-/tmp/ferrite-out}
 mkdir -p "$out" /tmp/ferrite
-xz -dc .device/bundle.tar.xz | tar -C /tmp/ferrite -xf -
+for a in .device/*.tar.xz; do xz -dc "$a" | tar -C /tmp/ferrite -xf -; done
+[ -f /tmp/ferrite/models/smollm2-10l.gguf ] || { echo "models not unpacked: see scripts/cuda/bundle.sh" >&2; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 status=0
 ( root=$PWD && cd /tmp/ferrite && FERRITE_CUDA_TEST_MODEL=/tmp/ferrite/models/smollm2-10l.gguf \

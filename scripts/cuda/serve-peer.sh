@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the GPU host (from the repository root, .device/bundle.tar.xz and .whl carried; .whl
+# Runs on the GPU host (from the repository root, .device/bin.tar.xz and .whl carried, the models unpacked as scripts/cuda/bundle.sh says; .whl
 # from scripts/cuda/peer-wheels.sh): the
 # agent `full` split served over HTTP, closed loop at C = 1, 2, 4, 8, 16, by ferrite and by
 # Hugging Face transformers' server with continuous batching, on the same Llama-3.1-8B-shaped
@@ -16,7 +16,7 @@
 set -uo pipefail
 out=${OUT:-/tmp/ferrite-out}
 mkdir -p "$out" /tmp/ferrite
-[ -x /tmp/ferrite/bin/ferrite ] || xz -dc .device/bundle.tar.xz | tar -C /tmp/ferrite -xf -
+for a in .device/*.tar.xz; do [ -f "$a" ] && xz -dc "$a" | tar -C /tmp/ferrite -xf -; done
 ferrite=/tmp/ferrite/bin/ferrite
 model=/tmp/ferrite/models/llama-8b-shape
 tok=/tmp/ferrite/models/smollm2-10l.gguf
