@@ -11,10 +11,15 @@ extern "C" __global__ void embed_bf16(const uint32_t* ids, const bf16* table, fl
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[i] = __bfloat162float(row[i]) * scale;
 }
 
-// RMSNorm of the f32 residual stream into bf16. Output row r reads row s = rows ? rows[r] : r.
-// Grid: one block per output row.
-extern "C" __global__ void rms_norm_bf16(const float* x, const uint32_t* rows, const bf16* w,
-                                         bf16* out, int hidden, float eps) {
+__device__ __forceinline__ void store_as(bf16* p, float v) { *p = __float2bfloat16(v); }
+__device__ __forceinline__ void store_as(float* p, float v) { *p = v; }
+
+// RMSNorm of the f32 residual stream into bf16 (a matmul's input) or f32 (an MTP head's own
+// residual stream). Output row r reads row s = rows ? rows[r] : r. Grid: one block per output
+// row.
+template <typename T>
+__device__ void rms_norm_rows(const float* x, const uint32_t* rows, const bf16* w, T* out,
+                              int hidden, float eps) {
   __shared__ float red[32];
   size_t r = blockIdx.x, s = rows ? rows[r] : r;
   const float* xr = x + s * hidden;
@@ -22,7 +27,17 @@ extern "C" __global__ void rms_norm_bf16(const float* x, const uint32_t* rows, c
   for (int i = threadIdx.x; i < hidden; i += blockDim.x) ss += xr[i] * xr[i];
   float inv = rsqrtf(block_sum(ss, red) / hidden + eps);
   for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-    out[r * hidden + i] = __float2bfloat16(xr[i] * inv * __bfloat162float(w[i]));
+    store_as(&out[r * hidden + i], xr[i] * inv * __bfloat162float(w[i]));
+}
+
+extern "C" __global__ void rms_norm_bf16(const float* x, const uint32_t* rows, const bf16* w,
+                                         bf16* out, int hidden, float eps) {
+  rms_norm_rows(x, rows, w, out, hidden, eps);
+}
+
+extern "C" __global__ void rms_norm_f32(const float* x, const uint32_t* rows, const bf16* w,
+                                        float* out, int hidden, float eps) {
+  rms_norm_rows(x, rows, w, out, hidden, eps);
 }
 
 // x[r, :] += RMSNorm(y[r, :]) * w, y f32 (Gemma's norms after attention and the MLP).

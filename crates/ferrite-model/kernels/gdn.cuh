@@ -3,7 +3,9 @@
 // K - 1 inputs ([K - 1, conv_dim], oldest first), then the delta rule's matrix per value head
 // ([v_heads, dk, dv]). A request whose chunk starts at position 0 starts from zeros, a
 // prefix-cache hit from a checkpoint slot; a chunk may also write its state after its first n
-// tokens into a checkpoint slot (in place: no other copy). The input
+// tokens into a checkpoint slot (in place: no other copy), and a verify step the state after
+// each of its tokens from the drafts[2i]-th on but the last into slots drafts[2i + 1], +1, ...
+// (the recurrent form only: a step with drafts never takes the chunked one). The input
 // projection's row per token `proj` [T, P] bf16 holds Q | K | V (the convolution's channels),
 // then z [v_heads * dv], b [v_heads], a [v_heads].
 #pragma once
@@ -72,7 +74,7 @@ __device__ __forceinline__ float gdn_window_row(const bf16* proj, int P, const f
 extern "C" __global__ void gdn_conv_window(const bf16* proj, int P, float* state, int elems,
                                            int conv_dim, int K, const uint32_t* cu,
                                            const uint32_t* positions, const uint32_t* slots,
-                                           const uint32_t* saves) {
+                                           const uint32_t* saves, const uint32_t* drafts) {
   wait_for_previous_kernel();
   const int i = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
   if (c >= conv_dim) return;
@@ -85,6 +87,14 @@ extern "C" __global__ void gdn_conv_window(const bf16* proj, int P, float* state
     for (int m = 0; m < K - 1; m++)
       save[(size_t)m * conv_dim + c] =
           gdn_window_row(proj, P, window, conv_dim, K, r0, saves[2 * i], m, c, fresh);
+  }
+  if (drafts && drafts[2 * i + 1] != 0xffffffffu) {
+    for (int after = drafts[2 * i]; after < n; after++) {
+      float* save = state + (size_t)(drafts[2 * i + 1] + after - drafts[2 * i]) * elems;
+      for (int m = 0; m < K - 1; m++)
+        save[(size_t)m * conv_dim + c] =
+            gdn_window_row(proj, P, window, conv_dim, K, r0, after, m, c, fresh);
+    }
   }
   // Ascending m reads entries m + n > m, not yet overwritten.
   for (int m = 0; m < K - 1; m++)
@@ -110,7 +120,8 @@ template <int DK>
 __device__ void gdn_rule(const float* qkv, const bf16* proj, int P, float* state, int elems,
                          int conv_offset, const bf16* a_log, const bf16* dt_bias, int nk, int nv,
                          int dv, const uint32_t* cu, const uint32_t* positions,
-                         const uint32_t* slots, const uint32_t* saves, float* o_out) {
+                         const uint32_t* slots, const uint32_t* saves, const uint32_t* drafts,
+                         float* o_out) {
   __shared__ float q[DK], k[DK];
   const int i = blockIdx.x, h = blockIdx.y, lane = threadIdx.x, j = blockIdx.z * 32 + lane;
   const bool col = j < dv;
@@ -123,6 +134,9 @@ __device__ void gdn_rule(const float* qkv, const bf16* proj, int P, float* state
   const bool saving = saves && saves[2 * i + 1] != 0xffffffffu;
   const int save_at = saving ? r0 + (int)saves[2 * i] - 1 : -1;
   float* save = saving ? state + (size_t)saves[2 * i + 1] * elems + head : nullptr;
+  // A verify step: the state after each row from this one on (but the last) to its slot.
+  const bool drafting = drafts && drafts[2 * i + 1] != 0xffffffffu;
+  const int draft_from = drafting ? r0 + (int)drafts[2 * i] - 1 : r1;
   const bool fresh = positions[r0] == 0;
   float S[DK];
 #pragma unroll
@@ -163,6 +177,11 @@ __device__ void gdn_rule(const float* qkv, const bf16* proj, int P, float* state
       if (t == save_at)
 #pragma unroll
         for (int e = 0; e < DK; e++) save[(size_t)e * dv + j] = S[e];
+      if (t >= draft_from && t < r1 - 1) {
+        float* d = state + (size_t)(drafts[2 * i + 1] + t - draft_from) * elems + head;
+#pragma unroll
+        for (int e = 0; e < DK; e++) d[(size_t)e * dv + j] = S[e];
+      }
     }
     __syncwarp();  // every lane is done with q and k before the next token's
   }
@@ -175,9 +194,10 @@ __device__ void gdn_rule(const float* qkv, const bf16* proj, int P, float* state
   extern "C" __global__ void __launch_bounds__(32) gdn_rule_k##DK##_f32(                       \
       const float* qkv, const bf16* proj, int P, float* state, int elems, int conv_offset,     \
       const bf16* a_log, const bf16* dt_bias, int nk, int nv, int dv, const uint32_t* cu,      \
-      const uint32_t* positions, const uint32_t* slots, const uint32_t* saves, float* o) {     \
+      const uint32_t* positions, const uint32_t* slots, const uint32_t* saves,                 \
+      const uint32_t* drafts, float* o) {                                                      \
     gdn_rule<DK>(qkv, proj, P, state, elems, conv_offset, a_log, dt_bias, nk, nv, dv, cu,      \
-                 positions, slots, saves, o);                                                 \
+                 positions, slots, saves, drafts, o);                                         \
   }
 GDN_RULE(16)
 GDN_RULE(32)

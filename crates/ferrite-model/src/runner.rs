@@ -280,7 +280,9 @@ impl ModelRunner {
 
 impl Executor for ModelRunner {
     fn execute(&mut self, out: &SchedulerOutput) -> Result<StepOutput, ExecError> {
-        let (step, uses, pools) = self.pack(out);
+        let (mut step, uses, pools) = self.pack(out);
+        step.keep_hidden = matches!(self.proposer, Some(StepProposer::Mtp))
+            && out.requests.iter().any(|r| r.mtp_run.is_some());
         let mut result = self.run_step(out, &step, uses, &pools)?;
         result.drafts = match &mut self.proposer {
             Some(StepProposer::DraftModel(d)) => d.propose(out, &result.sampled)?,

@@ -45,6 +45,9 @@ pub struct PackedStep {
     /// An MTP head's step: the row of the previous step's hidden states each row continues
     /// from (empty: the same rows).
     pub hidden_rows: Vec<u32>,
+    /// An MTP head reads this step's hidden states after it: a backend that drops its
+    /// activations keeps them, and the step runs eagerly (no captured graph).
+    pub keep_hidden: bool,
     /// A pooling step: the `logits_indices` rows' hidden states are the output, not logits.
     pub pooling: bool,
     /// `[T]` each token's segment (pair inputs of cross-encoders); empty: all 0.

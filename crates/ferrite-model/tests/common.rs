@@ -143,6 +143,86 @@ pub fn prefix_hit<B: Backend>(
     (got, cold[32..].to_vec())
 }
 
+/// The target's and the head's logits at every position, the sequence run in chunks ending at
+/// `ends`: after
+/// each target step, the head over the same rows with each token moved one ahead (the last
+/// row's next token is the sequence's first, as the oracle has it).
+pub fn teacher_forced<B: Backend>(
+    model: &mut Decoder<B>,
+    tokens: &[u32],
+    ends: &[usize],
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let (bs, n) = (16, tokens.len());
+    let blocks = n.div_ceil(bs);
+    let groups = model.layout.groups.len();
+    model.allocate_cache(blocks * groups, bs).unwrap();
+    model.allocate_state(1).unwrap();
+    let tables = fresh_tables(groups, blocks);
+    let v = model.config.vocab_size;
+    let step = |ids: &[u32], start: usize| {
+        let mut s = PackedStep::default();
+        s.push(ids, start, &tables, bs);
+        s.state_slots.push(0);
+        s.logits_indices = (0..ids.len() as u32).collect();
+        s.keep_hidden = true;
+        s.finish();
+        s
+    };
+    let rows = |l: &[f32]| l.chunks(v).map(|r| r.to_vec()).collect::<Vec<_>>();
+    let (mut target, mut head) = (Vec::new(), Vec::new());
+    let starts = std::iter::once(0).chain(ends.iter().copied());
+    for r in starts.zip(ends).map(|(a, &b)| a..b) {
+        target.extend(rows(
+            model.forward(&step(&tokens[r.clone()], r.start)).unwrap(),
+        ));
+        let next: Vec<u32> = r.clone().map(|i| tokens[(i + 1) % n]).collect();
+        head.extend(rows(
+            model.forward_mtp(&step(&next, r.start), false).unwrap(),
+        ));
+    }
+    (target, head)
+}
+
+/// A verify step with recurrent state: `tokens[..20]` prefilled in slot 0, then the last
+/// known token with three drafts (`tokens[21]`, a wrong one, `tokens[23]`), the state after
+/// each accepted-draft count written into slots 1-3; one draft held, so the next step feeds
+/// `tokens[22..]` from slot 2 (the state after the known token and that draft). Its logits,
+/// and the cold ones they should equal.
+pub fn draft_rollback<B: Backend>(
+    model: &mut Decoder<B>,
+    tokens: &[u32],
+    cold: &[Vec<f32>],
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    use ferrite_model::step::NO_SLOT;
+    let (bs, n, v) = (16, 20, model.config.vocab_size);
+    let groups = model.layout.groups.len();
+    let blocks = tokens.len().div_ceil(bs);
+    model.allocate_cache(blocks * groups, bs).unwrap();
+    model.allocate_state(4).unwrap();
+    let tables = fresh_tables(groups, blocks);
+    let step = |ids: &[u32], start: usize, restore: u32, drafts: [u32; 2]| {
+        let mut s = PackedStep::default();
+        s.push(ids, start, &tables, bs);
+        s.state_slots = vec![0];
+        s.state_restores = vec![restore];
+        s.state_saves = vec![[0, NO_SLOT]];
+        s.state_drafts = vec![drafts];
+        s.logits_indices = (0..ids.len() as u32).collect();
+        s.finish();
+        s
+    };
+    model
+        .forward(&step(&tokens[..n], 0, NO_SLOT, [0, NO_SLOT]))
+        .unwrap();
+    let wrong = (tokens[n + 2] + 1) % v as u32;
+    let verify = [tokens[n], tokens[n + 1], wrong, tokens[n + 3]];
+    model.forward(&step(&verify, n, NO_SLOT, [1, 1])).unwrap();
+    let next = step(&tokens[n + 2..], n + 2, 2, [0, NO_SLOT]);
+    let got = model.forward(&next).unwrap();
+    let got = got.chunks(v).map(|r| r.to_vec()).collect();
+    (got, cold[n + 2..].to_vec())
+}
+
 /// Logits of every position of `tokens` fed in chunks of `chunk` (1: token by token), with
 /// another request (the tokens reversed) sharing each step in state slot 1, ours in slot 0:
 /// its rows and state must not touch ours.

@@ -1500,6 +1500,118 @@ fn gated_delta_net_prefix_hit_from_a_checkpoint_matches_a_cold_prefill() {
     assert!(worst < 0.1 * scale, "max {worst}");
 }
 
+/// A rejected draft on the hybrid on the GPU: the verify step's kernels write the state after
+/// each accepted-draft count into draft slots (the recurrent form), the step after restores
+/// the one after the accepted tokens; logits equal a cold prefill to bf16 precision.
+#[test]
+fn gated_delta_net_rejected_draft_restores_the_state_after_the_accepted_tokens() {
+    let dir = common::repo_root().join("tests/oracle/tiny/qwen3_5");
+    let mut m = gpu_model(&dir, false, 4096);
+    let (tokens, _) = common::tiny_oracle("qwen3_5", "logits");
+    let cold = common::all_logits(&mut m, &tokens);
+    let (got, want) = common::draft_rollback(&mut m, &tokens, &cold);
+    let (mean, worst, scale) = differences(&got, &want);
+    println!("qwen3_5 after a rejected draft on the GPU: mean |dlogit| {mean:.2e}, max {worst:.2e} (largest logit {scale:.2})");
+    assert!(mean < 0.01 * scale, "mean {mean}");
+    assert!(worst < 0.1 * scale, "max {worst}");
+}
+
+/// The MTP heads on the GPU (Qwen3-Next's with experts, Qwen3.5's dense) against
+/// transformers' modules, teacher-forced whole and in chunks: the target's logits and the
+/// head's to bf16 precision (the head reads the target step's kept residual stream).
+#[test]
+fn mtp_heads_agree_with_transformers() {
+    for name in ["qwen3_next_mtp", "qwen3_5_mtp"] {
+        let dir = common::repo_root().join(format!("tests/oracle/tiny/{name}"));
+        let backend = CudaBackend::new(device(), false, "cuda:0".into()).unwrap();
+        let (src, mut w) = open_weights(&dir, LoadFormat::Auto).unwrap();
+        let mut m = models::load_with_mtp(backend, &src, &mut w, 4096, &mut |_, _| {}).unwrap();
+        let (tokens, want_target) = common::tiny_oracle(name, "logits_f16_kv");
+        let (_, want_head) = common::tiny_oracle(name, "mtp_logits_f16_kv");
+        for ends in [vec![tokens.len()], vec![20, 21, tokens.len()]] {
+            let (target, head) = common::teacher_forced(&mut m, &tokens, &ends);
+            for (what, got, want) in [
+                ("target", &target, &want_target),
+                ("MTP head", &head, &want_head),
+            ] {
+                let (mean, worst, scale) = differences(got, want);
+                println!("{name} on the GPU, chunks ending at {ends:?}: {what} mean |dlogit| {mean:.2e}, max {worst:.2e} (largest logit {scale:.2})");
+                assert!(mean < 0.01 * scale, "{name} {what}: mean {mean}");
+                assert!(worst < 0.1 * scale, "{name} {what}: max {worst}");
+            }
+        }
+    }
+}
+
+/// Speculation on the hybrid through the engine on the GPU (n-gram drafts, and the MTP head's
+/// at k = 1 and 3): every request completes, drafts are verified, and greedy output matches
+/// speculation off (counted: verify rows take the multi-row kernels, decodes the one-row
+/// ones, so bf16 rounding may split a request where two logits tie).
+#[test]
+fn speculation_on_a_hybrid_through_the_engine() {
+    use ferrite_core::sampling::SamplingParams;
+    use ferrite_core::spec_decode::{Proposer, Speculation};
+    let (tokens, _) = common::tiny_oracle("qwen3_5", "logits");
+    let prompts: Vec<Vec<u32>> = (0..16)
+        .map(|i| {
+            tokens
+                .iter()
+                .cycle()
+                .skip(3 * i)
+                .take(20 + 2 * i)
+                .copied()
+                .collect()
+        })
+        .collect();
+    let run = |spec: Option<Speculation>| {
+        let mut args = ferrite_model::loader::EngineArgs::new(
+            common::repo_root().join("tests/oracle/tiny/qwen3_5_mtp"),
+        );
+        args.device = ferrite_model::loader::DeviceKind::Cuda(0);
+        args.max_model_len = Some(128);
+        args.max_num_batched_tokens = 64;
+        args.kv_cache_memory = Some(4 << 20);
+        args.speculation = spec;
+        let (engine, _) = common::engine_with(args);
+        let params = SamplingParams {
+            temperature: 0.0,
+            max_tokens: Some(40),
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let streams: Vec<_> = prompts
+            .iter()
+            .map(|p| engine.add_request(p.clone(), params.clone()).unwrap())
+            .collect();
+        let out: Vec<Vec<u32>> = streams
+            .into_iter()
+            .map(|s| common::tokens_of(&common::collect(s).unwrap()))
+            .collect();
+        (out, common::idle_stats(&engine).spec)
+    };
+    let (off, _) = run(None);
+    assert!(off.iter().all(|t| t.len() == 40));
+    let spec = |k, proposer| {
+        Some(Speculation {
+            k,
+            proposer,
+            disable_by_batch_size: 64,
+        })
+    };
+    for s in [
+        spec(3, Proposer::Ngram { min_n: 1, max_n: 3 }),
+        spec(1, Proposer::Mtp),
+        spec(3, Proposer::Mtp),
+    ] {
+        let (on, stats) = run(s.clone());
+        let same = on.iter().zip(&off).filter(|(a, b)| a == b).count();
+        println!("{s:?} on the GPU: {same}/16 requests identical to speculation off; {stats:?}");
+        assert!(on.iter().all(|t| t.len() == 40));
+        assert!(stats.num_drafts > 100, "{stats:?}");
+        assert!(same >= 14, "{same}/16 identical");
+    }
+}
+
 /// The delta rule's chunk-parallel form (steps with prefill chunks) against its recurrent form
 /// (decode steps) on the same random inputs: requests over several chunks, one resuming from a
 /// state, checkpoints inside a chunk and at a chunk's end, at the real models' key heads of 128
@@ -1560,6 +1672,7 @@ fn gated_delta_chunked_form_matches_the_recurrent_form() {
                 slots: &slots,
                 restores: Some(&restores),
                 saves: Some(&saves),
+                drafts: None,
                 num_seqs: 4,
                 prefill,
             };

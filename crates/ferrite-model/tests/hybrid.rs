@@ -177,3 +177,17 @@ fn speculation_changes_no_greedy_token_on_a_hybrid() {
         }
     }
 }
+
+/// A rejected draft on the hybrid (CPU, f32): the step after it starts from the state saved
+/// after the accepted tokens, and its logits equal a cold prefill's.
+#[test]
+fn a_rejected_draft_restores_the_state_after_the_accepted_tokens() {
+    let dir = repo_root().join("tests/oracle/tiny/qwen3_5");
+    let mut m = load_path(&dir, ferrite_model::loader::WeightFormat::F32);
+    let (tokens, _) = tiny_oracle("qwen3_5", "logits");
+    let cold = all_logits(&mut m, &tokens);
+    let (got, want) = draft_rollback(&mut m, &tokens, &cold);
+    let d = max_diff(&got, &want);
+    println!("qwen3_5 after a rejected draft: max |dlogit| {d:.2e} against a cold prefill");
+    assert!(d < 1e-4, "{d}");
+}

@@ -15,45 +15,6 @@ use ferrite_model::runner::StepModel;
 use ferrite_model::step::{PackedStep, NO_SLOT};
 use std::collections::HashMap;
 
-/// The target's and the head's logits at every position, the sequence run in chunks ending at
-/// `ends`: after
-/// each target step, the head over the same rows with each token moved one ahead (the last
-/// row's next token is the sequence's first, as the oracle has it).
-fn teacher_forced(
-    model: &mut CpuDecoder,
-    tokens: &[u32],
-    ends: &[usize],
-) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
-    let (bs, n) = (16, tokens.len());
-    let blocks = n.div_ceil(bs);
-    let groups = model.layout.groups.len();
-    model.allocate_cache(blocks * groups, bs).unwrap();
-    model.allocate_state(1).unwrap();
-    let tables = fresh_tables(groups, blocks);
-    let v = model.config.vocab_size;
-    let step = |ids: &[u32], start: usize| {
-        let mut s = PackedStep::default();
-        s.push(ids, start, &tables, bs);
-        s.state_slots.push(0);
-        s.logits_indices = (0..ids.len() as u32).collect();
-        s.finish();
-        s
-    };
-    let rows = |l: &[f32]| l.chunks(v).map(|r| r.to_vec()).collect::<Vec<_>>();
-    let (mut target, mut head) = (Vec::new(), Vec::new());
-    let starts = std::iter::once(0).chain(ends.iter().copied());
-    for r in starts.zip(ends).map(|(a, &b)| a..b) {
-        target.extend(rows(
-            model.forward(&step(&tokens[r.clone()], r.start)).unwrap(),
-        ));
-        let next: Vec<u32> = r.clone().map(|i| tokens[(i + 1) % n]).collect();
-        head.extend(rows(
-            model.forward_mtp(&step(&next, r.start), false).unwrap(),
-        ));
-    }
-    (target, head)
-}
-
 fn check(family: &str) {
     let name = format!("{family}_mtp");
     let (tokens, want_target) = tiny_oracle(&name, "logits_f16_kv");

@@ -64,6 +64,8 @@ pub enum LinearIn<'a, B: Backend> {
 /// Where a linear layer's output goes.
 pub enum Epilogue<'a, B: Backend> {
     Store(&'a mut B::Act),
+    /// Stored as the residual stream is (f32 on every backend): a sum to add into.
+    StoreResidual(&'a mut B::Act),
     /// `residual += y`.
     AddInto(&'a mut B::Act),
     /// `residual += rms_norm(y)` (Gemma's norms after attention and MLP).
@@ -408,19 +410,17 @@ pub trait Backend: Send + Sized {
         state: &mut Self::StateCache,
         out: &mut Self::Act,
     ) -> Result<()>;
-    /// `out = rms_norm(x)` row by row (a hidden state handed to an MTP head).
-    fn rms_norm(
+    /// `out[i] = rms_norm(x[rows[i]])` (every row when `rows` is empty), stored as the
+    /// residual stream is: the hidden state an MTP head continues from.
+    fn rms_norm_rows(
         &mut self,
         _x: &Self::Act,
+        _rows: &[u32],
         _norm: &Self::Vector,
         _eps: f32,
         _out: &mut Self::Act,
     ) -> Result<()> {
-        bail!("{}: no RMSNorm into a separate buffer yet", self.describe())
-    }
-    /// `out[i] = x[rows[i]]` (an MTP head's step continuing some rows of the last one).
-    fn select_rows(&mut self, _x: &Self::Act, _rows: &[u32], _out: &mut Self::Act) -> Result<()> {
-        bail!("{}: no row selection yet", self.describe())
+        bail!("{}: no RMSNorm of selected rows yet", self.describe())
     }
     /// `x *= sigmoid(gate)`, element-wise (Qwen3.5's gated attention output).
     fn gate_sigmoid(&mut self, x: &mut Self::Act, gate: &Self::Act) -> Result<()>;

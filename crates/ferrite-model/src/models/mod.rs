@@ -271,6 +271,7 @@ fn load_family<B: Backend + 'static>(
         kv_dtype: KvCacheDtype::Auto,
         states: Vec::new(),
         buffers: Buffers::default(),
+        hidden_kept: false,
         max_positions,
     })
 }
@@ -291,6 +292,18 @@ fn embedding_rows(w: &WeightSource) -> Result<Option<usize>> {
     })
 }
 
+/// After a step, on a backend that does not reuse its activations: drops them, but for the
+/// residual stream when `keep_x` (an MTP head reads it next).
+fn drop_activations<B: Backend>(ws: &mut Buffers<B>, keep_x: bool) {
+    if !B::REUSES_ACTIVATIONS {
+        let x = std::mem::take(&mut ws.x);
+        *ws = Buffers::default();
+        if keep_x {
+            ws.x = x;
+        }
+    }
+}
+
 /// A family with its weights and KV cache on one backend.
 pub struct Decoder<B: Backend> {
     pub config: ModelConfig,
@@ -304,6 +317,8 @@ pub struct Decoder<B: Backend> {
     /// One per linear-attention layer, `state_slots` requests each.
     states: Vec<B::StateCache>,
     buffers: Buffers<B>,
+    /// The last step left its residual stream in `buffers.x` for an MTP head.
+    hidden_kept: bool,
     max_positions: usize,
 }
 
@@ -400,11 +415,12 @@ impl<B: Backend> Decoder<B> {
         self.check(step)?;
         let (family, cache, ws) = (&self.family, &mut self.cache, &mut self.buffers);
         let states = &mut self.states;
+        self.hidden_kept = false;
+        let kept = &mut self.hidden_kept;
         let mut forward = |b: &mut B, s: &Step<B>| {
             let r = family.forward(b, s, cache, states, ws);
-            if !B::REUSES_ACTIVATIONS {
-                *ws = Buffers::default();
-            }
+            drop_activations(ws, s.host.keep_hidden);
+            *kept = r.is_ok() && (B::REUSES_ACTIVATIONS || s.host.keep_hidden);
             r
         };
         self.backend.step(step, draws, &mut forward)
@@ -451,15 +467,23 @@ impl<B: Backend> StepModel for Decoder<B> {
     /// step instead, each one position on. Its logits on the host. It reads the activations
     /// the last step left, so only on a backend that keeps them.
     fn forward_mtp(&mut self, step: &PackedStep, chained: bool) -> Result<&mut [f32]> {
-        if !B::REUSES_ACTIVATIONS {
-            bail!("the MTP head reads the target step's activations, which this backend drops");
-        }
         if !self.family.has_mtp() {
             bail!("this model has no multi-token-prediction head");
         }
+        if !self.hidden_kept {
+            bail!("the MTP head runs after a step that kept its hidden states (keep_hidden)");
+        }
         self.check(step)?;
         let (family, cache, ws) = (&self.family, &mut self.cache, &mut self.buffers);
-        let mut forward = |b: &mut B, s: &Step<B>| family.mtp(b, s, cache, ws, chained);
+        self.hidden_kept = false;
+        let kept = &mut self.hidden_kept;
+        // The head's own residual stream stays for a chained pass.
+        let mut forward = |b: &mut B, s: &Step<B>| {
+            let r = family.mtp(b, s, cache, ws, chained);
+            drop_activations(ws, true);
+            *kept = r.is_ok();
+            r
+        };
         self.backend.step(step, None, &mut forward)?;
         self.backend.host_logits()
     }

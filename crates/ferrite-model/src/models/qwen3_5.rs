@@ -494,20 +494,20 @@ impl<B: Backend> Family<B> for Hybrid<B> {
             bail!("this checkpoint has no multi-token-prediction weights");
         };
         let eps = self.config.common.rms_norm_eps;
-        if !s.host.hidden_rows.is_empty() {
-            b.select_rows(&ws.x, &s.host.hidden_rows, &mut ws.tmp.gate)?;
-            std::mem::swap(&mut ws.x, &mut ws.tmp.gate);
-        }
         // The hidden state as vLLM hands it to the head: the target's after its final norm,
-        // or the head's own after its norm (a chained draft).
+        // or the head's own after its norm (a chained draft), at the rows this step continues.
         let norm = if chained { &m.norm } else { &self.final_norm };
-        b.rms_norm(&ws.x, norm, eps, &mut ws.tmp.attn)?;
+        b.rms_norm_rows(&ws.x, &s.host.hidden_rows, norm, eps, &mut ws.tmp.attn)?;
         let hidden = LinearIn::RmsNorm {
             x: &ws.tmp.attn,
             norm: &m.norm_hidden,
             eps,
         };
-        b.matmul(hidden, &m.fc_hidden, Epilogue::Store(&mut ws.tmp.act))?;
+        b.matmul(
+            hidden,
+            &m.fc_hidden,
+            Epilogue::StoreResidual(&mut ws.tmp.act),
+        )?;
         b.embed(s, &self.embedding, None, &mut ws.x)?;
         let embedded = LinearIn::RmsNorm {
             x: &ws.x,

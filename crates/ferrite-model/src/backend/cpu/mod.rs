@@ -292,7 +292,7 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let mut proj = std::mem::take(&mut self.proj);
         let result = match out {
-            Epilogue::Store(out) => {
+            Epilogue::Store(out) | Epilogue::StoreResidual(out) => {
                 self.project_into(input, w, &mut out.data)?;
                 out.cols = width(w);
                 Ok(())
@@ -443,19 +443,25 @@ impl Backend for CpuBackend {
         gdn::gated_delta(proj, &h.cu_seqlens_q, &h.positions, &slots, &w, state, out)
     }
 
-    fn rms_norm(&mut self, x: &Mat, norm: &Vec<f32>, eps: f32, out: &mut Mat) -> Result<()> {
-        rms_norm(&x.data, norm, eps, out.shape(x.rows(), x.cols));
-        Ok(())
-    }
-
-    fn select_rows(&mut self, x: &Mat, rows: &[u32], out: &mut Mat) -> Result<()> {
+    fn rms_norm_rows(
+        &mut self,
+        x: &Mat,
+        rows: &[u32],
+        norm: &Vec<f32>,
+        eps: f32,
+        out: &mut Mat,
+    ) -> Result<()> {
         let (n, cols) = (x.rows(), x.cols);
+        if rows.is_empty() {
+            rms_norm(&x.data, norm, eps, out.shape(n, cols));
+            return Ok(());
+        }
         if let Some(&r) = rows.iter().find(|&&r| r as usize >= n) {
             bail!("row {r} of {n}");
         }
         let dst = out.shape(rows.len(), cols);
         for (d, &r) in dst.chunks_mut(cols).zip(rows) {
-            d.copy_from_slice(&x.data[r as usize * cols..][..cols]);
+            rms_norm(&x.data[r as usize * cols..][..cols], norm, eps, d);
         }
         Ok(())
     }

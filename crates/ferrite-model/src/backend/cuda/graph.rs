@@ -166,8 +166,9 @@ impl DecodeGraphs {
             return Ok(None);
         };
         let too_wide = step.kv.iter().any(|kv| kv.max_blocks > self.width);
-        // A graph moves no state between slots (a prompt's last token can look like a decode).
-        if step.moves_state() {
+        // A graph moves no state between slots (a prompt's last token can look like a decode),
+        // and keeps no hidden states for an MTP head (nor is one).
+        if step.moves_state() || step.keep_hidden || !step.hidden_rows.is_empty() {
             return Ok(None);
         }
         if self.disabled || b > self.max_batch || too_wide || step.kv.len() != self.kv_groups {

@@ -2,7 +2,7 @@
 //! parameters of each KV group they imply.
 
 use super::kernels::attention::AttentionMeta;
-use crate::step::PackedStep;
+use crate::step::{PackedStep, NO_SLOT};
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 
@@ -23,9 +23,8 @@ pub struct StepInputs {
     pub rows: Tensor,
     /// Each request's recurrent-state slot (models with linear-attention layers).
     pub state_slots: Tensor,
-    /// When a request restores or checkpoints its state this step: per request, the slot it
-    /// starts from, and `[n, slot]` it writes (see `PackedStep`).
-    pub state_moves: Option<(Tensor, Tensor)>,
+    /// When a request restores, checkpoints or verifies drafts with its state this step.
+    pub state_moves: Option<StateMoves>,
     pub groups: Vec<GroupInputs>,
     pub num_seqs: usize,
     pub num_tokens: usize,
@@ -37,6 +36,14 @@ pub struct StepInputs {
     pub splits: Option<usize>,
 }
 
+/// Per request (see `PackedStep`): the slot its state starts from, `[n, slot]` it checkpoints,
+/// and `[n, first]` of the drafts it verifies (`None`: no request has drafts).
+pub struct StateMoves {
+    pub restores: Tensor,
+    pub saves: Tensor,
+    pub drafts: Option<Tensor>,
+}
+
 pub fn u32s(v: &[u32], dev: &Device) -> Result<Tensor> {
     // A kernel argument may not be empty: a zero-length table still gets one element.
     let v = if v.is_empty() { &[0][..] } else { v };
@@ -46,17 +53,6 @@ pub fn u32s(v: &[u32], dev: &Device) -> Result<Tensor> {
 impl StepInputs {
     /// Copies the step's index arrays to the device.
     pub fn upload(step: &PackedStep, dev: &Device) -> Result<Self> {
-        // Refused at start-up (loader); a step that has them anyway is an error, not a
-        // silently wrong state.
-        if step
-            .state_drafts
-            .iter()
-            .any(|d| d[1] != crate::step::NO_SLOT)
-        {
-            anyhow::bail!(
-                "the CUDA gated delta-net kernels do not keep the state after each draft token"
-            );
-        }
         let groups = step
             .kv
             .iter()
@@ -78,7 +74,18 @@ impl StepInputs {
             state_moves: match step.moves_state() {
                 true => {
                     let saves: Vec<u32> = step.state_saves.iter().flatten().copied().collect();
-                    Some((u32s(&step.state_restores, dev)?, u32s(&saves, dev)?))
+                    let drafts = match step.state_drafts.iter().any(|d| d[1] != NO_SLOT) {
+                        true => {
+                            let d: Vec<u32> = step.state_drafts.iter().flatten().copied().collect();
+                            Some(u32s(&d, dev)?)
+                        }
+                        false => None,
+                    };
+                    Some(StateMoves {
+                        restores: u32s(&step.state_restores, dev)?,
+                        saves: u32s(&saves, dev)?,
+                        drafts,
+                    })
                 }
                 false => None,
             },

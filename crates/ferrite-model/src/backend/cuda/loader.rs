@@ -25,9 +25,6 @@ pub fn load(
     if args.pooling()?.is_some() {
         bail!("embedding models run on the CPU backend only; use --device cpu");
     }
-    if crate::loader::drafts_with_mtp(args) {
-        bail!("the MTP proposer runs on the CPU backend only so far; use --device cpu");
-    }
     let (src, mut weights) = open_weights(&args.model, args.load_format)?;
     let max_model_len = args.max_model_len(&models::config(&src)?, None)?;
     // `native` keeps a GGUF's blocks (candle's quantized matmuls), `f32` dequantizes to bf16
@@ -42,7 +39,11 @@ pub fn load(
     };
     let name = format!("cuda:{ordinal} ({gpu_name})");
     let backend = CudaBackend::new(device.clone(), quantized, name.clone())?;
-    let mut model = models::load(backend, &src, &mut weights, max_model_len, &mut progress)?;
+    let mtp = crate::loader::drafts_with_mtp(args);
+    let mut model = match mtp {
+        true => models::load_with_mtp(backend, &src, &mut weights, max_model_len, &mut progress)?,
+        false => models::load(backend, &src, &mut weights, max_model_len, &mut progress)?,
+    };
     drop(weights);
     let tokenizer = open_tokenizer(&args.model)?;
     let config = model.config.clone();
@@ -76,16 +77,9 @@ pub fn load(
         draft: draft.as_ref().map(|(d, _)| crate::draft::share(args, d)),
     };
     let (plan, scheduler) = args.plan(&config, max_model_len, total as u64, bytes)?;
-    if plan.state_slots > 0 && args.speculation.is_some() {
-        bail!(
-            "speculative decoding of a model with linear-attention layers runs on the CPU \
-             backend only so far: the CUDA gated delta-net kernels do not yet keep the state \
-             after each draft token; drop --speculative-config or use --device cpu"
-        );
-    }
     // One slot more than the scheduler hands out, for decode graphs' padding rows.
     let stateful = plan.state_slots > 0;
-    let scratch = plan.state_slots + plan.state_checkpoints;
+    let scratch = plan.state_slots + plan.state_checkpoints + plan.state_draft_slots;
     model.allocate_state(scratch + stateful as usize)?;
     // One block more than the scheduler hands out: decode graphs pad into it.
     model.allocate_cache(plan.num_blocks + 1, args.block_size)?;
@@ -110,7 +104,9 @@ pub fn load(
         None => None,
     };
     Ok(LoadedEngine {
-        runner: ModelRunner::new(Box::new(model), args.block_size, args.seed).with_draft(draft),
+        runner: ModelRunner::new(Box::new(model), args.block_size, args.seed)
+            .with_draft(draft)
+            .with_mtp(mtp),
         tokenizer,
         scheduler,
         plan,

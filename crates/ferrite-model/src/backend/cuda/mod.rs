@@ -375,6 +375,7 @@ impl Backend for CudaBackend {
         let input = mat_in(&input)?;
         match out {
             Epilogue::Store(out) => out.0 = Some(k.matmul(input, w, DType::BF16)?),
+            Epilogue::StoreResidual(out) => out.0 = Some(k.matmul(input, w, DType::F32)?),
             Epilogue::AddInto(residual) => k.matmul_add(input, w, residual.get()?)?,
             Epilogue::AddNormedInto {
                 residual,
@@ -461,8 +462,9 @@ impl Backend for CudaBackend {
             cu_seqlens: &i.cu_seqlens_q,
             positions: &i.positions,
             slots: &i.state_slots,
-            restores: i.state_moves.as_ref().map(|m| &m.0),
-            saves: i.state_moves.as_ref().map(|m| &m.1),
+            restores: i.state_moves.as_ref().map(|m| &m.restores),
+            saves: i.state_moves.as_ref().map(|m| &m.saves),
+            drafts: i.state_moves.as_ref().and_then(|m| m.drafts.as_ref()),
             num_seqs: i.num_seqs,
             prefill: i.max_query_len > 1,
         };
@@ -505,6 +507,24 @@ impl Backend for CudaBackend {
             self.kernels.softcap(&logits, cap)?;
         }
         self.logits = Some(logits);
+        Ok(())
+    }
+
+    fn rms_norm_rows(
+        &mut self,
+        x: &Act,
+        rows: &[u32],
+        norm: &Tensor,
+        eps: f32,
+        out: &mut Act,
+    ) -> Result<()> {
+        let rows = (!rows.is_empty())
+            .then(|| u32s(rows, &self.device))
+            .transpose()?;
+        out.0 = Some(
+            self.kernels
+                .rms_norm(x.get()?, rows.as_ref(), norm, eps, DType::F32)?,
+        );
         Ok(())
     }
 

@@ -122,7 +122,7 @@ impl CudaBackend {
         if x.dim(0)? == 0 {
             return Ok(());
         }
-        let xn = k.rms_norm(x, None, norm, eps)?;
+        let xn = k.rms_norm(x, None, norm, eps, DType::BF16)?;
         let logits = k.matmul(MatIn::Bf16(&xn), &m.router, DType::F32)?;
         let s = &m.spec;
         let routes = k.moe_route(

@@ -32,8 +32,11 @@ pub struct GdnStep<'a> {
     /// Per request, when some request restores or checkpoints its state this step.
     pub restores: Option<&'a Tensor>,
     pub saves: Option<&'a Tensor>,
+    /// Per request, when some request verifies drafts: `[n, first]` (see `kernels/gdn.cuh`).
+    pub drafts: Option<&'a Tensor>,
     pub num_seqs: usize,
-    /// Some request has more than one token: the rule's chunk-parallel form.
+    /// Some request has more than one token: the rule's chunk-parallel form (unless some
+    /// request verifies drafts: only the recurrent form keeps the state after each token).
     pub prefill: bool,
 }
 
@@ -111,6 +114,7 @@ impl Kernels {
                 Arg::P(ptr(s.positions)?),
                 Arg::P(ptr(s.slots)?),
                 opt(s.saves)?,
+                opt(s.drafts)?,
             ],
         )?;
         let rule = RULE_KEY_DIMS
@@ -128,35 +132,36 @@ impl Kernels {
             spec.num_v_heads as u32,
             spec.v_dim.div_ceil(COLS) as u32,
         );
-        let (rule, launch) = match s.prefill {
+        let chunked = s.prefill && s.drafts.is_none();
+        let (rule, launch) = match chunked {
             true => (
                 &self.gdn_chunked[rule],
                 cfg(grid, 256, chunk_shared_bytes(spec.k_dim) as u32),
             ),
             false => (&self.gdn_rule[rule], cfg(grid, 32, 0)),
         };
-        self.launch_chained(
-            rule,
-            launch,
-            &[
-                Arg::P(ptr(&y)?),
-                Arg::P(ptr(proj)?),
-                Arg::I(p as i32),
-                Arg::P(ptr(state)?),
-                Arg::I(elems as i32),
-                Arg::I((conv_dim * (k - 1)) as i32),
-                Arg::P(ptr(a_log)?),
-                Arg::P(ptr(dt_bias)?),
-                Arg::I(spec.num_k_heads as i32),
-                Arg::I(spec.num_v_heads as i32),
-                Arg::I(spec.v_dim as i32),
-                Arg::P(ptr(s.cu_seqlens)?),
-                Arg::P(ptr(s.positions)?),
-                Arg::P(ptr(s.slots)?),
-                opt(s.saves)?,
-                Arg::P(ptr(&o)?),
-            ],
-        )?;
+        let mut args = vec![
+            Arg::P(ptr(&y)?),
+            Arg::P(ptr(proj)?),
+            Arg::I(p as i32),
+            Arg::P(ptr(state)?),
+            Arg::I(elems as i32),
+            Arg::I((conv_dim * (k - 1)) as i32),
+            Arg::P(ptr(a_log)?),
+            Arg::P(ptr(dt_bias)?),
+            Arg::I(spec.num_k_heads as i32),
+            Arg::I(spec.num_v_heads as i32),
+            Arg::I(spec.v_dim as i32),
+            Arg::P(ptr(s.cu_seqlens)?),
+            Arg::P(ptr(s.positions)?),
+            Arg::P(ptr(s.slots)?),
+            opt(s.saves)?,
+        ];
+        if !chunked {
+            args.push(opt(s.drafts)?);
+        }
+        args.push(Arg::P(ptr(&o)?));
+        self.launch_chained(rule, launch, &args)?;
         ensure!(
             spec.v_dim <= 1024,
             "linear-attention value heads of {}",

@@ -199,7 +199,7 @@ impl Kernels {
     fn materialize(&self, input: MatIn) -> Result<Tensor> {
         match input {
             MatIn::Bf16(a) => Ok(a.clone()),
-            MatIn::Rms { x, rows, norm, eps } => self.rms_norm(x, rows, norm, eps),
+            MatIn::Rms { x, rows, norm, eps } => self.rms_norm(x, rows, norm, eps, DType::BF16),
         }
     }
 }

@@ -30,6 +30,7 @@ pub struct Kernels {
     _module: Arc<CudaModule>,
     embed: CudaFunction,
     rms_norm: CudaFunction,
+    rms_norm_f32: CudaFunction,
     add_rms_norm: CudaFunction,
     gated_mul: CudaFunction,
     add_f32: CudaFunction,
@@ -203,6 +204,7 @@ impl Kernels {
             dev: dev.clone(),
             embed: f("embed_bf16")?,
             rms_norm: f("rms_norm_bf16")?,
+            rms_norm_f32: f("rms_norm_f32")?,
             add_rms_norm: f("add_rms_norm_f32")?,
             gated_mul: f("gated_mul_bf16")?,
             add_f32: f("add_f32")?,
@@ -427,21 +429,26 @@ impl Kernels {
         Ok(x)
     }
 
-    /// RMSNorm of the f32 residual stream into bf16; with `rows`, only those rows of `x`, in
-    /// that order.
+    /// RMSNorm of the f32 residual stream into `dtype` (bf16, or f32: a residual stream of
+    /// its own); with `rows`, only those rows of `x`, in that order.
     pub fn rms_norm(
         &self,
         x: &Tensor,
         rows: Option<&Tensor>,
         weight: &Tensor,
         eps: f32,
+        dtype: DType,
     ) -> Result<Tensor> {
         let (t, hidden) = x.dims2()?;
         let n = rows.map_or(Ok(t), |r| r.dim(0))?;
-        let out = self.output((n, hidden), DType::BF16)?;
+        let out = self.output((n, hidden), dtype)?;
+        let f = match dtype {
+            DType::F32 => &self.rms_norm_f32,
+            _ => &self.rms_norm,
+        };
         if n > 0 {
             self.launch(
-                &self.rms_norm,
+                f,
                 cfg((n as u32, 1, 1), 256, 0),
                 &[
                     Arg::P(ptr(x)?),
