@@ -1517,10 +1517,18 @@ fn gated_delta_net_rejected_draft_restores_the_state_after_the_accepted_tokens()
 }
 
 /// The MTP heads on the GPU (Qwen3-Next's with experts, Qwen3.5's dense) against
-/// transformers' modules, teacher-forced whole and in chunks: the target's logits and the
-/// head's to bf16 precision (the head reads the target step's kept residual stream).
+/// transformers' modules, teacher-forced whole and in chunks. The head reads the target's
+/// hidden states, which stray from the oracle as far as the family does in bf16 (see
+/// `families_agree_with_transformers`: the delta rule amplifies rounding); the head may add
+/// its one layer's rounding to that, no more: mean |dlogit| within 1.5x the target's plus a
+/// hundredth of the logits' range, and top-1 as often as the target's less 10%. (A wrong head
+/// strays by the logits' whole range.)
 #[test]
 fn mtp_heads_agree_with_transformers() {
+    let top1 = |got: &[Vec<f32>], want: &[Vec<f32>]| {
+        let same = got.iter().zip(want).filter(|(g, w)| argmax(g) == argmax(w));
+        same.count() as f64 / got.len() as f64
+    };
     for name in ["qwen3_next_mtp", "qwen3_5_mtp"] {
         let dir = common::repo_root().join(format!("tests/oracle/tiny/{name}"));
         let backend = CudaBackend::new(device(), false, "cuda:0".into()).unwrap();
@@ -1530,15 +1538,17 @@ fn mtp_heads_agree_with_transformers() {
         let (_, want_head) = common::tiny_oracle(name, "mtp_logits_f16_kv");
         for ends in [vec![tokens.len()], vec![20, 21, tokens.len()]] {
             let (target, head) = common::teacher_forced(&mut m, &tokens, &ends);
-            for (what, got, want) in [
-                ("target", &target, &want_target),
-                ("MTP head", &head, &want_head),
-            ] {
-                let (mean, worst, scale) = differences(got, want);
-                println!("{name} on the GPU, chunks ending at {ends:?}: {what} mean |dlogit| {mean:.2e}, max {worst:.2e} (largest logit {scale:.2})");
-                assert!(mean < 0.01 * scale, "{name} {what}: mean {mean}");
-                assert!(worst < 0.1 * scale, "{name} {what}: max {worst}");
-            }
+            let (tm, tw, _) = differences(&target, &want_target);
+            let (hm, hw, scale) = differences(&head, &want_head);
+            let (tt, ht) = (top1(&target, &want_target), top1(&head, &want_head));
+            println!(
+                "{name} on the GPU, chunks ending at {ends:?}: target mean |dlogit| {tm:.2e} (max {tw:.2e}, top-1 {tt:.2}), MTP head {hm:.2e} (max {hw:.2e}, top-1 {ht:.2}; largest logit {scale:.2})"
+            );
+            assert!(
+                hm <= 1.5 * tm + 0.01 * scale,
+                "{name}: head mean {hm}, target {tm}"
+            );
+            assert!(ht >= tt - 0.1, "{name}: head top-1 {ht}, target {tt}");
         }
     }
 }
