@@ -9,12 +9,14 @@ cd "$(dirname "$0")/.."
 name=${MODEL:-smollm2}
 model=$(scripts/fetch-model.sh "$name")
 case "$name" in
-  smollm2) doc=docs/benchmarks/cpu-engine-core.md; about="SmolLM2-135M-Instruct, Q4_1, 30 layers" ;;
-  gemma3) doc=docs/benchmarks/cpu-engine-core-gemma3.md; about="Gemma 3 270M, Q4_K_M, 18 layers" ;;
+  # params: the matmuls' weights a token multiplies (the tied LM head included).
+  smollm2) doc=docs/benchmarks/cpu-engine-core.md; about="SmolLM2-135M-Instruct, Q4_1, 30 layers"; params=134.5e6 ;;
+  gemma3) doc=docs/benchmarks/cpu-engine-core-gemma3.md; about="Gemma 3 270M, Q4_K_M, 18 layers"; params=268e6 ;;
 esac
 source scripts/llamacpp-env.sh
 llama_bench=$LLAMA_BIN/llama-bench
 cargo build --release -q
+cargo build --release -q -p ferrite-model --example int8_peak
 threads=${THREADS:-2}
 
 wait_quiet
@@ -25,6 +27,7 @@ out=$(mktemp -d)
 ./target/release/ferrite bench offline "$model" --threads "$threads" \
   --prompt-tokens 512 --gen-tokens 128 --batch 1,8,32 --repeats 3 \
   --kv-cache-memory 1000000000 --log-level info > "$out/ferrite.md" 2> "$out/ferrite.log"
+./target/release/examples/int8_peak "$threads" > "$out/peak.txt"
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 
 # Again with another process busy on one core: a thread pool whose workers wait for each
@@ -37,9 +40,9 @@ busy=$!
   --kv-cache-memory 1000000000 --log-level warn > "$out/ferrite-busy.md"
 kill "$busy"
 
-python3 - "$out" "$model" "$threads" "$load_before" "$load_after" "$llama_bench" "$doc" "$about" <<'PY'
+python3 - "$out" "$model" "$threads" "$load_before" "$load_after" "$llama_bench" "$doc" "$about" "$params" <<'PY'
 import json, re, subprocess, sys, platform, datetime, os
-out, model, threads, lb, la, lbench, doc_path, about = sys.argv[1:]
+out, model, threads, lb, la, lbench, doc_path, about, params = sys.argv[1:]
 def llama_results(path):
     ll = {}
     for r in json.load(open(path)):
@@ -70,6 +73,13 @@ for test, lkey in [("pp512", "pp512"), ("tg128 @ batch 1", "tg128"), ("tg128 @ b
     ratio = f"{f / l[0]:.2f}x" if (l and f) else "—"
     rows.append(f"| {test} | {f:.1f} | {lcol} | {ratio} |")
 build = next(iter(ll.values()))[2] if ll else "?"
+peak_line = open(f"{out}/peak.txt").read().strip()
+m = re.search(r"([\d.]+) GOP/s on \d+ threads", peak_line)
+gops = fe["pp512"] * 2 * float(params) / 1e9
+share = (f"pp512 does {gops:.0f} GOP/s of matmul work (2 x {float(params) / 1e6:.1f}M weights per token, "
+         f"attention left out): {100 * gops / float(m.group(1)):.0f}% of the `vpdpbusd` peak measured in "
+         f"the same run (`examples/int8_peak {threads}`: {peak_line.split(': ', 1)[1]}).") if m else \
+        f"pp512 does {gops:.0f} GOP/s of matmul work; {peak_line}"
 doc = f"""# CPU engine core: prefill and decode throughput vs llama.cpp
 
 Measured {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC by `scripts/bench-core.sh`, both engines in
@@ -88,6 +98,8 @@ one run on the same machine and the same GGUF.
 | test | ferrite tokens/s | llama.cpp tokens/s | ferrite / llama.cpp |
 | --- | ---: | ---: | ---: |
 """ + "\n".join(rows) + f"""
+
+""" + share + f"""
 
 llama-bench has no batched-decode test; batches 8 and 32 show what continuous batching buys ferrite
 over its own batch-1 figure.
