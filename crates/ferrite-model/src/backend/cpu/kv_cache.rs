@@ -127,7 +127,7 @@ impl Pages {
     fn widen(&self, head: usize, d: usize, bs: usize, side: Side, dst: &mut [f32], isa: Isa) {
         let n = d * bs;
         let (at, sc) = (head * n, head * bs);
-        let avx512 = cfg!(target_arch = "x86_64") && isa == Isa::Avx512Vnni;
+        let avx512 = cfg!(target_arch = "x86_64") && isa.vector() == Isa::Avx512Vnni;
         assert_eq!(dst.len(), n);
         // 16 values per instruction where the CPU has AVX-512: half's slice conversion goes
         // 8 at a time through a feature check per chunk, most of a decode's attention time.
@@ -282,7 +282,7 @@ fn widen_scaled<C: Lanes>(
 ) {
     assert!(codes.len() == d * bs && dst.len() == d * bs && scales.len() == bs);
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512Vnni && avx512::widen_scaled(codes, scales, side, d, bs, dst) {
+    if isa.vector() == Isa::Avx512Vnni && avx512::widen_scaled(codes, scales, side, d, bs, dst) {
         return;
     }
     let _ = isa;

@@ -296,13 +296,13 @@ thread_local! {
 /// [`attend_tile`] through the kernels of `isa`.
 fn attend(isa: Isa, x: &LayerInputs, it: &Item, part: &mut [f32], s: &mut TileScratch) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512Vnni {
+    if isa.vector() == Isa::Avx512Vnni {
         // SAFETY: the CPU supports the features the function is compiled for (checked by
         // `paged_attention_isa`).
         return unsafe { attend_tile_avx512(x, it, part, s) };
     }
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
+    if isa.vector() == Isa::Avx2 {
         // SAFETY: as above.
         return unsafe { attend_tile_avx2(x, it, part, s) };
     }

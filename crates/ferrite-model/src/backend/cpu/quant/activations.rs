@@ -32,7 +32,16 @@ pub struct QuantizedActs {
     pub corr: Vec<i32>,
     /// The same for `r` (`Fine` only).
     pub corr_r: Vec<i32>,
+    /// `-128 * sum(q)` over each block, `[rows, blocks]`: the same correction for kernels
+    /// that take whole-block dots.
+    pub block_corr: Vec<i32>,
+    /// The same for `r` (`Fine` only).
+    pub block_corr_r: Vec<i32>,
 }
+
+/// Rows the code buffers are padded to: tile kernels read whole 16-token tiles (the padding
+/// rows' results are never stored).
+const ROW_PAD: usize = 16;
 
 impl QuantizedActs {
     /// Quantizes row-major `x` of `rows` rows, `cols` (a multiple of 32) wide.
@@ -43,9 +52,12 @@ impl QuantizedActs {
         self.rows = rows;
         self.blocks = blocks;
         self.rounding = rounding;
-        let codes = rows * blocks * BLOCK;
+        let codes = rows.next_multiple_of(ROW_PAD) * blocks * BLOCK;
         self.q.resize(codes, 0);
         self.r.resize(if fine { codes } else { 0 }, 0);
+        self.block_corr.resize(rows * blocks, 0);
+        self.block_corr_r
+            .resize(if fine { rows * blocks } else { 0 }, 0);
         self.d.resize(rows * blocks, 0.0);
         self.s.resize(rows * blocks, 0.0);
         self.d_pairs.resize(rows * blocks * 8, 0.0);
@@ -59,6 +71,7 @@ impl QuantizedActs {
             .zip(self.s.par_chunks_mut(blocks))
             .zip(self.d_pairs.par_chunks_mut(blocks * 8))
             .zip(self.corr.par_chunks_mut(blocks * 8))
+            .zip(self.block_corr.par_chunks_mut(blocks))
             .zip(x.par_chunks(cols));
         let spread = |d: &[f32], dp: &mut [f32]| {
             for (i, dp) in dp.chunks_exact_mut(8).enumerate() {
@@ -68,19 +81,20 @@ impl QuantizedActs {
         if fine {
             let r_rows = self.r.par_chunks_mut(blocks * BLOCK);
             let cr_rows = self.corr_r.par_chunks_mut(blocks * 8);
-            rows_iter.zip(r_rows).zip(cr_rows).for_each(
-                |(((((((q, d), s), dp), corr), x), r), cr)| {
+            let br_rows = self.block_corr_r.par_chunks_mut(blocks);
+            rows_iter.zip(r_rows).zip(cr_rows).zip(br_rows).for_each(
+                |(((((((((q, d), s), dp), corr), bc), x), r), cr), br)| {
                     quantize_row(x, q, Some(&mut *r), d, s);
                     spread(d, dp);
-                    quad_sums(q, corr);
-                    quad_sums(r, cr);
+                    quad_sums(q, corr, bc);
+                    quad_sums(r, cr, br);
                 },
             );
         } else {
-            rows_iter.for_each(|(((((q, d), s), dp), corr), x)| {
+            rows_iter.for_each(|((((((q, d), s), dp), corr), bc), x)| {
                 quantize_row(x, q, None, d, s);
                 spread(d, dp);
-                quad_sums(q, corr);
+                quad_sums(q, corr, bc);
             });
         }
     }
@@ -96,10 +110,13 @@ impl QuantizedActs {
     }
 }
 
-/// `-128 * (v[4i] + .. + v[4i + 3])` for each group of four codes.
-fn quad_sums(v: &[i8], out: &mut [i32]) {
+/// `-128 * (v[4i] + .. + v[4i + 3])` for each group of four codes, and their sum per block.
+fn quad_sums(v: &[i8], out: &mut [i32], blocks: &mut [i32]) {
     for (c, v) in out.iter_mut().zip(v.chunks_exact(4)) {
         *c = -128 * v.iter().map(|&v| v as i32).sum::<i32>();
+    }
+    for (b, quads) in blocks.iter_mut().zip(out.chunks_exact(BLOCK / 4)) {
+        *b = quads.iter().sum();
     }
 }
 

@@ -5,6 +5,9 @@ use std::sync::OnceLock;
 /// Kernel instruction sets, fastest first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
+    /// AMX tiles for the int8 matmul (whole-block dots of 16 tokens x 16 rows), AVX-512 for
+    /// the rest.
+    Amx,
     /// 512-bit registers with `vpdpbusd` (u8 x i8 dot products into i32).
     Avx512Vnni,
     /// 256-bit `vpmaddubsw` + `vpmaddwd`, FMA.
@@ -19,6 +22,7 @@ pub const ISA_ENV: &str = "FERRITE_CPU_ISA";
 impl Isa {
     pub fn name(self) -> &'static str {
         match self {
+            Isa::Amx => "amx",
             Isa::Avx512Vnni => "avx512-vnni",
             Isa::Avx2 => "avx2",
             Isa::Portable => "portable",
@@ -31,6 +35,7 @@ impl Isa {
         {
             use std::arch::is_x86_feature_detected as has;
             match self {
+                Isa::Amx => Isa::Avx512Vnni.supported() && super::amx::available(),
                 Isa::Avx512Vnni => {
                     has!("avx512f")
                         && has!("avx512bw")
@@ -49,9 +54,17 @@ impl Isa {
         }
     }
 
+    /// The vector set beside the matmul tiles: what attention and the KV cache use.
+    pub fn vector(self) -> Isa {
+        match self {
+            Isa::Amx => Isa::Avx512Vnni,
+            isa => isa,
+        }
+    }
+
     /// Every kernel set this CPU can run, fastest first.
     pub fn available() -> Vec<Isa> {
-        [Isa::Avx512Vnni, Isa::Avx2, Isa::Portable]
+        [Isa::Amx, Isa::Avx512Vnni, Isa::Avx2, Isa::Portable]
             .into_iter()
             .filter(|i| i.supported())
             .collect()

@@ -1,11 +1,14 @@
 //! Quantized matmul over the packed `[T, K]` activation matrix: weights repacked at load
 //! ([`packed`]), activations quantized to int8 once per input ([`activations`]), register
-//! tiles of up to 4 weight rows x 4 tokens chosen per instruction set ([`isa`]).
+//! tiles of up to 4 weight rows x 4 tokens chosen per instruction set ([`isa`]), or AMX tiles
+//! of 16 x 16 ([`amx`]) where the CPU has them.
 //!
 //! Every (row, token) result is computed by the same instruction sequence whatever the tile
 //! shape or thread split, so a token's output does not depend on what shares the step.
 
 pub mod activations;
+#[cfg(target_arch = "x86_64")]
+mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
@@ -18,6 +21,8 @@ mod tile;
 use crate::backend::cpu::disjoint::DisjointSlice;
 use crate::backend::Rounding;
 use activations::QuantizedActs;
+#[cfg(target_arch = "x86_64")]
+pub use amx::tile_peak;
 pub use isa::Isa;
 use packed::{Codes, PackedWeight};
 use rayon::prelude::*;
@@ -100,6 +105,16 @@ pub fn matmul(w: &PackedWeight, a: &QuantizedActs, out: &mut [f32], isa: Isa) {
         ld: w.rows,
     };
     let tokens = a.rows;
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Amx {
+        (0..w.rows.div_ceil(TASK_ROWS))
+            .into_par_iter()
+            .for_each(|task| {
+                let rows = task * TASK_ROWS..((task + 1) * TASK_ROWS).min(w.rows);
+                amx::matmul_rows(w, a, rows, out);
+            });
+        return;
+    }
     (0..w.rows.div_ceil(TASK_ROWS))
         .into_par_iter()
         .for_each(|task| {
