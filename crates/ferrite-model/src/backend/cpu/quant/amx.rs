@@ -48,8 +48,7 @@ pub(super) fn available() -> bool {
     })
 }
 
-/// Palette 1 tile shapes: tmm0/tmm3 the int32 results (16 tokens x 16 rows), tmm1/tmm4 the
-/// activation codes and their fine residuals (16 tokens x 32), tmm2 the weight panel.
+/// The `ldtilecfg` operand: palette, then each tile's bytes per row and rows.
 #[repr(C, align(64))]
 struct TileConfig {
     palette: u8,
@@ -63,29 +62,34 @@ thread_local! {
     static SCRATCH: RefCell<Panel> = RefCell::default();
 }
 
-/// Loads the tile shapes on this thread. Tiles are released after each use: a thread that
-/// holds tile state makes every context switch save and restore 8 KiB, which slowed decode
-/// steps (whose small matmuls park and wake the pool's threads) by ~10%.
-fn configure() {
-    let mut c = TileConfig {
-        palette: 1,
-        start_row: 0,
-        reserved: [0; 14],
-        colsb: [0; 16],
-        rows: [0; 16],
-    };
-    for (t, rows, colsb) in [
-        (0, 16, 64),
-        (1, 16, 32),
-        (2, 8, 64),
-        (3, 16, 64),
-        (4, 16, 32),
-    ] {
-        c.rows[t] = rows;
-        c.colsb[t] = colsb;
+impl TileConfig {
+    /// Palette 1 with tile `t` shaped `shapes[t]` = (rows, bytes per row).
+    fn new(shapes: &[(u8, u16)]) -> Self {
+        let mut c = TileConfig {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            colsb: [0; 16],
+            rows: [0; 16],
+        };
+        for (t, &(rows, colsb)) in shapes.iter().enumerate() {
+            (c.rows[t], c.colsb[t]) = (rows, colsb);
+        }
+        c
     }
-    // SAFETY: `available` holds (the caller's check); the config is 64 aligned bytes.
-    unsafe { asm!("ldtilecfg [{}]", in(reg) &c as *const TileConfig, options(nostack)) };
+
+    fn load(&self) {
+        // SAFETY: `available` holds (the callers' check); the config is 64 aligned bytes.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) self as *const TileConfig, options(nostack)) };
+    }
+}
+
+/// Loads the matmul's tile shapes on this thread: tmm0/tmm3 the int32 results (16 tokens x
+/// 16 rows), tmm1/tmm4 the activation codes and their fine residuals (16 tokens x 32), tmm2
+/// the weight panel (8 x 16 rows x 4 codes). Tiles are released after each use, so no
+/// thread holds tile state (8 KiB more for every context switch to save) between matmuls.
+fn configure() {
+    TileConfig::new(&[(16, 64), (16, 32), (8, 64), (16, 64), (16, 32)]).load();
 }
 
 fn release() {
@@ -444,24 +448,21 @@ pub fn tile_peak(k: usize, iters: usize) -> Option<f64> {
         return None;
     }
     assert!(k == 32 || k == 64);
-    let mut c = TileConfig {
-        palette: 1,
-        start_row: 0,
-        reserved: [0; 14],
-        colsb: [0; 16],
-        rows: [0; 16],
-    };
-    for t in 0..4 {
-        (c.rows[t], c.colsb[t]) = (16, 64);
-    }
-    (c.rows[4], c.colsb[4]) = (16, k as u16);
-    (c.rows[5], c.colsb[5]) = ((k / 4) as u8, 64);
+    let k4 = (k / 4) as u8;
+    let c = TileConfig::new(&[
+        (16, 64),
+        (16, 64),
+        (16, 64),
+        (16, 64),
+        (16, k as u16),
+        (k4, 64),
+    ]);
     let codes = vec![1u8; 16 * 64];
+    c.load();
     let start = std::time::Instant::now();
-    // SAFETY: AMX is available; the loads read 1 KiB of `codes`.
+    // SAFETY: AMX is available, tiles configured; the loads read 1 KiB of `codes`.
     unsafe {
         asm!(
-            "ldtilecfg [{cfg}]",
             "tileloadd tmm4, [{p} + {s}*1]",
             "tileloadd tmm5, [{p} + {s}*1]",
             "tilezero tmm0",
@@ -475,7 +476,6 @@ pub fn tile_peak(k: usize, iters: usize) -> Option<f64> {
             "tdpbusd tmm3, tmm4, tmm5",
             "dec {n}",
             "jnz 2b",
-            cfg = in(reg) &c as *const TileConfig,
             p = in(reg) codes.as_ptr(),
             s = in(reg) 64usize,
             n = inout(reg) iters => _,
