@@ -4,7 +4,7 @@
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use ferrite_model::backend::cpu::quant::activations::QuantizedActs;
-use ferrite_model::backend::cpu::quant::packed::{Codes, PackedWeight, BLOCK};
+use ferrite_model::backend::cpu::quant::packed::{Codes, Layout, PackedWeight, BLOCK};
 use ferrite_model::backend::cpu::quant::{matmul, Isa};
 use ferrite_model::backend::Rounding;
 use rand::rngs::StdRng;
@@ -41,7 +41,8 @@ fn dequantized(q: &QTensor) -> Vec<f32> {
 }
 
 /// Repacking keeps every weight of the exactly-decoded types bit for bit, Q4_K within its
-/// scales' rounding to f16, and re-quantized types within half an 8-bit step of their block.
+/// scales' rounding to f16, and re-quantized types within half an 8-bit step of their block;
+/// laid out in panels, every weight is the same, and the padding rows are zero.
 #[test]
 fn repacked_weights_match_ggml_dequantization() {
     let mut rng = StdRng::seed_from_u64(1);
@@ -60,6 +61,14 @@ fn repacked_weights_match_ggml_dequantization() {
         let q = ggml(&random(&mut rng, rows * cols), rows, cols, dtype);
         let want = dequantized(&q);
         let w = PackedWeight::from_qtensor(&q).unwrap();
+        let panels = w.clone().into_layout(Layout::Panels);
+        assert_eq!(panels.data.len(), w.data.len() / rows * 16);
+        for r in 0..16 {
+            for c in 0..cols {
+                let want = if r < rows { w.get(r, c) } else { 0.0 };
+                assert_eq!(panels.get(r, c), want, "{dtype:?} panels r{r} c{c}");
+            }
+        }
         assert_eq!(w.codes, codes, "{dtype:?}");
         assert_eq!(w.blocks, (cols / BLOCK).next_multiple_of(2));
         for r in 0..rows {
@@ -213,7 +222,7 @@ fn every_kernel_set_matches_the_reference_on_odd_shapes() {
                     a.quantize(&x, tokens, cols, *rounding);
                     let want = reference(&w, &a);
                     let mut y = vec![f32::NAN; tokens * rows];
-                    matmul(&w, &a, &mut y, isa);
+                    matmul(&w.clone().into_layout(Layout::of(isa)), &a, &mut y, isa);
                     for t in 0..tokens {
                         for r in 0..rows {
                             let (got, exp) = (y[t * rows + r] as f64, want[t * rows + r]);
@@ -247,6 +256,7 @@ fn a_tokens_result_does_not_depend_on_its_neighbours() {
             .iter()
             .flat_map(|&r| Isa::available().into_iter().map(move |i| (r, i)))
         {
+            let w = w.clone().into_layout(Layout::of(isa));
             let mut all = QuantizedActs::default();
             all.quantize(&x, tokens, cols, rounding);
             let mut y = vec![0f32; tokens * rows];

@@ -4,7 +4,7 @@
 //! quantization of the input ([`LinearInput`]).
 
 use super::quant::activations::QuantizedActs;
-use super::quant::packed::{Codes, PackedWeight};
+use super::quant::packed::{Codes, Layout, PackedWeight};
 use super::quant::{matmul, Isa};
 use crate::backend::Rounding;
 use crate::engine_args::WeightFormat;
@@ -59,13 +59,27 @@ fn packed_as(dtype: GgmlDType, format: WeightFormat) -> Option<Codes> {
 /// [`Linear::bytes`] of a stored `[rows, cols]` matrix, known before it is read (plans).
 pub fn matrix_bytes(dtype: GgmlDType, rows: usize, cols: usize, format: WeightFormat) -> usize {
     match packed_as(dtype, format) {
-        Some(codes) => PackedWeight::bytes_for(rows, cols, codes),
+        Some(codes) => PackedWeight::bytes_for(rows, cols, codes, Layout::of(Isa::detect())),
         None => rows * cols * 4,
     }
 }
 
 impl Linear {
     pub fn new(w: QTensor, format: WeightFormat, input: Rounding) -> Result<Self> {
+        Ok(Self::rows_first(w, format, input)?.laid_out())
+    }
+
+    /// Quantized weights in the layout of this CPU's kernels (after any stacking).
+    fn laid_out(self) -> Self {
+        let weights = match self.weights {
+            Weights::Quantized(w) => Weights::Quantized(w.into_layout(Layout::of(Isa::detect()))),
+            float => float,
+        };
+        Self { weights, ..self }
+    }
+
+    /// The matrix with quantized weights row after row, as stacking takes them.
+    fn rows_first(w: QTensor, format: WeightFormat, input: Rounding) -> Result<Self> {
         let out_features = w.shape().dims2()?.0;
         let weights = if packed_as(w.dtype(), format).is_none() {
             Weights::Float(w.dequantize(&Device::Cpu)?.t()?.contiguous()?)
@@ -87,7 +101,7 @@ impl Linear {
     ) -> Result<Vec<Self>> {
         let layers: Vec<Self> = parts
             .into_iter()
-            .map(|p| Self::new(p, format, input))
+            .map(|p| Self::rows_first(p, format, input))
             .collect::<Result<_>>()?;
         let out_features = layers.iter().map(|l| l.out_features).sum();
         let all_float = layers
@@ -120,13 +134,14 @@ impl Linear {
                 .collect();
             Weights::Quantized(PackedWeight::stack(ws)?)
         } else {
-            return Ok(layers);
+            return Ok(layers.into_iter().map(Self::laid_out).collect());
         };
         Ok(vec![Self {
             weights,
             out_features,
             input,
-        }])
+        }
+        .laid_out()])
     }
 
     pub fn out_features(&self) -> usize {

@@ -1,17 +1,19 @@
 //! Intel AMX tiles (Sapphire Rapids and later) for the int8 matmul.
 //!
-//! One tile product of 16 tokens' activation codes (`A`, signed, read in place from the
-//! quantized rows) and a 16-row weight panel (`B`, unsigned codes in the 4-byte interleaved
-//! order the tile unit reads, repacked per task) gives all 256 (token, row) dots of one block
-//! of 32 exactly in int32. AVX-512 then scales them and accumulates block after block, lanes
-//! = weight rows. Each (token, row) result is the same f32 sequence whatever the tile, so a
-//! token's output does not depend on what shares the step.
+//! Weights lie in panels of 16 rows ([`Layout::Panels`]): per block, 8 groups of 16 rows x 4
+//! codes, the order of an AMX `B` tile and of a `vpdpbusd` whose lanes are the 16 rows. One
+//! tile product of 16 tokens' activation codes (`A`, signed, read in place) and a panel's
+//! block gives all 256 (token, row) dots of that block exactly in int32; below
+//! [`TILE_MIN_TOKENS`] tokens, 8 `vpdpbusd`s against the token's broadcast codes give the same
+//! 16 dots. AVX-512 then scales them and accumulates block after block, lanes = rows. Each
+//! (token, row) result is the same f32 sequence on either path, so a token's output does not
+//! depend on what shares the step.
 
 // Tiles index accumulators and token rows by the same position; range loops say so plainly.
 #![allow(clippy::needless_range_loop)]
 
 use super::activations::QuantizedActs;
-use super::packed::{Codes, PackedWeight, BLOCK};
+use super::packed::{Codes, Layout, PackedWeight, BLOCK, PANEL_ROWS};
 use super::tile::Out;
 use crate::backend::Rounding;
 use std::arch::asm;
@@ -20,9 +22,9 @@ use std::cell::RefCell;
 use std::sync::OnceLock;
 
 /// Weight rows per panel (the B tile's 16 int32 columns).
-pub(super) const PANEL: usize = 16;
+const PANEL: usize = PANEL_ROWS;
 /// Tokens per tile (the A tile's rows); the activation codes are padded to a multiple.
-pub const TOKENS: usize = 16;
+const TOKENS: usize = 16;
 /// Bytes of one block's B tile: 8 rows of 16 weight rows x 4 codes.
 const B_TILE: usize = 512;
 
@@ -59,7 +61,8 @@ struct TileConfig {
 }
 
 thread_local! {
-    static SCRATCH: RefCell<Panel> = RefCell::default();
+    /// A `U4` panel's codes unpacked to one byte each, `[blocks][8][16 rows][4]`.
+    static UNPACKED: RefCell<Vec<u8>> = RefCell::default();
 }
 
 impl TileConfig {
@@ -97,16 +100,9 @@ fn release() {
     unsafe { asm!("tilerelease", options(nostack, nomem)) };
 }
 
-/// One weight panel in the tile unit's order, with its scales (and `U4` offsets) as f32
-/// lanes per block.
-#[derive(Default)]
-struct Panel {
-    /// `[blocks][8][16 rows][4 codes]`.
-    b: Vec<u8>,
-    /// `[blocks][16 rows]`.
-    d: Vec<f32>,
-    m: Vec<f32>,
-}
+/// Below this many tokens a matmul takes [`columns`]: the tile's fixed cost (and a `U4`
+/// panel's unpacking) pay off only over enough tokens (measured by `examples/qgemm_speed`).
+const TILE_MIN_TOKENS: usize = 8;
 
 /// `out[t, r] = sum_k a[t, k] * w[r, k]` for weight rows `rows` (whole panels but the last)
 /// and every token.
@@ -116,34 +112,43 @@ pub(super) fn matmul_rows(
     rows: std::ops::Range<usize>,
     out: Out,
 ) {
+    assert_eq!(w.layout, Layout::Panels, "AMX kernels read panels");
     let tiles = a.rows >= TILE_MIN_TOKENS;
     if tiles {
         configure();
     }
-    SCRATCH.with_borrow_mut(|p| {
+    let fine = a.rounding == Rounding::Fine;
+    UNPACKED.with_borrow_mut(|unpacked| {
         for r0 in rows.clone().step_by(PANEL) {
             let nr = PANEL.min(rows.end - r0);
+            let panel = r0 / PANEL;
             // SAFETY: the CPU has AVX-512 and AMX (`Isa::Amx` is supported), tiles are
-            // configured, `r0 + nr <= w.rows` and the codes are padded to whole tiles.
+            // configured, the panel exists and the codes are padded to whole tiles.
             unsafe {
-                let fine = a.rounding == Rounding::Fine;
                 if !tiles {
                     match (w.codes, fine) {
-                        (Codes::U4, false) => columns::<true, false>(w, a, r0, nr, out),
-                        (Codes::U4, true) => columns::<true, true>(w, a, r0, nr, out),
-                        (Codes::U8, false) => columns::<false, false>(w, a, r0, nr, out),
-                        (Codes::U8, true) => columns::<false, true>(w, a, r0, nr, out),
+                        (Codes::U4, false) => columns::<true, false>(w, a, panel, nr, out),
+                        (Codes::U4, true) => columns::<true, true>(w, a, panel, nr, out),
+                        (Codes::U8, false) => columns::<false, false>(w, a, panel, nr, out),
+                        (Codes::U8, true) => columns::<false, true>(w, a, panel, nr, out),
                     }
                     continue;
                 }
-                repack(w, r0, nr, p);
+                let b_tiles = match w.codes {
+                    Codes::U4 => {
+                        unpack(w, panel, unpacked);
+                        unpacked.as_ptr()
+                    }
+                    Codes::U8 => w.data.as_ptr().add(panel * w.blocks * B_TILE),
+                };
                 for t0 in (0..a.rows).step_by(TOKENS) {
                     let nt = TOKENS.min(a.rows - t0);
+                    let at = (t0, nt, panel, nr);
                     match (w.codes, fine) {
-                        (Codes::U4, false) => tile::<true, false>(w, p, a, t0, nt, r0, nr, out),
-                        (Codes::U4, true) => tile::<true, true>(w, p, a, t0, nt, r0, nr, out),
-                        (Codes::U8, false) => tile::<false, false>(w, p, a, t0, nt, r0, nr, out),
-                        (Codes::U8, true) => tile::<false, true>(w, p, a, t0, nt, r0, nr, out),
+                        (Codes::U4, false) => tile::<true, false>(w, b_tiles, a, at, out),
+                        (Codes::U4, true) => tile::<true, true>(w, b_tiles, a, at, out),
+                        (Codes::U8, false) => tile::<false, false>(w, b_tiles, a, at, out),
+                        (Codes::U8, true) => tile::<false, true>(w, b_tiles, a, at, out),
                     }
                 }
             }
@@ -154,90 +159,46 @@ pub(super) fn matmul_rows(
     }
 }
 
-/// Lays rows `r0..r0 + nr` of `w` out as B tiles (rows past `nr` zero) with their scales.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-unsafe fn repack(w: &PackedWeight, r0: usize, nr: usize, p: &mut Panel) {
+/// A `U4` panel's codes one byte each: a pair's 512 bytes hold block `2q` in the low nibbles
+/// and `2q + 1` in the high ones.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn unpack(w: &PackedWeight, panel: usize, out: &mut Vec<u8>) {
     let nb = w.blocks;
-    p.b.resize(nb * B_TILE, 0);
-    p.d.resize(nb * PANEL, 0.0);
-    p.m.resize(if w.codes == Codes::U4 { nb * PANEL } else { 0 }, 0.0);
-    let lanes: __mmask16 = if nr == PANEL { 0xFFFF } else { (1 << nr) - 1 };
-    let row_bytes = match w.codes {
-        Codes::U4 => nb * 16,
-        Codes::U8 => nb * BLOCK,
-    };
-    let rows = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(row_bytes as i32),
-    );
-    let codes = w.data.as_ptr().add(r0 * row_bytes);
-    let gather = |at: *const u8| {
-        _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), lanes, rows, at as *const i32)
-    };
-    let dst = p.b.as_mut_ptr() as *mut __m512i;
-    match w.codes {
-        Codes::U8 => {
-            for b in 0..nb {
-                for k4 in 0..8 {
-                    let g = gather(codes.add(b * BLOCK + k4 * 4));
-                    _mm512_storeu_si512(dst.add(b * 8 + k4), g);
-                }
-            }
-        }
-        Codes::U4 => {
-            // A pair's 32 bytes: block 2q's code j in byte j's low nibble, 2q + 1's high.
-            let nibble = _mm512_set1_epi8(0x0F);
-            for q in 0..nb / 2 {
-                for k4 in 0..8 {
-                    let g = gather(codes.add(q * BLOCK + k4 * 4));
-                    let lo = _mm512_and_si512(g, nibble);
-                    let hi = _mm512_and_si512(_mm512_srli_epi32(g, 4), nibble);
-                    _mm512_storeu_si512(dst.add(2 * q * 8 + k4), lo);
-                    _mm512_storeu_si512(dst.add((2 * q + 1) * 8 + k4), hi);
-                }
-            }
-        }
-    }
+    out.resize(nb * B_TILE, 0);
+    let src = w.data.as_ptr().add(panel * (nb / 2) * B_TILE) as *const __m512i;
+    let dst = out.as_mut_ptr() as *mut __m512i;
+    let nibble = _mm512_set1_epi8(0x0F);
     for q in 0..nb / 2 {
-        let (even, odd) = pair_scales(w.d.as_ptr(), nb, r0, q, lanes);
-        _mm512_storeu_ps(p.d.as_mut_ptr().add(2 * q * PANEL), even);
-        _mm512_storeu_ps(p.d.as_mut_ptr().add((2 * q + 1) * PANEL), odd);
-        if w.codes == Codes::U4 {
-            let (even, odd) = pair_scales(w.m.as_ptr(), nb, r0, q, lanes);
-            _mm512_storeu_ps(p.m.as_mut_ptr().add(2 * q * PANEL), even);
-            _mm512_storeu_ps(p.m.as_mut_ptr().add((2 * q + 1) * PANEL), odd);
+        for k4 in 0..8 {
+            let x = _mm512_loadu_si512(src.add(q * 8 + k4));
+            _mm512_storeu_si512(dst.add(2 * q * 8 + k4), _mm512_and_si512(x, nibble));
+            let hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), nibble);
+            _mm512_storeu_si512(dst.add((2 * q + 1) * 8 + k4), hi);
         }
     }
 }
 
-/// The f16 values of blocks `2q` and `2q + 1` of rows `r0..r0 + 16` (`[rows, nb]`; lanes
-/// outside `lanes` zero) as f32 lanes: both halves of the dword at block `2q`.
+/// Block `b`'s scales and (`U4`) offsets of the panel's 16 rows, as f32 lanes.
 #[inline(always)]
-unsafe fn pair_scales(
-    src: *const half::f16,
-    nb: usize,
-    r0: usize,
-    q: usize,
-    lanes: __mmask16,
+unsafe fn block_scales<const U4: bool>(
+    w: &PackedWeight,
+    panel: usize,
+    b: usize,
 ) -> (__m512, __m512) {
-    let rows = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(2 * nb as i32),
-    );
-    let g = _mm512_mask_i32gather_epi32::<1>(
-        _mm512_setzero_si512(),
-        lanes,
-        rows,
-        src.add(r0 * nb + 2 * q) as *const i32,
-    );
-    let even = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
-    let odd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
-    (even, odd)
+    // No closure here: it would not inherit the caller's target features.
+    let at = (panel * w.blocks + b) * PANEL;
+    let d = _mm512_cvtph_ps(_mm256_loadu_si256(w.d.as_ptr().add(at) as *const _));
+    let m = if U4 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(w.m.as_ptr().add(at) as *const _))
+    } else {
+        _mm512_setzero_ps()
+    };
+    (d, m)
 }
 
 /// One block's step for one token, lanes = 16 weight rows: `dot` the exact block dots
-/// (corrections included), `dw`/`mw` the rows' scales/offsets, `ab` the (token, block) index.
-/// Both kernels end in it, so their results agree bit for bit.
+/// (corrections included), `ab` the (token, block) index. Both kernels end in it, so their
+/// results agree bit for bit.
 #[inline(always)]
 unsafe fn accumulate<const U4: bool>(
     acc: __m512,
@@ -266,18 +227,15 @@ unsafe fn correction<const U4: bool, const F: bool>(a: &QuantizedActs, ab: usize
     }
 }
 
-/// Tokens `t0..t0 + nt` times panel rows `r0..r0 + nr`: per block, tile dots then
-/// `acc = fma(dot, d_w * d_a, acc)` (and `acc = fma(m_w, s_a, acc)` for `U4`).
+/// Tokens `t0..t0 + nt` times the panel's rows (`at` = (t0, nt, panel, nr)), `b_tiles` the
+/// panel's codes one byte each (`[blocks][512]`): per block a tile product, then
+/// [`accumulate`] per token.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn tile<const U4: bool, const F: bool>(
     w: &PackedWeight,
-    p: &Panel,
+    b_tiles: *const u8,
     a: &QuantizedActs,
-    t0: usize,
-    nt: usize,
-    r0: usize,
-    nr: usize,
+    (t0, nt, panel, nr): (usize, usize, usize, usize),
     out: Out,
 ) {
     #[repr(align(64))]
@@ -287,17 +245,15 @@ unsafe fn tile<const U4: bool, const F: bool>(
     let (mut dq, mut dr) = (Dots([0; TOKENS * PANEL]), Dots([0; TOKENS * PANEL]));
     let mut acc = [_mm512_setzero_ps(); TOKENS];
     for b in 0..nb {
-        let panel = p.b.as_ptr().add(b * B_TILE);
-        let codes = a.q.as_ptr().add(t0 * lda + b * BLOCK);
         asm!(
             "tileloadd tmm1, [{a} + {lda}*1]",
             "tileloadd tmm2, [{b} + {ldb}*1]",
             "tilezero tmm0",
             "tdpbsud tmm0, tmm1, tmm2",
             "tilestored [{c} + {ldc}*1], tmm0",
-            a = in(reg) codes,
+            a = in(reg) a.q.as_ptr().add(t0 * lda + b * BLOCK),
             lda = in(reg) lda,
-            b = in(reg) panel,
+            b = in(reg) b_tiles.add(b * B_TILE),
             ldb = in(reg) 64usize,
             c = in(reg) dq.0.as_mut_ptr(),
             ldc = in(reg) 64usize,
@@ -316,12 +272,7 @@ unsafe fn tile<const U4: bool, const F: bool>(
                 options(nostack),
             );
         }
-        let dw = _mm512_loadu_ps(p.d.as_ptr().add(b * PANEL));
-        let mw = if U4 {
-            _mm512_loadu_ps(p.m.as_ptr().add(b * PANEL))
-        } else {
-            _mm512_setzero_ps()
-        };
+        let (dw, mw) = block_scales::<U4>(w, panel, b);
         for j in 0..TOKENS {
             if j >= nt {
                 break;
@@ -336,54 +287,44 @@ unsafe fn tile<const U4: bool, const F: bool>(
             acc[j] = accumulate::<U4>(acc[j], dot, dw, mw, a, ab);
         }
     }
+    store(&acc[..nt], t0, panel, nr, out);
+}
+
+/// Token `t0 + j`'s 16 row results `acc[j]` into the output (the first `nr` of them).
+#[inline(always)]
+unsafe fn store(acc: &[__m512], t0: usize, panel: usize, nr: usize, out: Out) {
     let lanes: __mmask16 = if nr == PANEL { 0xFFFF } else { (1 << nr) - 1 };
-    for j in 0..nt {
-        let row = out.row(t0 + j, r0, nr);
-        _mm512_mask_storeu_ps(row.as_mut_ptr(), lanes, acc[j]);
+    for (j, acc) in acc.iter().enumerate() {
+        let row = out.row(t0 + j, panel * PANEL, nr);
+        _mm512_mask_storeu_ps(row.as_mut_ptr(), lanes, *acc);
     }
 }
 
-/// Below this many tokens a matmul takes [`columns`]: repacking a panel and a tile's fixed
-/// cost pay off only over enough tokens (measured by `examples/qgemm_speed`).
-const TILE_MIN_TOKENS: usize = 8;
-
-/// `vpdpbusd` of 16 rows' pair of blocks (lanes 0-7 block `2q`, 8-15 block `2q + 1`) summed
-/// to whole-block dots: (`2q` for rows 0..16, `2q + 1` for rows 0..16).
+/// The 16 rows' exact dots with one block of a token's codes `x` (`[32]`): `codes[k4]` holds
+/// the rows' codes `4 k4 .. 4 k4 + 4`, each multiplied by the same 4 broadcast codes.
 #[inline(always)]
-unsafe fn block_sums(d: &[__m512i; PANEL]) -> (__m512i, __m512i) {
-    // Rows i, i + 1 interleaved: each 128-bit group holds two partial sums of each.
-    let x: [__m512i; 8] = std::array::from_fn(|m| {
-        let (a, b) = (d[2 * m], d[2 * m + 1]);
-        _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
-    });
-    // Each 128-bit group g holds the group sums of four rows.
-    let y: [__m512i; 4] = std::array::from_fn(|n| {
-        let (a, b) = (x[2 * n], x[2 * n + 1]);
-        _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
-    });
-    // Groups 0 + 1 are block 2q, 2 + 3 block 2q + 1: [even, odd] of two row quads.
-    let u: [__m512i; 2] = std::array::from_fn(|h| {
-        let (a, b) = (y[2 * h], y[2 * h + 1]);
-        _mm512_add_epi32(
-            _mm512_shuffle_i32x4::<0x88>(a, b),
-            _mm512_shuffle_i32x4::<0xDD>(a, b),
-        )
-    });
-    (
-        _mm512_shuffle_i32x4::<0x88>(u[0], u[1]),
-        _mm512_shuffle_i32x4::<0xDD>(u[0], u[1]),
-    )
+unsafe fn block_dot(codes: &[__m512i; 8], x: *const i8) -> __m512i {
+    let x = x as *const i32;
+    // Two chains: `vpdpbusd`'s latency, not its throughput, would bound one.
+    let (mut even, mut odd) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+    for k in (0..8).step_by(2) {
+        even = _mm512_dpbusd_epi32(even, codes[k], _mm512_set1_epi32(x.add(k).read_unaligned()));
+        odd = _mm512_dpbusd_epi32(
+            odd,
+            codes[k + 1],
+            _mm512_set1_epi32(x.add(k + 1).read_unaligned()),
+        );
+    }
+    _mm512_add_epi32(even, odd)
 }
 
-/// Every token (fewer than [`TILE_MIN_TOKENS`]) times rows `r0..r0 + nr` by `vpdpbusd` on the weights as they
-/// are stored: each pair of blocks' dots summed to whole blocks ([`block_sums`]), then the
-/// same [`accumulate`] as [`tile`].
+/// Every token (fewer than [`TILE_MIN_TOKENS`]) times the panel's rows by `vpdpbusd`, lanes
+/// = rows, then the same [`accumulate`] as [`tile`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn columns<const U4: bool, const F: bool>(
     w: &PackedWeight,
     a: &QuantizedActs,
-    r0: usize,
+    panel: usize,
     nr: usize,
     out: Out,
 ) {
@@ -392,52 +333,38 @@ unsafe fn columns<const U4: bool, const F: bool>(
     assert!(nt < MAX, "{nt} tokens take the tiles");
     let nb = w.blocks;
     let lda = nb * BLOCK;
-    let lanes: __mmask16 = if nr == PANEL { 0xFFFF } else { (1 << nr) - 1 };
-    let nibble = _mm256_set1_epi8(0x0F);
+    let nibble = _mm512_set1_epi8(0x0F);
     let mut acc = [_mm512_setzero_ps(); MAX];
-    let mut codes = [_mm512_setzero_si512(); PANEL];
-    for q in 0..nb / 2 {
-        for (i, c) in codes.iter_mut().enumerate().take(nr) {
-            let r = r0 + i;
-            *c = if U4 {
-                let x = _mm256_loadu_si256(w.data.as_ptr().add((r * nb + 2 * q) * 16) as *const _);
-                let lo = _mm256_and_si256(x, nibble);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), nibble);
-                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
-            } else {
-                _mm512_loadu_si512(w.data.as_ptr().add((r * nb + 2 * q) * BLOCK) as *const _)
-            };
-        }
-        let (dw0, dw1) = pair_scales(w.d.as_ptr(), nb, r0, q, lanes);
-        let (mw0, mw1) = if U4 {
-            pair_scales(w.m.as_ptr(), nb, r0, q, lanes)
-        } else {
-            (_mm512_setzero_ps(), _mm512_setzero_ps())
-        };
+    // One slot (`U4`: a pair of blocks, `U8`: a block) of the panel at a time.
+    let slots = if U4 { nb / 2 } else { nb };
+    let src = w.data.as_ptr().add(panel * slots * B_TILE) as *const __m512i;
+    let mut block = |b: usize, codes: &[__m512i; 8]| {
+        let (dw, mw) = block_scales::<U4>(w, panel, b);
         for t in 0..nt {
-            let at = t * lda + 2 * q * BLOCK;
-            let xq = _mm512_loadu_si512(a.q.as_ptr().add(at) as *const _);
-            let mut d: [__m512i; PANEL] =
-                std::array::from_fn(|i| _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[i], xq));
+            let at = t * lda + b * BLOCK;
+            let mut dot = block_dot(codes, a.q.as_ptr().add(at));
             if F {
-                let xr = _mm512_loadu_si512(a.r.as_ptr().add(at) as *const _);
-                for i in 0..PANEL {
-                    let fine = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[i], xr);
-                    d[i] = _mm512_add_epi32(_mm512_slli_epi32(d[i], 8), fine);
-                }
+                let fine = block_dot(codes, a.r.as_ptr().add(at));
+                dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), fine);
             }
-            let (even, odd) = block_sums(&d);
-            let (b0, b1) = (t * nb + 2 * q, t * nb + 2 * q + 1);
-            let even = _mm512_add_epi32(even, _mm512_set1_epi32(correction::<U4, F>(a, b0)));
-            let odd = _mm512_add_epi32(odd, _mm512_set1_epi32(correction::<U4, F>(a, b1)));
-            acc[t] = accumulate::<U4>(acc[t], even, dw0, mw0, a, b0);
-            acc[t] = accumulate::<U4>(acc[t], odd, dw1, mw1, a, b1);
+            let ab = t * nb + b;
+            let dot = _mm512_add_epi32(dot, _mm512_set1_epi32(correction::<U4, F>(a, ab)));
+            acc[t] = accumulate::<U4>(acc[t], dot, dw, mw, a, ab);
+        }
+    };
+    for s in 0..slots {
+        let raw: [__m512i; 8] = std::array::from_fn(|k4| _mm512_loadu_si512(src.add(s * 8 + k4)));
+        if U4 {
+            block(2 * s, &raw.map(|x| _mm512_and_si512(x, nibble)));
+            block(
+                2 * s + 1,
+                &raw.map(|x| _mm512_and_si512(_mm512_srli_epi16(x, 4), nibble)),
+            );
+        } else {
+            block(s, &raw);
         }
     }
-    for t in 0..nt {
-        let row = out.row(t, r0, nr);
-        _mm512_mask_storeu_ps(row.as_mut_ptr(), lanes, acc[t]);
-    }
+    store(&acc[..nt], 0, panel, nr, out);
 }
 
 /// `tdpbusd` products per second on this thread from tiles only, four accumulators, with

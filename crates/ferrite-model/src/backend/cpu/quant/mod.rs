@@ -35,6 +35,8 @@ const TILE_TOKENS: usize = 4;
 /// tasks (an idle thread steals them when another process takes a core), large enough
 /// that a task's weights stay in L1 while every token tile reads them.
 const TASK_ROWS: usize = 32;
+// AMX tasks are whole panels.
+const _: () = assert!(TASK_ROWS.is_multiple_of(packed::PANEL_ROWS));
 
 /// Calls `$m::$f::<R, C, F>(args)` for the runtime tile shape `($r, $c)`, both in 1..=4,
 /// and `F` true for fine activations.
@@ -99,6 +101,12 @@ pub fn matmul(w: &PackedWeight, a: &QuantizedActs, out: &mut [f32], isa: Isa) {
         isa.name()
     );
     assert_eq!(w.blocks, a.blocks, "weight and activation widths differ");
+    assert_eq!(
+        w.layout,
+        packed::Layout::of(isa),
+        "{} kernels on another layout",
+        isa.name()
+    );
     assert_eq!(out.len(), a.rows * w.rows);
     let out = Out {
         y: DisjointSlice::new(out),

@@ -8,7 +8,9 @@
 //! - `U8`: 8-bit codes with `w = d * (code - 128)` (Q8_0, Q5_0 exactly; other types are
 //!   dequantized and re-quantized to 8 bits per block of 32).
 //!
-//! Rows hold an even number of blocks (a zero block pads odd widths), rows are contiguous.
+//! Rows hold an even number of blocks (a zero block pads odd widths). Two layouts of the same
+//! bytes ([`Layout`]): rows contiguous (the vector kernels), or panels of 16 rows in the order
+//! AMX tiles read (the `amx` kernel set).
 
 use anyhow::{bail, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -35,17 +37,44 @@ impl Codes {
     }
 }
 
+/// Where a matrix's bytes lie.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Row after row: per row, 32 bytes per block (`U8`) or per pair of blocks (`U4`), then
+    /// the scales `[rows, blocks]`.
+    Rows,
+    /// 16 rows at a time (the last panel padded with zero rows): per panel and 32-byte slot,
+    /// 8 groups of 16 rows x 4 bytes (`[k / 4][row][k % 4]`, an AMX B tile); scales
+    /// `[panel][block][16 rows]`.
+    Panels,
+}
+
+/// Rows per panel.
+pub const PANEL_ROWS: usize = 16;
+
+impl Layout {
+    /// The layout kernel set `isa` reads.
+    pub fn of(isa: super::Isa) -> Self {
+        match isa {
+            super::Isa::Amx => Layout::Panels,
+            _ => Layout::Rows,
+        }
+    }
+}
+
+#[derive(Clone)]
 pub struct PackedWeight {
     pub rows: usize,
     pub cols: usize,
     /// Blocks per row, padded to even.
     pub blocks: usize,
     pub codes: Codes,
-    /// Row-major codes: `blocks * 16` bytes per row for `U4`, `blocks * 32` for `U8`.
+    pub layout: Layout,
+    /// Codes: `blocks * 16` bytes per row for `U4`, `blocks * 32` for `U8`.
     pub data: Vec<u8>,
-    /// Per-block scale, `[rows, blocks]`; f16 like GGML's, to keep decode's bytes down.
+    /// Per-block scale; f16 like GGML's, to keep decode's bytes down.
     pub d: Vec<f16>,
-    /// Per-block offset, `[rows, blocks]`, `U4` only.
+    /// Per-block offset, `U4` only.
     pub m: Vec<f16>,
 }
 
@@ -259,6 +288,7 @@ impl PackedWeight {
             cols,
             blocks,
             codes,
+            layout: Layout::Rows,
             data: Vec::with_capacity(rows * row_bytes),
             d: Vec::with_capacity(rows * blocks),
             m: Vec::new(),
@@ -271,18 +301,21 @@ impl PackedWeight {
         w
     }
 
-    /// Stacks weights of one code form and width row-wise (Q|K|V, gate|up).
+    /// Stacks weights of one code form and width row-wise (Q|K|V, gate|up), before they are
+    /// laid out in panels.
     pub fn stack(parts: Vec<PackedWeight>) -> Result<Self> {
         let first = &parts[0];
         let (cols, codes) = (first.cols, first.codes);
         if parts.iter().any(|p| p.cols != cols || p.codes != codes) {
             bail!("cannot stack weights of different widths or code forms");
         }
+        assert!(parts.iter().all(|p| p.layout == Layout::Rows));
         let mut w = Self {
             rows: 0,
             cols,
             blocks: first.blocks,
             codes,
+            layout: Layout::Rows,
             data: Vec::new(),
             d: Vec::new(),
             m: Vec::new(),
@@ -296,14 +329,85 @@ impl PackedWeight {
         Ok(w)
     }
 
+    /// Bytes per row and 32-byte slot count per row (a slot: one `U8` block, one `U4` pair).
+    fn slots(&self) -> usize {
+        match self.codes {
+            Codes::U4 => self.blocks / 2,
+            Codes::U8 => self.blocks,
+        }
+    }
+
+    /// The same matrix in `layout` (panels: rows padded to a multiple of 16 with zeros).
+    pub fn into_layout(self, layout: Layout) -> Self {
+        if layout == self.layout {
+            return self;
+        }
+        assert_eq!(
+            self.layout,
+            Layout::Rows,
+            "panels are only laid out from rows"
+        );
+        let (nb, slots) = (self.blocks, self.slots());
+        let panels = self.rows.div_ceil(PANEL_ROWS);
+        let mut data = vec![0u8; panels * PANEL_ROWS * slots * BLOCK];
+        for (r, row) in self.data.chunks_exact(slots * BLOCK).enumerate() {
+            let (p, i) = (r / PANEL_ROWS, r % PANEL_ROWS);
+            for (s, slot) in row.chunks_exact(BLOCK).enumerate() {
+                let dst = &mut data[(p * slots + s) * PANEL_ROWS * BLOCK..][..PANEL_ROWS * BLOCK];
+                for (k4, four) in slot.chunks_exact(4).enumerate() {
+                    dst[k4 * 64 + i * 4..][..4].copy_from_slice(four);
+                }
+            }
+        }
+        let scales = |v: &[f16]| -> Vec<f16> {
+            if v.is_empty() {
+                return Vec::new();
+            }
+            let mut out = vec![f16::ZERO; panels * PANEL_ROWS * nb];
+            for (r, row) in v.chunks_exact(nb).enumerate() {
+                let (p, i) = (r / PANEL_ROWS, r % PANEL_ROWS);
+                for (b, &x) in row.iter().enumerate() {
+                    out[(p * nb + b) * PANEL_ROWS + i] = x;
+                }
+            }
+            out
+        };
+        Self {
+            d: scales(&self.d),
+            m: scales(&self.m),
+            data,
+            layout,
+            ..self
+        }
+    }
+
+    /// Where row `r`'s byte `j` of slot `s` and its block `b` scale lie.
+    fn at(&self, r: usize, s: usize, j: usize, b: usize) -> (usize, usize) {
+        let (nb, slots) = (self.blocks, self.slots());
+        match self.layout {
+            Layout::Rows => ((r * slots + s) * BLOCK + j, r * nb + b),
+            Layout::Panels => {
+                let (p, i) = (r / PANEL_ROWS, r % PANEL_ROWS);
+                (
+                    (p * slots + s) * PANEL_ROWS * BLOCK + (j / 4) * 64 + i * 4 + j % 4,
+                    (p * nb + b) * PANEL_ROWS + i,
+                )
+            }
+        }
+    }
+
     /// Bytes the kernels read per full pass over the matrix.
     pub fn bytes(&self) -> usize {
         self.data.len() + 2 * (self.d.len() + self.m.len())
     }
 
     /// [`Self::bytes`] of a `[rows, cols]` matrix packed as `codes`, before it is packed.
-    pub fn bytes_for(rows: usize, cols: usize, codes: Codes) -> usize {
+    pub fn bytes_for(rows: usize, cols: usize, codes: Codes, layout: Layout) -> usize {
         let blocks = (cols / BLOCK).next_multiple_of(2);
+        let rows = match layout {
+            Layout::Rows => rows,
+            Layout::Panels => rows.next_multiple_of(PANEL_ROWS),
+        };
         let (code_bytes, scales) = match codes {
             Codes::U4 => (blocks * 16, 2),
             Codes::U8 => (blocks * BLOCK, 1),
@@ -314,16 +418,16 @@ impl PackedWeight {
     /// Weight `r`, `c` as the kernels see it (tests and references).
     pub fn get(&self, r: usize, c: usize) -> f32 {
         let (b, j) = (c / BLOCK, c % BLOCK);
-        let i = r * self.blocks + b;
         match self.codes {
             Codes::U4 => {
-                let byte = self.data[r * self.blocks * 16 + (b / 2) * BLOCK + j];
+                let (at, i) = self.at(r, b / 2, j, b);
+                let byte = self.data[at];
                 let code = if b % 2 == 0 { byte & 0x0F } else { byte >> 4 };
                 self.d[i].to_f32() * code as f32 + self.m[i].to_f32()
             }
             Codes::U8 => {
-                let code = self.data[(r * self.blocks + b) * BLOCK + j] as i32 - 128;
-                self.d[i].to_f32() * code as f32
+                let (at, i) = self.at(r, b, j, b);
+                self.d[i].to_f32() * (self.data[at] as i32 - 128) as f32
             }
         }
     }
