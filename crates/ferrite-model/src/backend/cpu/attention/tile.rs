@@ -139,21 +139,32 @@ pub(super) fn attend_tile(
                 let wh = &mut w[h * cols..][..cols];
                 let mut mv = [f32::NEG_INFINITY; LANES];
                 for pc in pieces.clone() {
-                    let sc: &mut [f32; LANES] =
-                        (&mut wh[pc * LANES..][..LANES]).try_into().unwrap();
+                    // A copy in registers, the row's keys as a lane range (masked only in edge
+                    // pieces), selects for the max: per-key branches, or `f32::max` with its
+                    // NaN rule, kept this loop scalar (most of the softmax's time).
+                    let at = pc * LANES;
+                    let mut sc: [f32; LANES] = wh[at..][..LANES].try_into().unwrap();
                     sc.iter_mut().for_each(|s| *s *= p.scale);
                     if let Some(cap) = p.softcap {
                         sc.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
                     }
-                    for (j, s) in sc.iter_mut().enumerate() {
-                        let key = c0 + pc * LANES + j;
-                        if key < lo || key >= hi {
-                            *s = f32::NEG_INFINITY;
+                    let base = c0 + at;
+                    let (from, to) = (lo.saturating_sub(base), hi.saturating_sub(base));
+                    if from > 0 || to < LANES {
+                        let (from, to) = (from as u32, to.min(LANES) as u32);
+                        for (lane, s) in (0..LANES as u32).zip(sc.iter_mut()) {
+                            let keep = (lane >= from) & (lane < to);
+                            *s = if keep { *s } else { f32::NEG_INFINITY };
                         }
-                        mv[j] = mv[j].max(*s);
                     }
+                    for (m, &s) in mv.iter_mut().zip(&sc) {
+                        *m = if s > *m { s } else { *m };
+                    }
+                    wh[at..][..LANES].copy_from_slice(&sc);
                 }
-                let mx = mv.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                let mx = mv
+                    .iter()
+                    .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
                 let mut lv = [0f32; LANES];
                 for pc in pieces.clone() {
                     let wp: &mut [f32; LANES] =
