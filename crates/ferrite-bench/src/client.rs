@@ -19,6 +19,9 @@ pub struct Target {
     pub model: Option<String>,
     pub endpoint: Endpoint,
     pub ignore_eos: bool,
+    /// Token ids sent with a logit bias of -100 (the OpenAI API's ban): the model's EOS ids
+    /// for `--ban-eos`.
+    pub banned_token_ids: Vec<u32>,
     pub api_key: Option<String>,
 }
 
@@ -40,6 +43,14 @@ impl Target {
         if self.ignore_eos {
             // vLLM and ferrite read `ignore_eos`; llama.cpp's server reads `ignore_eos` too.
             o.insert("ignore_eos".into(), json!(true));
+        }
+        if !self.banned_token_ids.is_empty() {
+            let bias: serde_json::Map<String, Value> = self
+                .banned_token_ids
+                .iter()
+                .map(|t| (t.to_string(), json!(-100)))
+                .collect();
+            o.insert("logit_bias".into(), Value::Object(bias));
         }
         b
     }

@@ -76,10 +76,10 @@ pub struct EngineArgs {
     pub kv_cache_dtype: KvCacheDtype,
 }
 
-/// Without `--max-step-ms`: a step with decodes takes at most 2.5 times what its decodes
+/// Without `--max-step-ms`: a step with decodes takes at most twice what its decodes
 /// alone would, and at least 20 ms (prefill chunks beside them are cut to fit).
 pub const DEFAULT_STEP_TARGET: StepTarget = StepTarget::Relative {
-    factor: 2.5,
+    factor: 2.0,
     floor_secs: 0.020,
 };
 

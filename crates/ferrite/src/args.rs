@@ -103,7 +103,7 @@ pub struct EngineFlags {
     /// The longest a step with running decodes should take, in ms (their inter-token
     /// latency): prefill chunks beside decodes are cut to fit, from a cost model fitted at
     /// start-up and refitted from every step; 0 turns it off (chunks take the whole
-    /// --max-num-batched-tokens). Default: 2.5x what the step's decodes alone take, at
+    /// --max-num-batched-tokens). Default: 2x what the step's decodes alone take, at
     /// least 20 ms.
     #[arg(long)]
     pub max_step_ms: Option<f64>,

@@ -48,6 +48,12 @@ pub struct ServeBenchArgs {
     /// Ask the server to ignore EOS so every request produces max_tokens.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Also ban the model's EOS tokens (`logit_bias` -100), as llama.cpp's server does for
+    /// `ignore_eos`: vLLM and ferrite sample EOS and go on, and EOS and the turn markers after
+    /// it have no text, so two steps' tokens would arrive as one chunk, one gap. For
+    /// comparisons with llama.cpp.
+    #[arg(long, requires = "ignore_eos")]
+    pub ban_eos: bool,
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
     pub concurrency: Vec<usize>,
     #[arg(long, default_value_t = 0)]
@@ -141,6 +147,10 @@ fn prompts(args: &ServeBenchArgs, sizer: &Sizer, seed: u64) -> Result<(Vec<Bench
 
 pub fn serve(args: ServeBenchArgs) -> Result<()> {
     let tok = ModelTokenizer::load(&GgufFile::open(&args.tokenizer)?)?;
+    let banned_token_ids = match args.ban_eos {
+        true => tok.eos_token_ids.clone(),
+        false => Vec::new(),
+    };
     let sizer = Sizer::new(tok)?;
     let (prompts0, name) = prompts(&args, &sizer, args.seed)?;
     let prompts = &prompts0;
@@ -168,6 +178,7 @@ pub fn serve(args: ServeBenchArgs) -> Result<()> {
         model: args.model_name.clone(),
         endpoint,
         ignore_eos: args.ignore_eos,
+        banned_token_ids,
         api_key: args.api_key.clone(),
     };
     let rt = tokio::runtime::Runtime::new()?;

@@ -25,15 +25,8 @@ pub struct QuantizedActs {
     /// The block's sum `sum(x)` as the codes hold it (`d * sum(q)`, or `d * sum(256 q + r)`):
     /// multiplies a `U4` block's offset `m`.
     pub s: Vec<f32>,
-    /// Scales of two neighbouring blocks spread over 16 lanes (`[d0; 8] ++ [d1; 8]`).
-    pub d_pairs: Vec<f32>,
-    /// `-128 * (q[4i] + .. + q[4i + 3])`: turns `sum(code * q)` into `sum((code - 128) * q)`
-    /// for `U8` weights when `vpdpbusd` starts from it.
-    pub corr: Vec<i32>,
-    /// The same for `r` (`Fine` only).
-    pub corr_r: Vec<i32>,
-    /// `-128 * sum(q)` over each block, `[rows, blocks]`: the same correction for kernels
-    /// that take whole-block dots.
+    /// `-128 * sum(q)` over each block, `[rows, blocks]`: turns a block's `sum(code * q)`
+    /// into `sum((code - 128) * q)` for `U8` weights.
     pub block_corr: Vec<i32>,
     /// The same for `r` (`Fine` only).
     pub block_corr_r: Vec<i32>,
@@ -60,41 +53,28 @@ impl QuantizedActs {
             .resize(if fine { rows * blocks } else { 0 }, 0);
         self.d.resize(rows * blocks, 0.0);
         self.s.resize(rows * blocks, 0.0);
-        self.d_pairs.resize(rows * blocks * 8, 0.0);
-        self.corr.resize(rows * blocks * 8, 0);
-        self.corr_r
-            .resize(if fine { rows * blocks * 8 } else { 0 }, 0);
         let rows_iter = self
             .q
             .par_chunks_mut(blocks * BLOCK)
             .zip(self.d.par_chunks_mut(blocks))
             .zip(self.s.par_chunks_mut(blocks))
-            .zip(self.d_pairs.par_chunks_mut(blocks * 8))
-            .zip(self.corr.par_chunks_mut(blocks * 8))
             .zip(self.block_corr.par_chunks_mut(blocks))
             .zip(x.par_chunks(cols));
-        let spread = |d: &[f32], dp: &mut [f32]| {
-            for (i, dp) in dp.chunks_exact_mut(8).enumerate() {
-                dp.fill(d[i]);
-            }
-        };
         if fine {
             let r_rows = self.r.par_chunks_mut(blocks * BLOCK);
-            let cr_rows = self.corr_r.par_chunks_mut(blocks * 8);
             let br_rows = self.block_corr_r.par_chunks_mut(blocks);
-            rows_iter.zip(r_rows).zip(cr_rows).zip(br_rows).for_each(
-                |(((((((((q, d), s), dp), corr), bc), x), r), cr), br)| {
+            rows_iter
+                .zip(r_rows)
+                .zip(br_rows)
+                .for_each(|((((((q, d), s), bc), x), r), br)| {
                     quantize_row(x, q, Some(&mut *r), d, s);
-                    spread(d, dp);
-                    quad_sums(q, corr, bc);
-                    quad_sums(r, cr, br);
-                },
-            );
+                    block_sums(q, bc);
+                    block_sums(r, br);
+                });
         } else {
-            rows_iter.for_each(|((((((q, d), s), dp), corr), bc), x)| {
+            rows_iter.for_each(|((((q, d), s), bc), x)| {
                 quantize_row(x, q, None, d, s);
-                spread(d, dp);
-                quad_sums(q, corr, bc);
+                block_sums(q, bc);
             });
         }
     }
@@ -110,13 +90,10 @@ impl QuantizedActs {
     }
 }
 
-/// `-128 * (v[4i] + .. + v[4i + 3])` for each group of four codes, and their sum per block.
-fn quad_sums(v: &[i8], out: &mut [i32], blocks: &mut [i32]) {
-    for (c, v) in out.iter_mut().zip(v.chunks_exact(4)) {
-        *c = -128 * v.iter().map(|&v| v as i32).sum::<i32>();
-    }
-    for (b, quads) in blocks.iter_mut().zip(out.chunks_exact(BLOCK / 4)) {
-        *b = quads.iter().sum();
+/// `-128 * sum(v)` over each block of codes.
+fn block_sums(v: &[i8], blocks: &mut [i32]) {
+    for (b, v) in blocks.iter_mut().zip(v.chunks_exact(BLOCK)) {
+        *b = -128 * v.iter().map(|&v| v as i32).sum::<i32>();
     }
 }
 

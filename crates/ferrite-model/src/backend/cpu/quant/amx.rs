@@ -4,8 +4,8 @@
 //! codes, the order of an AMX `B` tile and of a `vpdpbusd` whose lanes are the 16 rows. One
 //! tile product of 16 tokens' activation codes (`A`, signed, read in place) and a panel's
 //! block gives all 256 (token, row) dots of that block exactly in int32; below
-//! [`TILE_MIN_TOKENS`] tokens, 8 `vpdpbusd`s against the token's broadcast codes give the same
-//! 16 dots. AVX-512 then scales them and accumulates block after block, lanes = rows. Each
+//! [`TILE_MIN_TOKENS`] tokens, the [`columns`] kernels give the same dots by `vpdpbusd`.
+//! AVX-512 then scales them and accumulates block after block, lanes = rows. Each
 //! (token, row) result is the same f32 sequence on either path, so a token's output does not
 //! depend on what shares the step.
 
@@ -13,7 +13,8 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::activations::QuantizedActs;
-use super::packed::{Codes, Layout, PackedWeight, BLOCK, PANEL_ROWS};
+use super::columns::{self, accumulate, block_scales, correction, store, PANEL, SLOT};
+use super::packed::{Codes, Layout, PackedWeight, BLOCK};
 use super::tile::Out;
 use crate::backend::Rounding;
 use std::arch::asm;
@@ -21,12 +22,10 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
-/// Weight rows per panel (the B tile's 16 int32 columns).
-const PANEL: usize = PANEL_ROWS;
 /// Tokens per tile (the A tile's rows); the activation codes are padded to a multiple.
 const TOKENS: usize = 16;
-/// Bytes of one block's B tile: 8 rows of 16 weight rows x 4 codes.
-const B_TILE: usize = 512;
+/// Bytes of one block's B tile: 8 rows of 16 weight rows x 4 codes (a panel's slot).
+const B_TILE: usize = SLOT;
 
 /// `arch_prctl` request for the tile data state, and that state's number (Linux).
 const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
@@ -100,9 +99,10 @@ fn release() {
     unsafe { asm!("tilerelease", options(nostack, nomem)) };
 }
 
-/// Below this many tokens a matmul takes [`columns`]: the tile's fixed cost (and a `U4`
+/// Below this many tokens a matmul takes [`columns`] (at most its `TOKENS` at once): the tile's fixed cost (and a `U4`
 /// panel's unpacking) pay off only over enough tokens (measured by `examples/qgemm_speed`).
 const TILE_MIN_TOKENS: usize = 8;
+const _: () = assert!(TILE_MIN_TOKENS - 1 <= columns::TOKENS);
 
 /// `out[t, r] = sum_k a[t, k] * w[r, k]` for weight rows `rows` (whole panels but the last)
 /// and every token.
@@ -126,12 +126,7 @@ pub(super) fn matmul_rows(
             // configured, the panel exists and the codes are padded to whole tiles.
             unsafe {
                 if !tiles {
-                    match (w.codes, fine) {
-                        (Codes::U4, false) => columns::<true, false>(w, a, panel, nr, out),
-                        (Codes::U4, true) => columns::<true, true>(w, a, panel, nr, out),
-                        (Codes::U8, false) => columns::<false, false>(w, a, panel, nr, out),
-                        (Codes::U8, true) => columns::<false, true>(w, a, panel, nr, out),
-                    }
+                    columns::columns_of(w, a, panel, nr, 0..a.rows, out);
                     continue;
                 }
                 let b_tiles = match w.codes {
@@ -175,55 +170,6 @@ unsafe fn unpack(w: &PackedWeight, panel: usize, out: &mut Vec<u8>) {
             let hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), nibble);
             _mm512_storeu_si512(dst.add((2 * q + 1) * 8 + k4), hi);
         }
-    }
-}
-
-/// Block `b`'s scales and (`U4`) offsets of the panel's 16 rows, as f32 lanes.
-#[inline(always)]
-unsafe fn block_scales<const U4: bool>(
-    w: &PackedWeight,
-    panel: usize,
-    b: usize,
-) -> (__m512, __m512) {
-    // No closure here: it would not inherit the caller's target features.
-    let at = (panel * w.blocks + b) * PANEL;
-    let d = _mm512_cvtph_ps(_mm256_loadu_si256(w.d.as_ptr().add(at) as *const _));
-    let m = if U4 {
-        _mm512_cvtph_ps(_mm256_loadu_si256(w.m.as_ptr().add(at) as *const _))
-    } else {
-        _mm512_setzero_ps()
-    };
-    (d, m)
-}
-
-/// One block's step for one token, lanes = 16 weight rows: `dot` the exact block dots
-/// (corrections included), `ab` the (token, block) index. Both kernels end in it, so their
-/// results agree bit for bit.
-#[inline(always)]
-unsafe fn accumulate<const U4: bool>(
-    acc: __m512,
-    dot: __m512i,
-    dw: __m512,
-    mw: __m512,
-    a: &QuantizedActs,
-    ab: usize,
-) -> __m512 {
-    let scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[ab]));
-    let acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
-    if U4 {
-        _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[ab]), acc)
-    } else {
-        acc
-    }
-}
-
-/// The integer added to a block's raw dot: `U8` codes stand for `code - 128`.
-#[inline(always)]
-unsafe fn correction<const U4: bool, const F: bool>(a: &QuantizedActs, ab: usize) -> i32 {
-    match (U4, F) {
-        (true, _) => 0,
-        (false, false) => a.block_corr[ab],
-        (false, true) => 256 * a.block_corr[ab] + a.block_corr_r[ab],
     }
 }
 
@@ -288,83 +234,6 @@ unsafe fn tile<const U4: bool, const F: bool>(
         }
     }
     store(&acc[..nt], t0, panel, nr, out);
-}
-
-/// Token `t0 + j`'s 16 row results `acc[j]` into the output (the first `nr` of them).
-#[inline(always)]
-unsafe fn store(acc: &[__m512], t0: usize, panel: usize, nr: usize, out: Out) {
-    let lanes: __mmask16 = if nr == PANEL { 0xFFFF } else { (1 << nr) - 1 };
-    for (j, acc) in acc.iter().enumerate() {
-        let row = out.row(t0 + j, panel * PANEL, nr);
-        _mm512_mask_storeu_ps(row.as_mut_ptr(), lanes, *acc);
-    }
-}
-
-/// The 16 rows' exact dots with one block of a token's codes `x` (`[32]`): `codes[k4]` holds
-/// the rows' codes `4 k4 .. 4 k4 + 4`, each multiplied by the same 4 broadcast codes.
-#[inline(always)]
-unsafe fn block_dot(codes: &[__m512i; 8], x: *const i8) -> __m512i {
-    let x = x as *const i32;
-    // Two chains: `vpdpbusd`'s latency, not its throughput, would bound one.
-    let (mut even, mut odd) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-    for k in (0..8).step_by(2) {
-        even = _mm512_dpbusd_epi32(even, codes[k], _mm512_set1_epi32(x.add(k).read_unaligned()));
-        odd = _mm512_dpbusd_epi32(
-            odd,
-            codes[k + 1],
-            _mm512_set1_epi32(x.add(k + 1).read_unaligned()),
-        );
-    }
-    _mm512_add_epi32(even, odd)
-}
-
-/// Every token (fewer than [`TILE_MIN_TOKENS`]) times the panel's rows by `vpdpbusd`, lanes
-/// = rows, then the same [`accumulate`] as [`tile`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-unsafe fn columns<const U4: bool, const F: bool>(
-    w: &PackedWeight,
-    a: &QuantizedActs,
-    panel: usize,
-    nr: usize,
-    out: Out,
-) {
-    const MAX: usize = TILE_MIN_TOKENS;
-    let nt = a.rows;
-    assert!(nt < MAX, "{nt} tokens take the tiles");
-    let nb = w.blocks;
-    let lda = nb * BLOCK;
-    let nibble = _mm512_set1_epi8(0x0F);
-    let mut acc = [_mm512_setzero_ps(); MAX];
-    // One slot (`U4`: a pair of blocks, `U8`: a block) of the panel at a time.
-    let slots = if U4 { nb / 2 } else { nb };
-    let src = w.data.as_ptr().add(panel * slots * B_TILE) as *const __m512i;
-    let mut block = |b: usize, codes: &[__m512i; 8]| {
-        let (dw, mw) = block_scales::<U4>(w, panel, b);
-        for t in 0..nt {
-            let at = t * lda + b * BLOCK;
-            let mut dot = block_dot(codes, a.q.as_ptr().add(at));
-            if F {
-                let fine = block_dot(codes, a.r.as_ptr().add(at));
-                dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), fine);
-            }
-            let ab = t * nb + b;
-            let dot = _mm512_add_epi32(dot, _mm512_set1_epi32(correction::<U4, F>(a, ab)));
-            acc[t] = accumulate::<U4>(acc[t], dot, dw, mw, a, ab);
-        }
-    };
-    for s in 0..slots {
-        let raw: [__m512i; 8] = std::array::from_fn(|k4| _mm512_loadu_si512(src.add(s * 8 + k4)));
-        if U4 {
-            block(2 * s, &raw.map(|x| _mm512_and_si512(x, nibble)));
-            block(
-                2 * s + 1,
-                &raw.map(|x| _mm512_and_si512(_mm512_srli_epi16(x, 4), nibble)),
-            );
-        } else {
-            block(s, &raw);
-        }
-    }
-    store(&acc[..nt], 0, panel, nr, out);
 }
 
 /// `tdpbusd` products per second on this thread from tiles only, four accumulators, with

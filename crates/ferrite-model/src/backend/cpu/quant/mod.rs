@@ -1,7 +1,8 @@
 //! Quantized matmul over the packed `[T, K]` activation matrix: weights repacked at load
-//! ([`packed`]), activations quantized to int8 once per input ([`activations`]), register
-//! tiles of up to 4 weight rows x 4 tokens chosen per instruction set ([`isa`]), or AMX tiles
-//! of 16 x 16 ([`amx`]) where the CPU has them.
+//! ([`packed`]), activations quantized to int8 once per input ([`activations`]), then per
+//! instruction set ([`isa`]): AMX tiles of 16 x 16 ([`amx`]), `vpdpbusd` with 16 weight rows
+//! for lanes ([`columns`]), or register tiles of up to 4 weight rows x 4 tokens (AVX2,
+//! portable).
 //!
 //! Every (row, token) result is computed by the same instruction sequence whatever the tile
 //! shape or thread split, so a token's output does not depend on what shares the step.
@@ -12,7 +13,7 @@ mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
-mod avx512;
+mod columns;
 pub mod isa;
 pub mod packed;
 mod portable;
@@ -35,7 +36,7 @@ const TILE_TOKENS: usize = 4;
 /// tasks (an idle thread steals them when another process takes a core), large enough
 /// that a task's weights stay in L1 while every token tile reads them.
 const TASK_ROWS: usize = 32;
-// AMX tasks are whole panels.
+// Panel kernels' tasks are whole panels.
 const _: () = assert!(TASK_ROWS.is_multiple_of(packed::PANEL_ROWS));
 
 /// Calls `$m::$f::<R, C, F>(args)` for the runtime tile shape `($r, $c)`, both in 1..=4,
@@ -77,14 +78,6 @@ fn tile(
     match (isa, w.codes) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `matmul` only passes an `isa` the CPU supports; indices are in bounds.
-        (Isa::Avx512Vnni, Codes::U4) => unsafe {
-            by_shape!(avx512::tile_u4, nr, nt, a, w, r0, a, t0, out)
-        },
-        #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512Vnni, Codes::U8) => unsafe {
-            by_shape!(avx512::tile_u8, nr, nt, a, w, r0, a, t0, out)
-        },
-        #[cfg(target_arch = "x86_64")]
         (Isa::Avx2, Codes::U4) => unsafe { by_shape!(avx2::tile_u4, nr, nt, a, w, r0, a, t0, out) },
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2, Codes::U8) => unsafe { by_shape!(avx2::tile_u8, nr, nt, a, w, r0, a, t0, out) },
@@ -114,12 +107,15 @@ pub fn matmul(w: &PackedWeight, a: &QuantizedActs, out: &mut [f32], isa: Isa) {
     };
     let tokens = a.rows;
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Amx {
+    if matches!(isa, Isa::Amx | Isa::Avx512Vnni) {
         (0..w.rows.div_ceil(TASK_ROWS))
             .into_par_iter()
             .for_each(|task| {
                 let rows = task * TASK_ROWS..((task + 1) * TASK_ROWS).min(w.rows);
-                amx::matmul_rows(w, a, rows, out);
+                match isa {
+                    Isa::Amx => amx::matmul_rows(w, a, rows, out),
+                    _ => columns::matmul_rows(w, a, rows, out),
+                }
             });
         return;
     }

@@ -9,8 +9,9 @@
 //!   dequantized and re-quantized to 8 bits per block of 32).
 //!
 //! Rows hold an even number of blocks (a zero block pads odd widths). Two layouts of the same
-//! bytes ([`Layout`]): rows contiguous (the vector kernels), or panels of 16 rows in the order
-//! AMX tiles read (the `amx` kernel set).
+//! bytes ([`Layout`]): rows contiguous (the AVX2 and portable kernels), or panels of 16 rows
+//! in the order AMX tiles and `vpdpbusd` over 16 row lanes read (the `amx` and `avx512-vnni`
+//! kernel sets).
 
 use anyhow::{bail, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -56,7 +57,7 @@ impl Layout {
     /// The layout kernel set `isa` reads.
     pub fn of(isa: super::Isa) -> Self {
         match isa {
-            super::Isa::Amx => Layout::Panels,
+            super::Isa::Amx | super::Isa::Avx512Vnni => Layout::Panels,
             _ => Layout::Rows,
         }
     }
