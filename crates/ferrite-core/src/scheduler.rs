@@ -289,7 +289,13 @@ impl Scheduler {
                 (factor * st.cost.predict(t.decode_shape)).max(floor_secs)
             }
         };
-        match st.cost.chunk_within(*shape, start, n, target) {
+        let chunk = st.cost.chunk_within(*shape, start, n, target);
+        tracing::trace!(
+            "decodes {:.1} ms predicted, target {:.1} ms: a chunk of {chunk} of {n} tokens",
+            st.cost.predict(t.decode_shape) * 1e3,
+            target * 1e3
+        );
+        match chunk {
             0 if !t.floor => {
                 t.floor = true;
                 n.min(MIN_PREFILL_CHUNK)

@@ -1,8 +1,8 @@
 //! What a step costs in time: `fixed + per_token * tokens + per_pair * pairs + per_row * rows`,
 //! where `pairs` counts the (query, key) pairs attention computes and `rows` the requests
 //! (each with its logits row and its sampling). Fitted at start-up from timed steps
-//! and refitted online from every step the engine runs (recursive least squares that
-//! forgets old steps), so the scheduler can size a step's prefill share to keep running
+//! and refitted online from every step the engine runs (least squares that forgets old
+//! steps), so the scheduler can size a step's prefill share to keep running
 //! decodes within a time target (`--max-step-ms`).
 
 /// (query, key) pairs of a causal chunk of `n` tokens after `start` cached ones.
@@ -32,18 +32,21 @@ impl StepShape {
 /// processes, thermal limits) within a hundred steps.
 const FORGET: f64 = 0.98;
 
+const N: usize = 4;
+
+/// The fit: exponentially weighted least squares over every step seen, solved exactly at
+/// each step with every term non-negative. (Recursive least squares, which carries an
+/// inverse covariance instead, diverged in service: clamping its terms to non-negative
+/// values left that covariance inconsistent, and predictions grew 1,000-fold in 40 steps.)
 #[derive(Clone, Debug)]
 pub struct StepCost {
     /// `[fixed, per_token, per_pair, per_row]` in seconds (of the scaled features).
     theta: [f64; N],
-    /// The inverse covariance of the fit (recursive least squares).
-    p: [[f64; N]; N],
+    /// The weighted sums `sum x x^T`, `sum x y` and `sum y^2` over the steps seen.
+    xx: [[f64; N]; N],
+    xy: [f64; N],
+    yy: f64,
 }
-
-const N: usize = 4;
-
-/// The most any term's variance may grow to between informative steps.
-const MAX_VARIANCE: f64 = 10.0;
 
 fn features(s: StepShape) -> [f64; N] {
     // Scaled to one order: tokens in thousands, pairs in millions, rows in hundreds.
@@ -55,47 +58,20 @@ fn features(s: StepShape) -> [f64; N] {
     ]
 }
 
-fn identity(scale: f64) -> [[f64; N]; N] {
-    std::array::from_fn(|i| std::array::from_fn(|j| if i == j { scale } else { 0.0 }))
-}
-
 impl StepCost {
-    /// The least-squares fit of timed steps (at least one), every term non-negative: a term
-    /// the samples would make negative (noise, too few sizes) is left out and the rest refit.
+    /// The least-squares fit of timed steps (at least one), every term non-negative.
     /// Start-up steps have one request each, so the per-row term is learnt in service.
     pub fn fit(samples: &[(StepShape, f64)]) -> Self {
-        let (t, f) = (true, false);
-        // Terms kept, most first: all, then without attention pairs, then per token only.
-        for keep in [[t, t, t, f], [t, t, f, f], [f, t, f, f]] {
-            let mut c = Self::fit_terms(samples, keep);
-            if c.theta.iter().all(|v| *v >= 0.0 && v.is_finite()) {
-                // A prior only: the steps of serving, under the load it brings, soon weigh
-                // more than the start-up fit.
-                c.p = identity(1.0);
-                return c;
-            }
-        }
-        let (tokens, secs) = samples
-            .iter()
-            .fold((0.0, 0.0), |(n, t), (s, x)| (n + s.tokens as f64, t + x));
-        Self {
-            theta: [0.0, secs / tokens.max(1.0) * 1e3, 0.0, 0.0],
-            p: identity(1.0),
-        }
-    }
-
-    /// The fit of the `keep` terms (the others held at 0).
-    fn fit_terms(samples: &[(StepShape, f64)], keep: [bool; N]) -> Self {
-        let mut p = identity(1e6);
-        for i in 0..N {
-            if !keep[i] {
-                p[i][i] = 0.0;
-            }
-        }
-        let mut c = Self { theta: [0.0; N], p };
+        let mut c = Self {
+            theta: [0.0; N],
+            xx: [[0.0; N]; N],
+            xy: [0.0; N],
+            yy: 0.0,
+        };
         for &(s, t) in samples {
-            c.update(s, t, 1.0);
+            c.add(s, t, 1.0);
         }
+        c.solve();
         c
     }
 
@@ -110,38 +86,48 @@ impl StepCost {
         if !(seconds.is_finite() && seconds > 0.0 && s.tokens > 0) {
             return;
         }
-        self.update(s, seconds, FORGET);
-        // Projected onto non-negative terms: noise on near-collinear features (a lone
-        // request's fixed and per-request costs) must not drive one term below zero and
-        // another up, which would predict free steps.
-        self.theta.iter_mut().for_each(|t| *t = t.max(0.0));
-        // Forgetting inflates what steps leave unexplored (a feature that stays constant):
-        // bounded, so one unusual step cannot swing the fit.
-        for i in 0..N {
-            if self.p[i][i] > MAX_VARIANCE {
-                let scale = (MAX_VARIANCE / self.p[i][i]).sqrt();
-                for j in 0..N {
-                    self.p[i][j] *= scale;
-                    self.p[j][i] *= scale;
-                }
-            }
-        }
+        self.add(s, seconds, FORGET);
+        self.solve();
     }
 
-    fn update(&mut self, s: StepShape, y: f64, lambda: f64) {
+    fn add(&mut self, s: StepShape, y: f64, keep: f64) {
         let x = features(s);
-        let px: [f64; N] = std::array::from_fn(|i| (0..N).map(|j| self.p[i][j] * x[j]).sum());
-        let denom = lambda + (0..N).map(|i| x[i] * px[i]).sum::<f64>();
-        let k: [f64; N] = std::array::from_fn(|i| px[i] / denom);
-        let err = y - (0..N).map(|i| self.theta[i] * x[i]).sum::<f64>();
-        for (t, k) in self.theta.iter_mut().zip(k) {
-            *t += k * err;
-        }
-        let old = self.p;
         for i in 0..N {
             for j in 0..N {
-                self.p[i][j] = (old[i][j] - k[i] * px[j]) / lambda;
+                self.xx[i][j] = keep * self.xx[i][j] + x[i] * x[j];
             }
+            self.xy[i] = keep * self.xy[i] + x[i] * y;
+        }
+        self.yy = keep * self.yy + y * y;
+    }
+
+    /// Non-negative least squares by trying every subset of the terms (15 systems of at
+    /// most 4 unknowns): the feasible solution with the least weighted squared error. A
+    /// subset the steps cannot tell apart (a singular system) is skipped.
+    fn solve(&mut self) {
+        let mut best: Option<(f64, [f64; N])> = None;
+        for mask in 1u32..(1 << N) {
+            let terms: Vec<usize> = (0..N).filter(|i| mask >> i & 1 == 1).collect();
+            let Some(sub) = solve_terms(&self.xx, &self.xy, &terms) else {
+                continue;
+            };
+            let mut theta = [0.0; N];
+            for (&i, v) in terms.iter().zip(sub) {
+                theta[i] = v;
+            }
+            if theta.iter().any(|v| *v < 0.0 || !v.is_finite()) {
+                continue;
+            }
+            let err = self.yy - 2.0 * dot(&theta, &self.xy)
+                + (0..N)
+                    .map(|i| theta[i] * dot(&self.xx[i], &theta))
+                    .sum::<f64>();
+            if best.is_none_or(|(e, _)| err < e) {
+                best = Some((err, theta));
+            }
+        }
+        if let Some((_, theta)) = best {
+            self.theta = theta;
         }
     }
 
@@ -178,6 +164,42 @@ impl StepCost {
             d * 10.0
         )
     }
+}
+
+fn dot(a: &[f64; N], b: &[f64; N]) -> f64 {
+    a.iter().zip(b).map(|(a, b)| a * b).sum()
+}
+
+/// The normal equations restricted to `terms`, solved by Gaussian elimination with partial
+/// pivoting; `None` when they are (nearly) singular.
+fn solve_terms(xx: &[[f64; N]; N], xy: &[f64; N], terms: &[usize]) -> Option<Vec<f64>> {
+    let n = terms.len();
+    let mut m: Vec<Vec<f64>> = terms
+        .iter()
+        .map(|&i| {
+            let mut row: Vec<f64> = terms.iter().map(|&j| xx[i][j]).collect();
+            row.push(xy[i]);
+            row
+        })
+        .collect();
+    let scale = terms.iter().map(|&i| xx[i][i]).fold(0.0, f64::max);
+    for c in 0..n {
+        let p = (c..n).max_by(|&a, &b| m[a][c].abs().total_cmp(&m[b][c].abs()))?;
+        if m[p][c].abs() <= 1e-9 * scale {
+            return None;
+        }
+        m.swap(c, p);
+        let pivot = m[c].clone();
+        for (r, row) in m.iter_mut().enumerate() {
+            if r != c {
+                let f = row[c] / pivot[c];
+                for (x, p) in row[c..].iter_mut().zip(&pivot[c..]) {
+                    *x -= f * p;
+                }
+            }
+        }
+    }
+    Some((0..n).map(|r| m[r][n] / m[r][r]).collect())
 }
 
 #[cfg(test)]
@@ -225,5 +247,41 @@ mod tests {
         assert!((58..=61).contains(&n), "{n}");
         assert_eq!(c.chunk_within(decode, 0, 512, 10.0), 512);
         assert_eq!(c.chunk_within(shape(200, 0), 0, 512, 0.050), 0);
+    }
+
+    #[test]
+    fn the_fit_follows_a_real_run_without_running_away() {
+        // Every step of a served run (agent mini at C = 1, 2, 4, 8 on a 2-core EPYC):
+        // tokens, requests, millions of attended pairs, milliseconds. Refitted after each,
+        // as in service; recursive least squares diverged on these (predictions 10^5 times
+        // the measured times by C = 8).
+        let steps: Vec<(StepShape, f64)> = include_str!("../tests/data/steps-epyc.csv")
+            .lines()
+            .map(|l| {
+                let v: Vec<f64> = l.split(',').map(|x| x.parse().unwrap()).collect();
+                let s = StepShape {
+                    tokens: v[0] as usize,
+                    rows: v[1] as usize,
+                    pairs: v[2] * 1e6,
+                };
+                (s, v[3] / 1e3)
+            })
+            .collect();
+        let mut c = StepCost::fit(&steps[..4]);
+        let mut ratios: Vec<f64> = steps[4..]
+            .iter()
+            .map(|&(s, t)| {
+                let r = c.predict(s) / t;
+                c.observe(s, t);
+                r
+            })
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        let q = |f: f64| ratios[((ratios.len() - 1) as f64 * f) as usize];
+        let (p1, p50, p99, max) = (q(0.01), q(0.5), q(0.99), ratios[ratios.len() - 1]);
+        assert!(
+            p1 > 0.5 && (0.8..1.25).contains(&p50) && p99 < 2.0 && max < 3.0,
+            "predicted / measured: p1 {p1:.2}, p50 {p50:.2}, p99 {p99:.2}, max {max:.2}"
+        );
     }
 }
