@@ -8,6 +8,10 @@ set -euo pipefail
 name=${1:-smollm2}
 root=$(cd "$(dirname "$0")/.." && pwd)
 dest="$root/models"
+# Tests run in parallel fetch the same model at once: one assembles it, the others wait.
+mkdir -p "$dest"
+exec 9> "$dest/.fetch-$name.lock"
+flock 9
 case "$name" in
   smollm2)
     file="$dest/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -53,13 +57,9 @@ PY
     ;;
   *) echo "unknown model '$name' (known: smollm2, gemma3, minilm)" >&2; exit 2 ;;
 esac
-have() { [ -f "$file" ] && echo "$sha  $file" | sha256sum --check --status; }
-have && { echo "$file"; exit 0; }
-mkdir -p "$dest"
-# Tests run in parallel fetch the same model at once: one assembles it, the others wait.
-exec 9> "$file.lock"
-flock 9
-have && { echo "$file"; exit 0; }
+if [ -f "$file" ] && echo "$sha  $file" | sha256sum --check --status; then
+  echo "$file"; exit 0
+fi
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 : > "$file.part"
 for p in "${parts[@]}"; do
