@@ -6,8 +6,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch-model.sh smollm2 >/dev/null
-cargo test --release --workspace "$@"
-cargo build --release -p ferrite
+# Open MPI and libclang for the `mpi` feature: the tests run tensor and pipeline parallelism
+# across processes (and network namespaces), so they build with it.
+scripts/mpi-deps.sh
+cargo test --release --workspace --features ferrite/mpi "$@"
+cargo build --release -p ferrite --features mpi
 # The web UI's test drives Debian's chromium through Playwright (no browser download).
 command -v chromium >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }
 venv=target/test-venv

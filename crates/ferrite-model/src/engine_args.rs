@@ -74,6 +74,10 @@ pub struct EngineArgs {
     pub max_step_ms: Option<f64>,
     /// How the KV pages store K/V (`--kv-cache-dtype`).
     pub kv_cache_dtype: KvCacheDtype,
+    /// Ranks each layer is split across (`--tensor-parallel-size`).
+    pub tensor_parallel_size: usize,
+    /// Stages the layers are split into (`--pipeline-parallel-size`).
+    pub pipeline_parallel_size: usize,
 }
 
 /// Without `--max-step-ms`: a step with decodes takes at most twice what its decodes
@@ -180,7 +184,14 @@ impl EngineArgs {
             runner: RunnerKind::Auto,
             max_step_ms: None,
             kv_cache_dtype: KvCacheDtype::Auto,
+            tensor_parallel_size: 1,
+            pipeline_parallel_size: 1,
         }
+    }
+
+    /// Ranks the model is split across: one process each.
+    pub fn world_size(&self) -> usize {
+        self.tensor_parallel_size * self.pipeline_parallel_size
     }
 }
 

@@ -9,6 +9,8 @@ pub enum KvCacheDtype {
     /// The device's own: f16 on the CPU, bf16 on CUDA.
     #[default]
     Auto,
+    /// Exact K/V (the CPU only): 2x f16's memory, for exact comparisons.
+    Fp32,
     Fp16,
     Bf16,
     /// fp8 e4m3 (saturating) with a scale per token and KV head.
@@ -24,13 +26,14 @@ impl std::str::FromStr for KvCacheDtype {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "auto" => Ok(Self::Auto),
+            "fp32" | "float32" | "float" => Ok(Self::Fp32),
             "fp16" | "float16" | "half" => Ok(Self::Fp16),
             "bf16" | "bfloat16" => Ok(Self::Bf16),
             "fp8" | "fp8_e4m3" => Ok(Self::Fp8),
             "int8" => Ok(Self::Int8),
             "fp8_e5m2" => Err("fp8_e5m2 KV is not supported; fp8 (e4m3) is".into()),
             _ => Err(format!(
-                "unknown KV cache dtype `{s}` (auto, fp16, bf16, fp8, int8)"
+                "unknown KV cache dtype `{s}` (auto, fp32, fp16, bf16, fp8, int8)"
             )),
         }
     }
@@ -49,6 +52,7 @@ impl KvCacheDtype {
     pub fn name(self) -> &'static str {
         match self {
             Self::Auto => "auto",
+            Self::Fp32 => "fp32",
             Self::Fp16 => "fp16",
             Self::Bf16 => "bf16",
             Self::Fp8 => "fp8",
@@ -64,6 +68,7 @@ impl KvCacheDtype {
     /// Bytes one token's K (or V) takes for one KV head of `head_dim` (resolved types).
     pub fn head_bytes(self, head_dim: usize) -> usize {
         match self {
+            Self::Fp32 => 4 * head_dim,
             Self::Auto | Self::Fp16 | Self::Bf16 => 2 * head_dim,
             Self::Fp8 | Self::Int8 => head_dim + std::mem::size_of::<f32>(),
         }

@@ -13,6 +13,7 @@ pub mod loader;
 pub mod memory;
 pub mod models;
 pub mod mtp_draft;
+pub mod parallel;
 pub mod pooling;
 pub mod rope;
 pub mod runner;

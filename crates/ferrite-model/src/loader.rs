@@ -3,11 +3,13 @@
 //! `backend::cuda::loader`).
 
 use crate::backend::cpu::CpuBackend;
+use crate::backend::Backend;
 use crate::checkpoint::{open_tokenizer, open_weights, read_config};
 use crate::config::ModelConfig;
 pub use crate::engine_args::*;
 use crate::memory::{self, MemoryPlan};
 use crate::models::{self, Decoder};
+use crate::parallel;
 use crate::pooling::Pooling;
 use crate::runner::{ModelRunner, StepModel};
 use crate::step::PackedStep;
@@ -79,21 +81,69 @@ pub(crate) fn drafts_with_mtp(args: &EngineArgs) -> bool {
         .is_some_and(|s| s.proposer == ferrite_core::spec_decode::Proposer::Mtp)
 }
 
+/// This process's share of the model on the CPU backend (the whole model unless it is a
+/// rank of a split one), KV cache not yet allocated.
+pub fn load_rank(
+    args: &EngineArgs,
+    max_model_len: usize,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Decoder<CpuBackend>> {
+    let group = parallel::join(args.tensor_parallel_size, args.pipeline_parallel_size)?;
+    let (src, mut weights) = open_weights(&args.model, args.load_format)?;
+    let mut model = match group {
+        Some(g) => {
+            if args.speculation.is_some() {
+                bail!("--speculative-config with --tensor-parallel-size or --pipeline-parallel-size: not built yet");
+            }
+            // Ranks on one host share its cores.
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let threads = args.threads.unwrap_or((cores / g.local_ranks).max(1));
+            let backend = CpuBackend::new(args.weight_format, Some(threads)).in_group(g);
+            models::load(backend, &src, &mut weights, max_model_len, progress)?
+        }
+        None => {
+            let backend = CpuBackend::new(args.weight_format, args.threads);
+            match drafts_with_mtp(args) {
+                true => {
+                    models::load_with_mtp(backend, &src, &mut weights, max_model_len, progress)?
+                }
+                false => models::load(backend, &src, &mut weights, max_model_len, progress)?,
+            }
+        }
+    };
+    model.set_kv_dtype(args.kv_cache_dtype);
+    Ok(model)
+}
+
+/// A following rank of a split model: loads its share and does what the leading rank
+/// commands until it stops.
+pub fn follow(args: &EngineArgs) -> Result<()> {
+    let (args, pooling) = &resolved_for_task(args)?;
+    if pooling.is_some() {
+        bail!("embedding models are not split across ranks yet");
+    }
+    let max_model_len = args.max_model_len(&read_config(&args.model)?, None)?;
+    load_rank(args, max_model_len, &mut |_, _| {})?.follow()
+}
+
 fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result<LoadedEngine> {
     let (args, pooling) = &resolved_for_task(args)?;
+    let split = args.world_size() > 1;
+    if split && pooling.is_some() {
+        bail!("embedding models are not split across ranks yet");
+    }
     let config = read_config(&args.model)?;
     let max_model_len = args.max_model_len(&config, pooling.as_ref())?;
     let tokenizer = open_tokenizer(&args.model)?;
-    let mut model = {
-        let (src, mut weights) = open_weights(&args.model, args.load_format)?;
-        let backend = CpuBackend::new(args.weight_format, args.threads);
-        match drafts_with_mtp(args) {
-            true => models::load_with_mtp(backend, &src, &mut weights, max_model_len, progress)?,
-            false => models::load(backend, &src, &mut weights, max_model_len, progress)?,
-        }
-    };
+    let mut model = load_rank(args, max_model_len, progress)?;
     let config = model.config.clone();
-    model.set_kv_dtype(args.kv_cache_dtype);
+    // The pool is sized from this rank's share: its KV heads, its host's memory shared
+    // among the ranks there.
+    let rank_config = ModelConfig {
+        num_kv_heads: model.kv_heads()?,
+        ..config.clone()
+    };
+    let local_ranks = model.backend.group().map_or(1, |g| g.local_ranks) as u64;
     let calibrate = pooling.is_none() && args.step_target()?.is_some();
     let (activation_bytes, cost) = profile_activations(
         &mut model,
@@ -122,9 +172,9 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
         draft: draft.as_ref().map(|(d, _)| crate::draft::share(args, d)),
     };
     let (plan, mut scheduler) = args.plan(
-        &config,
+        &rank_config,
         max_model_len,
-        memory::physical_memory_bytes()?,
+        memory::physical_memory_bytes()? / local_ranks,
         bytes,
     )?;
     scheduler.whole_prompts = pooling.is_some();

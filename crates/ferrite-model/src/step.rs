@@ -1,7 +1,9 @@
 //! One engine step flattened onto a single token axis, as the model consumes it.
 
+use serde::{Deserialize, Serialize};
+
 /// A KV group's view of the step (see `ferrite_core::kv_layout`).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct KvTables {
     /// `[B, max_blocks]`, row-major, unused entries 0; blocks a window dropped are
     /// `u32::MAX` (never read: they are outside every query's window).
@@ -14,7 +16,7 @@ pub struct KvTables {
 }
 
 /// No padding anywhere: `T` is the sum of every request's new tokens this step.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct PackedStep {
     /// `[T]`
     pub input_ids: Vec<u32>,

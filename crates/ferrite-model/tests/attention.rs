@@ -80,6 +80,7 @@ fn as_stored(x: &[f32], d: usize, kv: KvCacheDtype) -> Vec<f32> {
             let amax = h.iter().fold(0f32, |m, v| m.max(v.abs()));
             h.iter()
                 .map(|&v| match kv {
+                    KvCacheDtype::Fp32 => v,
                     KvCacheDtype::Auto | KvCacheDtype::Fp16 => f16::from_f32(v).to_f32(),
                     KvCacheDtype::Bf16 => bf16::from_f32(v).to_f32(),
                     _ if amax == 0.0 => 0.0,
@@ -103,6 +104,7 @@ fn as_stored(x: &[f32], d: usize, kv: KvCacheDtype) -> Vec<f32> {
 fn poisoned_cache(shape: CacheShape, kv: KvCacheDtype) -> LayerCache {
     let n = shape.num_blocks * shape.block_size * shape.row();
     let pages = || match kv {
+        KvCacheDtype::Fp32 => Pages::F32(vec![f32::NAN; n]),
         KvCacheDtype::Auto | KvCacheDtype::Fp16 => Pages::F16(vec![f16::NAN; n]),
         KvCacheDtype::Bf16 => Pages::Bf16(vec![bf16::NAN; n]),
         KvCacheDtype::Fp8 => Pages::Fp8 {
@@ -261,6 +263,7 @@ fn paged_attention_matches_naive_reference() {
     let some = (vec![4, 16], vec![(8, 2), (6, 1)], vec![64, 128]);
     for isa in Isa::available() {
         for kv in [
+            KvCacheDtype::Fp32,
             KvCacheDtype::Fp16,
             KvCacheDtype::Bf16,
             KvCacheDtype::Fp8,
@@ -325,6 +328,7 @@ fn paged_attention_matches_naive_reference() {
 fn stored_values_match_the_scalar_reference_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(11);
     for kv in [
+        KvCacheDtype::Fp32,
         KvCacheDtype::Fp16,
         KvCacheDtype::Bf16,
         KvCacheDtype::Fp8,

@@ -56,9 +56,18 @@ pub struct EngineFlags {
     /// Seed of the engine's random draws for requests without their own seed.
     #[arg(long)]
     pub seed: Option<u64>,
-    /// Threads that run the model (default: the cores this process may use).
+    /// Threads that run the model (default: the cores this process may use; with several
+    /// ranks on one host, its cores shared among them).
     #[arg(long, short = 't', value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: Option<u16>,
+    /// Ranks each layer is split across (heads, MLP width and vocabulary), one process
+    /// each, started by `mpirun` (ferrite starts it on this host when not under it).
+    #[arg(long, alias = "tp", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    pub tensor_parallel_size: u16,
+    /// Stages the layers are split into, one process (or tensor-parallel group) each; across
+    /// hosts, run under `mpirun` with a host file.
+    #[arg(long, alias = "pp", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    pub pipeline_parallel_size: u16,
     /// `native`: quantized weights repacked for ferrite's int8 kernels (on the CPU, what
     /// `auto` picks); `f32`: dequantized to f32 at load (exact activations, 4-8x the memory,
     /// ~7x slower decode).
@@ -109,7 +118,8 @@ pub struct EngineFlags {
     pub max_step_ms: Option<f64>,
     /// How the KV cache stores K and V: `auto` (the device's: fp16 on the CPU, bf16 on
     /// CUDA), `fp16`, `bf16`, or 8 bits with a scale per token and head, `fp8` (e4m3) and
-    /// `int8`: 1.9x the tokens in the same memory (CUDA stores bf16, fp8 and int8).
+    /// `int8`: 1.9x the tokens in the same memory (CUDA stores bf16, fp8 and int8); `fp32`
+    /// (CPU): exact, with `--dtype float32` the exact path end to end.
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: KvCacheDtype,
 }
@@ -190,6 +200,8 @@ impl EngineFlags {
             runner: self.runner,
             max_step_ms: self.max_step_ms,
             kv_cache_dtype: self.kv_cache_dtype,
+            tensor_parallel_size: self.tensor_parallel_size.into(),
+            pipeline_parallel_size: self.pipeline_parallel_size.into(),
         }
     }
 }

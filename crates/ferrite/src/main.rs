@@ -8,6 +8,7 @@ mod bench_serve;
 mod bench_throughput;
 mod generate;
 mod plan;
+mod ranks;
 mod serve;
 mod start;
 
@@ -79,6 +80,7 @@ fn main() {
         #[cfg(feature = "cuda")]
         Command::Bench(BenchCommand::Device(a)) => bench_device::run(a),
     };
+    ferrite_model::parallel::finish();
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);

@@ -23,6 +23,7 @@ pub fn start(flags: &EngineFlags) -> Result<Started> {
     loader::check_device(flags.device)?;
     // A Hugging Face id is found (or downloaded, with its own bars) before loading starts.
     let args = flags.engine_args().resolved()?;
+    crate::ranks::enter(&args)?;
     let bar = ProgressBar::new(0).with_style(
         ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers")
             .unwrap()

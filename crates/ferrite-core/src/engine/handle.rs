@@ -35,6 +35,8 @@ pub struct EngineHandle {
     admission: Arc<Scheduler>,
     stats: Arc<Mutex<EngineStats>>,
     tokenizer: Arc<Tokenizer>,
+    /// The engine thread, joined by [`EngineHandle::shutdown`].
+    thread: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
 }
 
 /// The stream of outputs of one request. Dropping it before the end aborts the request.
@@ -96,7 +98,7 @@ impl EngineHandle {
         let admission = Arc::new(Scheduler::new(config.clone()));
         let mut core = EngineCore::new(config, executor, tokenizer.clone());
         let stats = core.stats.clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("ferrite-engine".into())
             .spawn(move || run_loop(&mut core, rx))
             .expect("spawn engine thread");
@@ -107,6 +109,7 @@ impl EngineHandle {
             admission,
             stats,
             tokenizer,
+            thread: Arc::new(Mutex::new(Some(thread))),
         }
     }
 
@@ -226,8 +229,14 @@ impl EngineHandle {
             .map_err(|_| EngineError::Dead)
     }
 
+    /// Stops the engine and waits until its thread has ended and dropped the model (a
+    /// model split across processes tells the others to stop then).
     pub fn shutdown(&self) {
         let _ = self.commands.send(Command::Shutdown);
+        let thread = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
     }
 }
 

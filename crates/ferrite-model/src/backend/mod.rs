@@ -8,6 +8,7 @@ pub mod cpu;
 pub mod cuda;
 
 use crate::kv_dtype::KvCacheDtype;
+use crate::parallel::{Group, PipelineStage, TensorParallel};
 use crate::rope::RopeSpec;
 use crate::runner::DeviceDraws;
 use crate::step::PackedStep;
@@ -301,6 +302,14 @@ pub trait Backend: Send + Sized {
     fn random_embedding(&self, vocab: usize, hidden: usize) -> Result<Self::Embedding> {
         self.embedding(random_matrix(vocab, hidden)?)
     }
+    /// Rows `first..` of the vocabulary's embedding table (a tensor-parallel shard): a
+    /// token outside them embeds as zeros, which the group's all-reduce fills in.
+    fn vocab_embedding(&self, table: QTensor, first: usize) -> Result<Self::Embedding> {
+        match first {
+            0 => self.embedding(table),
+            _ => bail!("{}: no tensor parallelism", self.describe()),
+        }
+    }
     fn rope(&self, spec: &RopeSpec, max_positions: usize) -> Result<Self::Rope>;
     fn moe(&self, m: MoeMatrices, spec: MoeSpec) -> Result<Self::Moe>;
     /// Random experts `inter` wide (and a gated shared one `shared_inter` wide) over
@@ -460,6 +469,30 @@ pub trait Backend: Send + Sized {
         bias: &Self::Vector,
         eps: f32,
     ) -> Result<()>;
+    /// The ranks this backend's model is split across, if it is.
+    fn group(&self) -> Option<&Group> {
+        None
+    }
+    /// This backend's share of its stage's tensor-parallel group.
+    fn tensor_parallel(&self) -> TensorParallel {
+        self.group().map_or(TensorParallel::ALONE, |g| g.tp)
+    }
+    /// This backend's pipeline stage.
+    fn pipeline_stage(&self) -> PipelineStage {
+        self.group().map_or(PipelineStage::ONLY, |g| g.pp)
+    }
+    /// `x` becomes the sum of every tensor-parallel rank's `x`.
+    fn all_reduce(&mut self, _x: &mut Self::Act) -> Result<()> {
+        bail!("{}: no tensor parallelism", self.describe())
+    }
+    /// Sends `x` (the residual stream) to the same tensor-parallel rank of the next stage.
+    fn send_next(&mut self, _x: &Self::Act) -> Result<()> {
+        bail!("{}: no pipeline parallelism", self.describe())
+    }
+    /// Receives `[rows, cols]` from the same tensor-parallel rank of the previous stage.
+    fn recv_prev(&mut self, _x: &mut Self::Act, _rows: usize, _cols: usize) -> Result<()> {
+        bail!("{}: no pipeline parallelism", self.describe())
+    }
     /// The last [`Backend::logits`], `[rows, vocab]` on the host.
     fn host_logits(&mut self) -> Result<&mut [f32]>;
     /// Whether [`Backend::step`] takes `draws`.

@@ -3,9 +3,11 @@
 
 use super::Scratch;
 use crate::backend::{AttentionSpec, Backend, Epilogue, LinearIn, QkvPrep, Rounding, Stack, Step};
+use crate::weights::shard::Take;
 use crate::weights::WeightSource;
-use anyhow::Result;
+use anyhow::{bail, Result};
 use candle_core::quantized::QTensor;
+use std::ops::Range;
 
 /// How a checkpoint stores RMSNorm weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,14 +53,71 @@ pub fn matrix<B: Backend>(
     stack: Stack,
     input: Rounding,
 ) -> Result<B::Linear> {
+    let whole: Vec<_> = parts
+        .iter()
+        .map(|(n, r)| (n.clone(), *r, Take::All))
+        .collect();
+    matrix_parts(b, w, &whole, cols, stack, input)
+}
+
+/// [`matrix`] with each part `(name, rows, take)` cut to what this rank holds.
+pub fn matrix_parts<B: Backend>(
+    b: &B,
+    w: &mut WeightSource,
+    parts: &[(String, usize, Take)],
+    cols: usize,
+    stack: Stack,
+    input: Rounding,
+) -> Result<B::Linear> {
     if w.is_dummy() {
-        let rows: Vec<usize> = parts.iter().map(|p| p.1).collect();
-        return b.random_linear(&rows, cols, stack, input);
+        let dims: Vec<_> = parts.iter().map(|(_, r, t)| t.dims(*r, cols)).collect();
+        let rows: Vec<usize> = dims.iter().map(|d| d.0).collect();
+        return b.random_linear(&rows, dims[0].1, stack, input);
     }
     let parts = parts
         .iter()
-        .map(|(name, rows)| w.shaped(name, &[*rows, cols]));
+        .map(|(name, rows, take)| take.apply(w.shaped(name, &[*rows, cols])?));
     b.linear(parts.collect::<Result<_>>()?, stack, input)
+}
+
+/// Rows `heads` of a matrix of heads `d` rows each.
+fn head_rows(heads: &Range<usize>, d: usize) -> Range<usize> {
+    heads.start * d..heads.end * d
+}
+
+/// The embedding of the step's tokens into `x`, summed over the vocabulary shards of a
+/// tensor-parallel group.
+pub fn embed<B: Backend>(
+    b: &mut B,
+    s: &Step<B>,
+    table: &B::Embedding,
+    scale: Option<f32>,
+    x: &mut B::Act,
+) -> Result<()> {
+    b.embed(s, table, scale, x)?;
+    match b.tensor_parallel().is_split() {
+        true => b.all_reduce(x),
+        false => Ok(()),
+    }
+}
+
+/// `x += input · w` for a row-parallel `w` (each rank holds some of its input columns):
+/// one rank adds its part into `x`, the others store theirs, and the all-reduce sums them.
+pub fn add_row_parallel<B: Backend>(
+    b: &mut B,
+    input: LinearIn<B>,
+    w: &B::Linear,
+    x: &mut B::Act,
+) -> Result<()> {
+    let tp = b.tensor_parallel();
+    if !tp.is_split() {
+        return b.matmul(input, w, Epilogue::AddInto(x));
+    }
+    match tp.rank {
+        0 => b.matmul(input, w, Epilogue::AddInto(x))?,
+        _ => b.matmul(input, w, Epilogue::StoreResidual(x))?,
+    }
+    b.all_reduce(x)
 }
 
 pub struct Attention<B: Backend> {
@@ -101,10 +160,21 @@ impl<B: Backend> Attention<B> {
         let p = |n: &str| format!("{prefix}.self_attn.{n}");
         let d = spec.head_dim;
         let (q_w, kv_w) = (spec.num_heads * d, spec.num_kv_heads * d);
-        let qkv = [("q_proj", q_w), ("k_proj", kv_w), ("v_proj", kv_w)]
-            .map(|(n, rows)| (p(&format!("{n}.weight")), rows));
+        // A tensor-parallel rank holds its heads' rows of Q/K/V and columns of O.
+        let tp = b.tensor_parallel();
+        let (heads, kv_heads) = (tp.heads(spec.num_heads)?, tp.kv_heads(spec.num_kv_heads)?);
+        let (q_rows, kv_rows) = (head_rows(&heads, d), head_rows(&kv_heads, d));
+        let qkv = [
+            ("q_proj", q_w, &q_rows),
+            ("k_proj", kv_w, &kv_rows),
+            ("v_proj", kv_w, &kv_rows),
+        ]
+        .map(|(n, rows, take)| (p(&format!("{n}.weight")), rows, Take::Rows(take.clone())));
         let qkv = match q {
-            None => matrix(b, w, &qkv, hidden, Stack::Concat, Rounding::Fine)?,
+            None => matrix_parts(b, w, &qkv, hidden, Stack::Concat, Rounding::Fine)?,
+            Some(_) if tp.is_split() => {
+                bail!("{prefix}: a gated query is not split across ranks yet")
+            }
             Some(q) => {
                 let k = w.shaped(&qkv[1].0, &[kv_w, hidden])?;
                 let v = w.shaped(&qkv[2].0, &[kv_w, hidden])?;
@@ -112,13 +182,18 @@ impl<B: Backend> Attention<B> {
             }
         };
         let bias = match w.opt_vector(&p("q_proj.bias"))? {
-            Some(mut q) => {
-                q.extend(w.vector(&p("k_proj.bias"))?);
-                q.extend(w.vector(&p("v_proj.bias"))?);
-                if q.len() != q_w + 2 * kv_w {
-                    anyhow::bail!("{prefix}: Q/K/V biases hold {} values", q.len());
+            Some(q) => {
+                let (k, v) = (w.vector(&p("k_proj.bias"))?, w.vector(&p("v_proj.bias"))?);
+                if q.len() + k.len() + v.len() != q_w + 2 * kv_w {
+                    bail!(
+                        "{prefix}: Q/K/V biases hold {} values",
+                        q.len() + k.len() + v.len()
+                    );
                 }
-                Some(b.vector(q)?)
+                let mut all = q[q_rows.clone()].to_vec();
+                all.extend(&k[kv_rows.clone()]);
+                all.extend(&v[kv_rows]);
+                Some(b.vector(all)?)
             }
             None => None,
         };
@@ -132,13 +207,13 @@ impl<B: Backend> Attention<B> {
         };
         let sinks = match w.opt_vector(&p("sinks"))? {
             Some(v) if v.len() != spec.num_heads => {
-                anyhow::bail!(
+                bail!(
                     "{prefix}: {} attention sinks for {} heads",
                     v.len(),
                     spec.num_heads
                 )
             }
-            v => v.map(|v| b.vector(v)).transpose()?,
+            v => v.map(|v| b.vector(v[heads.clone()].to_vec())).transpose()?,
         };
         Ok(Self {
             sinks,
@@ -146,15 +221,19 @@ impl<B: Backend> Attention<B> {
             k_norm: qk_norm(w, "k_norm")?,
             qkv,
             bias,
-            o: matrix(
+            o: matrix_parts(
                 b,
                 w,
-                &[(p("o_proj.weight"), hidden)],
+                &[(p("o_proj.weight"), hidden, Take::Cols(q_rows))],
                 q_w,
                 Stack::Concat,
                 Rounding::Coarse,
             )?,
-            spec,
+            spec: AttentionSpec {
+                num_heads: heads.len(),
+                num_kv_heads: kv_heads.len(),
+                ..spec
+            },
         })
     }
 
@@ -208,13 +287,15 @@ impl<B: Backend> Mlp<B> {
         inter: usize,
     ) -> Result<Self> {
         let p = |n: &str| format!("{prefix}.mlp.{n}.weight");
-        let gate_up = [(p("gate_proj"), inter), (p("up_proj"), inter)];
+        // A tensor-parallel rank holds its span of the width: gate/up rows, down columns.
+        let span = b.tensor_parallel().span(inter, "the MLP width")?;
+        let gate_up = ["gate_proj", "up_proj"].map(|n| (p(n), inter, Take::Rows(span.clone())));
         Ok(Self {
-            gate_up: matrix(b, w, &gate_up, hidden, Stack::GateUp, Rounding::Coarse)?,
-            down: matrix(
+            gate_up: matrix_parts(b, w, &gate_up, hidden, Stack::GateUp, Rounding::Coarse)?,
+            down: matrix_parts(
                 b,
                 w,
-                &[(p("down_proj"), hidden)],
+                &[(p("down_proj"), hidden, Take::Cols(span))],
                 inter,
                 Stack::Concat,
                 Rounding::Coarse,
@@ -227,26 +308,35 @@ impl<B: Backend> Mlp<B> {
     }
 }
 
-/// The embedding table, `[vocab, hidden]` for some vocabulary, and that vocabulary's size
-/// (`vocab`, the config's, for random weights).
+/// The embedding table, `[vocab, hidden]` for some vocabulary (a tensor-parallel rank's
+/// shard of its rows), and that vocabulary's size (`vocab`, the config's, for random
+/// weights).
 pub fn embedding<B: Backend>(
     b: &B,
     w: &mut WeightSource,
     vocab: usize,
     hidden: usize,
 ) -> Result<(B::Embedding, usize)> {
-    if w.is_dummy() {
+    let tp = b.tensor_parallel();
+    if w.is_dummy() && !tp.is_split() {
         return Ok((b.random_embedding(vocab, hidden)?, vocab));
+    }
+    if w.is_dummy() {
+        let rows = tp.vocab_rows(vocab);
+        let table = crate::backend::random_matrix(rows, hidden)?;
+        return Ok((b.vocab_embedding(table, tp.vocab(vocab).start)?, vocab));
     }
     let t = w.tensor("model.embed_tokens.weight")?;
     if t.shape().dims().get(1) != Some(&hidden) || t.shape().dims().len() != 2 {
-        anyhow::bail!(
+        bail!(
             "the embedding table is {:?}, the config implies [vocab, {hidden}]",
             t.shape().dims()
         );
     }
     let vocab = t.shape().dims()[0];
-    Ok((b.embedding(t)?, vocab))
+    let rows = tp.vocab(vocab);
+    let first = rows.start;
+    Ok((b.vocab_embedding(Take::Rows(rows).apply(t)?, first)?, vocab))
 }
 
 /// The LM head: its own matrix, or the embedding's when tied; `[vocab, hidden]`.
@@ -260,10 +350,11 @@ pub fn lm_head<B: Backend>(
         true => "lm_head.weight",
         false => "model.embed_tokens.weight",
     };
-    matrix(
+    let rows = Take::Rows(b.tensor_parallel().vocab(vocab));
+    matrix_parts(
         b,
         w,
-        &[(name.to_string(), vocab)],
+        &[(name.to_string(), vocab, rows)],
         hidden,
         Stack::Concat,
         Rounding::Fine,

@@ -3,10 +3,12 @@
 //! adds is found in its weights (biases, Q/K norms) and its config; Mixtral, Qwen2-MoE and
 //! Qwen3-MoE are the same blocks with experts in place of the MLP.
 
-use super::layers::{embedding, lm_head, norm, output, weight_bytes, Attention, NormWeights};
+use super::layers::{
+    add_row_parallel, embed, embedding, lm_head, norm, output, weight_bytes, Attention, NormWeights,
+};
 use super::moe::{Ffn, MoeConfig};
 use super::{Buffers, Family};
-use crate::backend::{AttentionSpec, Backend, Epilogue, LinearIn, MoeBytes, Step};
+use crate::backend::{AttentionSpec, Backend, LinearIn, MoeBytes, Step};
 use crate::config::{ModelConfig, RopeScaling};
 use crate::rope::RopeSpec;
 use crate::weights::config_source::ConfigSource;
@@ -105,7 +107,7 @@ impl<B: Backend> Family<B> for Llama<B> {
         ws: &mut Buffers<B>,
     ) -> Result<()> {
         let eps = self.config.rms_norm_eps;
-        b.embed(s, &self.embedding, None, &mut ws.x)?;
+        embed(b, s, &self.embedding, None, &mut ws.x)?;
         for l in &self.layers {
             let lc = &mut cache[l.attn.spec.kv_slot];
             let input = LinearIn::RmsNorm {
@@ -116,7 +118,7 @@ impl<B: Backend> Family<B> for Llama<B> {
             l.attn
                 .attend(b, s, input, &self.rope, eps, lc, &mut ws.tmp)?;
             let o_in = LinearIn::Plain(&ws.tmp.attn);
-            b.matmul(o_in, &l.attn.o, Epilogue::AddInto(&mut ws.x))?;
+            add_row_parallel(b, o_in, &l.attn.o, &mut ws.x)?;
             l.ffn.forward(b, &mut ws.x, &l.ffn_norm, eps, &mut ws.tmp)?;
         }
         output(b, s, &ws.x, &self.final_norm, eps, &self.lm_head, None)

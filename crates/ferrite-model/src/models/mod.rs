@@ -12,12 +12,14 @@ pub mod qwen3_5;
 use crate::backend::{Backend, GdnSpec, MoeBytes, Step};
 use crate::config::ModelConfig;
 use crate::kv_dtype::KvCacheDtype;
+use crate::parallel::group::Command;
 use crate::runner::{DeviceDraws, RowDraw, StepModel};
 use crate::step::PackedStep;
 use crate::weights::config_source::ConfigSource;
 use crate::weights::WeightSource;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use ferrite_core::kv_layout::KvLayout;
+use std::borrow::Cow;
 
 /// A family's weights and its forward over the packed step.
 pub trait Family<B: Backend>: Send + Sync {
@@ -211,6 +213,20 @@ fn load_family<B: Backend + 'static>(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Decoder<B>> {
     let mut config = config(src)?;
+    if let Some(g) = backend.group() {
+        // The families whose forward sums their shards; the rest would load them and
+        // compute wrong answers.
+        if kind(src)? != Kind::Llama || mtp {
+            bail!(
+                "{}: `{}` is not split across ranks yet (tensor and pipeline parallelism serve the Llama family: Llama, Mistral, Qwen2, Qwen3)",
+                src.path().display(),
+                src.architecture()
+            );
+        }
+        if g.pp.stages > 1 {
+            bail!("pipeline parallelism: not built yet");
+        }
+    }
     let hybrid = match kind(src)? {
         Kind::Hybrid => Some(qwen3_5::HybridConfig::read(src)?.with_mtp(mtp, weights)?),
         _ if mtp => bail!(
@@ -273,6 +289,7 @@ fn load_family<B: Backend + 'static>(
         buffers: Buffers::default(),
         hidden_kept: false,
         max_positions,
+        logits: Vec::new(),
     })
 }
 
@@ -320,19 +337,26 @@ pub struct Decoder<B: Backend> {
     /// The last step left its residual stream in `buffers.x` for an MTP head.
     hidden_kept: bool,
     max_positions: usize,
+    /// A model split across ranks: the last step's logits gathered whole (on the leader).
+    logits: Vec<f32>,
 }
 
 impl<B: Backend> Decoder<B> {
     /// Allocates the KV pool once: `num_blocks` pages of `block_size` tokens, each holding
     /// one layer of every KV group.
     pub fn allocate_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
+        self.lead(&Command::AllocateCache {
+            blocks: num_blocks,
+            block_size,
+        })?;
         let c = &self.config;
+        let kv_heads = self.kv_heads()?;
         self.cache.clear();
         for _ in 0..self.layout.slots {
             let l = self.backend.layer_cache(
                 num_blocks,
                 block_size,
-                c.num_kv_heads,
+                kv_heads,
                 c.head_dim,
                 self.kv_dtype,
             )?;
@@ -349,6 +373,7 @@ impl<B: Backend> Decoder<B> {
     /// Reserves the recurrent state of `slots` requests for every linear-attention layer
     /// (nothing for a model without any).
     pub fn allocate_state(&mut self, slots: usize) -> Result<()> {
+        self.lead(&Command::AllocateState { slots })?;
         self.states = self
             .family
             .state_layers()
@@ -366,6 +391,87 @@ impl<B: Backend> Decoder<B> {
 
     pub fn max_positions(&self) -> usize {
         self.max_positions
+    }
+
+    /// The KV heads this rank keeps (its tensor-parallel share).
+    pub fn kv_heads(&self) -> Result<usize> {
+        let kv = self
+            .backend
+            .tensor_parallel()
+            .kv_heads(self.config.num_kv_heads)?;
+        Ok(kv.len())
+    }
+
+    /// On the leading rank of a split model, sends `c` to every rank before doing it.
+    fn lead(&self, c: &Command) -> Result<()> {
+        match self.backend.group() {
+            Some(g) if g.leads() => g.command(c),
+            _ => Ok(()),
+        }
+    }
+
+    /// A following rank's life: does what the leader commands until it says stop.
+    pub fn follow(&mut self) -> Result<()> {
+        let g = self
+            .backend
+            .group()
+            .cloned()
+            .context("a rank outside a group")?;
+        loop {
+            match g.next_command()? {
+                Command::AllocateCache { blocks, block_size } => {
+                    self.allocate_cache(blocks, block_size)?
+                }
+                Command::AllocateState { slots } => self.allocate_state(slots)?,
+                Command::Step(step) => {
+                    self.run_local(&step, None)?;
+                    self.collect_logits(step.logits_indices.len())?;
+                }
+                Command::Stop => return Ok(()),
+            }
+        }
+    }
+
+    /// After a step on every rank: the logits rows whole on the leader, each tensor-parallel
+    /// rank of the last stage having computed its share of the vocabulary.
+    fn collect_logits(&mut self, rows: usize) -> Result<()> {
+        let g = self
+            .backend
+            .group()
+            .cloned()
+            .context("a rank outside a group")?;
+        let vocab = self.config.vocab_size;
+        self.logits.resize(rows * vocab, 0.0);
+        if !g.pp.is_last() {
+            if g.leads() {
+                g.world
+                    .recv(g.world_rank(g.pp.stages - 1, 0), &mut self.logits)?;
+            }
+            return Ok(());
+        }
+        let per = g.tp.vocab_rows(vocab);
+        let local = self.backend.host_logits()?;
+        let mut parts = vec![
+            0.0;
+            if g.tp.rank == 0 {
+                rows * per * g.tp.size
+            } else {
+                0
+            }
+        ];
+        g.tensor.gather(0, local, &mut parts)?;
+        if g.tp.rank != 0 {
+            return Ok(());
+        }
+        for (r, out) in self.logits.chunks_mut(vocab).enumerate() {
+            for (k, out) in out.chunks_mut(per).enumerate() {
+                out.copy_from_slice(&parts[(k * rows + r) * per..][..out.len()]);
+            }
+        }
+        if !g.pp.is_first() {
+            g.world.send(0, &self.logits)?;
+        }
+        Ok(())
     }
 
     pub fn weight_bytes(&self) -> usize {
@@ -413,6 +519,19 @@ impl<B: Backend> Decoder<B> {
 
     fn run(&mut self, step: &PackedStep, draws: Option<DeviceDraws>) -> Result<()> {
         self.check(step)?;
+        if step.pooling && self.backend.group().is_some() {
+            bail!("pooling steps on a model split across ranks");
+        }
+        self.lead(&Command::Step(Box::new(Cow::Borrowed(step))))?;
+        self.run_local(step, draws)?;
+        match self.backend.group() {
+            Some(_) => self.collect_logits(step.logits_indices.len()),
+            None => Ok(()),
+        }
+    }
+
+    /// [`Self::run`] on this rank alone.
+    fn run_local(&mut self, step: &PackedStep, draws: Option<DeviceDraws>) -> Result<()> {
         let (family, cache, ws) = (&self.family, &mut self.cache, &mut self.buffers);
         let states = &mut self.states;
         self.hidden_kept = false;
@@ -435,7 +554,10 @@ impl<B: Backend> Decoder<B> {
 impl<B: Backend> StepModel for Decoder<B> {
     fn forward(&mut self, step: &PackedStep) -> Result<&mut [f32]> {
         self.run(step, None)?;
-        self.backend.host_logits()
+        match self.backend.group() {
+            Some(_) => Ok(&mut self.logits),
+            None => self.backend.host_logits(),
+        }
     }
 
     fn forward_argmax(&mut self, step: &PackedStep) -> Result<Vec<u32>> {
@@ -467,7 +589,7 @@ impl<B: Backend> StepModel for Decoder<B> {
     /// step instead, each one position on. Its logits on the host. It reads the activations
     /// the last step left, so only on a backend that keeps them.
     fn forward_mtp(&mut self, step: &PackedStep, chained: bool) -> Result<&mut [f32]> {
-        if !self.family.has_mtp() {
+        if !self.family.has_mtp() || self.backend.group().is_some() {
             bail!("this model has no multi-token-prediction head");
         }
         if !self.hidden_kept {
@@ -494,5 +616,14 @@ impl<B: Backend> StepModel for Decoder<B> {
 
     fn describe(&self) -> String {
         format!("{} ({})", self.backend.describe(), self.config.architecture)
+    }
+}
+
+impl<B: Backend> Drop for Decoder<B> {
+    /// The leader of a split model tells the other ranks to stop with it.
+    fn drop(&mut self) {
+        if let Err(e) = self.lead(&Command::Stop) {
+            tracing::warn!("stopping the other ranks: {e:#}");
+        }
     }
 }

@@ -100,6 +100,9 @@ impl<B: Backend> Ffn<B> {
     ) -> Result<Self> {
         let m = match moe.filter(|m| m.is_sparse(layer)) {
             None => return Ok(Self::Dense(Mlp::load(b, w, prefix, hidden, dense_inter)?)),
+            Some(_) if b.tensor_parallel().is_split() => {
+                bail!("{prefix}: mixture-of-experts layers are not split across tensor-parallel ranks yet")
+            }
             Some(m) => m,
         };
         let spec = m.spec.clone();
@@ -123,7 +126,7 @@ impl<B: Backend> Ffn<B> {
                 let input = LinearIn::RmsNorm { x, norm, eps };
                 let act = Epilogue::Gated(&mut ws.act, Activation::Silu);
                 b.matmul(input, &mlp.gate_up, act)?;
-                b.matmul(LinearIn::Plain(&ws.act), &mlp.down, Epilogue::AddInto(x))
+                super::layers::add_row_parallel(b, LinearIn::Plain(&ws.act), &mlp.down, x)
             }
             Self::Moe(m) => b.mixture(x, norm, eps, m),
         }

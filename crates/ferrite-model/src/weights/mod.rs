@@ -9,6 +9,7 @@ pub mod experts;
 pub mod footprint;
 pub mod gguf;
 pub mod hub;
+pub mod shard;
 
 use anyhow::{anyhow, bail, Result};
 use candle_core::quantized::{GgmlDType, QTensor};

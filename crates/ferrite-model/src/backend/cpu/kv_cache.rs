@@ -32,6 +32,8 @@ impl CacheShape {
 
 /// One layer's K or V values in the layout above.
 pub enum Pages {
+    /// Exact (`--kv-cache-dtype float32`, the CPU's exact path with f32 weights).
+    F32(Vec<f32>),
     F16(Vec<f16>),
     Bf16(Vec<bf16>),
     /// e4m3 codes and their scales (`x = scale * e4m3(code)`).
@@ -55,6 +57,7 @@ impl Pages {
     pub fn zeros(dtype: KvCacheDtype, n: usize, head_dim: usize) -> Self {
         let scales = || resident_zeros::<f32>(n / head_dim);
         match dtype {
+            KvCacheDtype::Fp32 => Pages::F32(resident_zeros(n)),
             KvCacheDtype::Auto | KvCacheDtype::Fp16 => Pages::F16(resident_zeros(n)),
             KvCacheDtype::Bf16 => Pages::Bf16(resident_zeros(n)),
             KvCacheDtype::Fp8 => Pages::Fp8 {
@@ -70,6 +73,7 @@ impl Pages {
 
     pub fn dtype(&self) -> KvCacheDtype {
         match self {
+            Pages::F32(_) => KvCacheDtype::Fp32,
             Pages::F16(_) => KvCacheDtype::Fp16,
             Pages::Bf16(_) => KvCacheDtype::Bf16,
             Pages::Fp8 { .. } => KvCacheDtype::Fp8,
@@ -82,6 +86,7 @@ impl Pages {
     fn store(&mut self, x: &[f32], at: usize, stride: usize, scale_at: usize) {
         let put = |i: usize| at + i * stride;
         match self {
+            Pages::F32(v) => x.iter().enumerate().for_each(|(i, &x)| v[put(i)] = x),
             Pages::F16(v) => x
                 .iter()
                 .enumerate()
@@ -137,6 +142,7 @@ impl Pages {
             Pages::F16(v) if avx512 => unsafe { avx512::widen_f16(&v[at..][..n], dst) },
             #[cfg(target_arch = "x86_64")]
             Pages::Bf16(v) if avx512 => unsafe { avx512::widen_bf16(&v[at..][..n], dst) },
+            Pages::F32(v) => dst.copy_from_slice(&v[at..][..n]),
             Pages::F16(v) => v[at..][..n].convert_to_f32_slice(dst),
             Pages::Bf16(v) => v[at..][..n].convert_to_f32_slice(dst),
             Pages::Fp8 { codes, scales } => widen_scaled(
@@ -164,6 +170,7 @@ impl Pages {
     pub fn prefetch(&self, head: usize, d: usize, bs: usize) {
         let n = d * bs;
         match self {
+            Pages::F32(v) => prefetch(&v[head * n..][..n]),
             Pages::F16(v) => prefetch(&v[head * n..][..n]),
             Pages::Bf16(v) => prefetch(&v[head * n..][..n]),
             Pages::Fp8 { codes, .. } => prefetch(&codes[head * n..][..n]),

@@ -56,6 +56,9 @@ impl Mat {
 pub struct Embedding {
     table: QTensor,
     hidden: usize,
+    /// A vocabulary shard's first row: ids outside it look up zeros. `None`: the whole
+    /// table, where an id past its end is an error.
+    first: Option<usize>,
 }
 
 impl Embedding {
@@ -66,10 +69,18 @@ impl Embedding {
         let row_bytes = h / dtype.block_size() * dtype.type_size();
         let vocab = data.len() / row_bytes.max(1);
         for (row, &id) in out.chunks_mut(h).zip(ids) {
-            if id as usize >= vocab {
-                bail!("row {id} of a table of {vocab}");
-            }
-            let bytes = &data[id as usize * row_bytes..][..row_bytes];
+            let id = match self.first {
+                None if id as usize >= vocab => bail!("row {id} of a table of {vocab}"),
+                None => id as usize,
+                Some(first) => match (id as usize).checked_sub(first).filter(|&i| i < vocab) {
+                    Some(i) => i,
+                    None => {
+                        row.iter_mut().for_each(|r| put(r, 0.0));
+                        continue;
+                    }
+                },
+            };
+            let bytes = &data[id * row_bytes..][..row_bytes];
             let t = qtensor_from_ggml(dtype, bytes, vec![h], &Device::Cpu)?;
             let v = t.dequantize(&Device::Cpu)?.to_vec1::<f32>()?;
             row.iter_mut().zip(v).for_each(|(r, v)| put(r, v));
@@ -97,6 +108,8 @@ pub struct CpuBackend {
     sel: Mat,
     logits: Vec<f32>,
     moe: moe::Scratch,
+    /// The other ranks of a model split across processes.
+    group: Option<crate::parallel::Group>,
 }
 
 impl CpuBackend {
@@ -131,6 +144,15 @@ impl CpuBackend {
             sel: Mat::default(),
             logits: Vec::new(),
             moe: moe::Scratch::default(),
+            group: None,
+        }
+    }
+
+    /// This backend as one rank of `group`.
+    pub fn in_group(self, group: crate::parallel::Group) -> Self {
+        Self {
+            group: Some(group),
+            ..self
         }
     }
 
@@ -183,7 +205,18 @@ impl Backend for CpuBackend {
 
     fn embedding(&self, table: QTensor) -> Result<Embedding> {
         let (_, hidden) = table.shape().dims2()?;
-        Ok(Embedding { table, hidden })
+        Ok(Embedding {
+            table,
+            hidden,
+            first: None,
+        })
+    }
+
+    fn vocab_embedding(&self, table: QTensor, first: usize) -> Result<Embedding> {
+        Ok(Embedding {
+            first: Some(first),
+            ..self.embedding(table)?
+        })
     }
 
     fn rope(&self, spec: &RopeSpec, max_positions: usize) -> Result<RopeTable> {
@@ -518,9 +551,46 @@ impl Backend for CpuBackend {
         Ok(&mut self.logits)
     }
 
+    fn group(&self) -> Option<&crate::parallel::Group> {
+        self.group.as_ref()
+    }
+
+    fn all_reduce(&mut self, x: &mut Mat) -> Result<()> {
+        match &self.group {
+            Some(g) => g.tensor.all_reduce_sum(&mut x.data),
+            None => bail!("an all-reduce outside a tensor-parallel group"),
+        }
+    }
+
+    fn send_next(&mut self, x: &Mat) -> Result<()> {
+        match &self.group {
+            Some(g) if !g.pp.is_last() => g
+                .world
+                .send(g.world_rank(g.pp.stage + 1, g.tp.rank), &x.data),
+            _ => bail!("no next pipeline stage to send to"),
+        }
+    }
+
+    fn recv_prev(&mut self, x: &mut Mat, rows: usize, cols: usize) -> Result<()> {
+        match &self.group {
+            Some(g) if !g.pp.is_first() => {
+                let from = g.world_rank(g.pp.stage - 1, g.tp.rank);
+                g.world.recv(from, x.shape(rows, cols))
+            }
+            _ => bail!("no previous pipeline stage to receive from"),
+        }
+    }
+
     fn describe(&self) -> String {
+        let split = match &self.group {
+            Some(g) => format!(
+                ", tensor-parallel rank {} of {}, pipeline stage {} of {}",
+                g.tp.rank, g.tp.size, g.pp.stage, g.pp.stages
+            ),
+            None => String::new(),
+        };
         format!(
-            "backend cpu ({} threads, weights {:?}), kernels: {}",
+            "backend cpu ({} threads, weights {:?}{split}), kernels: {}",
             self.pool.current_num_threads(),
             self.format,
             Isa::detect().name()
