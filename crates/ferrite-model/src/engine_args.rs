@@ -312,7 +312,9 @@ impl EngineArgs {
             weight_bytes: 0,
             bytes_per_block: 0,
         });
-        let bytes_per_block = self.kv_block_bytes(config, layout.slots) + draft.bytes_per_block;
+        // A pipeline stage stores the pages of its own layers.
+        let slots = bytes.kv_slots.unwrap_or(layout.slots);
+        let bytes_per_block = self.kv_block_bytes(config, slots) + draft.bytes_per_block;
         let state_bytes_per_slot = bytes.state_per_slot;
         let plan = memory::plan(&PlanInputs {
             device_bytes,
@@ -326,7 +328,7 @@ impl EngineArgs {
             max_model_len,
             max_num_seqs: self.max_num_seqs,
             kv_groups: layout.groups.clone(),
-            layers_per_block: layout.slots,
+            layers_per_block: slots,
             chunk: self.max_num_batched_tokens,
             state_bytes_per_slot,
             // A hit restores the recurrent state from a checkpoint: as many as requests.
@@ -369,6 +371,8 @@ pub struct ModelBytes {
     pub state_per_slot: u64,
     /// A draft model's weights and K/V per block (speculation with a draft model).
     pub draft: Option<DraftShare>,
+    /// Layers of a page this rank stores (a pipeline stage's); `None`: all.
+    pub kv_slots: Option<usize>,
 }
 
 impl EngineArgs {

@@ -170,6 +170,7 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
         activations: activation_bytes + draft.as_ref().map_or(0, |d| d.1),
         state_per_slot: model.state_bytes_per_slot() as u64,
         draft: draft.as_ref().map(|(d, _)| crate::draft::share(args, d)),
+        kv_slots: split.then(|| model.kv_slots()),
     };
     let (plan, mut scheduler) = args.plan(
         &rank_config,
@@ -284,6 +285,7 @@ pub fn plan_from_header(args: &EngineArgs, device_bytes: u64) -> Result<(MemoryP
                 })
             })
             .transpose()?,
+        kv_slots: None,
     };
     let (plan, _) = args.plan(&config, max_model_len, device_bytes, bytes)?;
     Ok((plan, config))

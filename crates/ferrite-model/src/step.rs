@@ -145,4 +145,108 @@ impl PackedStep {
             kv.row_lens.clear();
         }
     }
+
+    /// The step's requests cut into at most `n` consecutive runs of about equal tokens (a
+    /// pipeline's micro-batches); each a step of its own whose logits rows, in order, are
+    /// this step's.
+    pub fn micro_batches(&self, n: usize) -> Vec<PackedStep> {
+        let (seqs, tokens) = (self.num_seqs(), self.num_tokens());
+        let n = n.min(seqs).max(1);
+        if n == 1 {
+            return vec![self.clone()];
+        }
+        let mut cuts = vec![0];
+        for i in 1..seqs {
+            let done = cuts.len() * tokens / n;
+            if self.cu_seqlens_q[i] as usize >= done && cuts.len() < n {
+                cuts.push(i);
+            }
+        }
+        cuts.push(seqs);
+        cuts.windows(2).map(|w| self.requests(w[0]..w[1])).collect()
+    }
+
+    /// Requests `r` of this (finished) step as a step of their own.
+    fn requests(&self, r: std::ops::Range<usize>) -> PackedStep {
+        let t = self.cu_seqlens_q[r.start] as usize..self.cu_seqlens_q[r.end] as usize;
+        let per_seq = |v: &[u32]| match v.is_empty() {
+            true => Vec::new(),
+            false => v[r.clone()].to_vec(),
+        };
+        let per_token = |v: &[u32]| match v.is_empty() {
+            true => Vec::new(),
+            false => v[t.clone()].to_vec(),
+        };
+        let pairs = |v: &[[u32; 2]]| match v.is_empty() {
+            true => Vec::new(),
+            false => v[r.clone()].to_vec(),
+        };
+        assert!(self.hidden_rows.is_empty(), "an MTP step is not cut");
+        PackedStep {
+            input_ids: per_token(&self.input_ids),
+            positions: per_token(&self.positions),
+            cu_seqlens_q: self.cu_seqlens_q[r.start..=r.end]
+                .iter()
+                .map(|&c| c - t.start as u32)
+                .collect(),
+            seq_lens_k: per_seq(&self.seq_lens_k),
+            kv: self
+                .kv
+                .iter()
+                .map(|kv| KvTables {
+                    block_tables: kv.block_tables[r.start * kv.max_blocks..r.end * kv.max_blocks]
+                        .to_vec(),
+                    max_blocks: kv.max_blocks,
+                    slot_mapping: per_token(&kv.slot_mapping),
+                    row_lens: Vec::new(),
+                })
+                .collect(),
+            logits_indices: self
+                .logits_indices
+                .iter()
+                .filter(|&&i| t.contains(&(i as usize)))
+                .map(|&i| i - t.start as u32)
+                .collect(),
+            state_slots: per_seq(&self.state_slots),
+            state_restores: per_seq(&self.state_restores),
+            state_saves: pairs(&self.state_saves),
+            state_drafts: pairs(&self.state_drafts),
+            hidden_rows: Vec::new(),
+            keep_hidden: self.keep_hidden,
+            pooling: self.pooling,
+            token_types: per_token(&self.token_types),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn micro_batches_hold_every_request_and_logits_row_once_in_order() {
+        let mut step = PackedStep::default();
+        let tables = [vec![0u32, 1, 2]];
+        for (len, start) in [(30, 0), (1, 17), (5, 3), (1, 40), (12, 0)] {
+            step.push(&vec![7; len], start, &tables, 16);
+            step.logits_indices.push(step.num_tokens() as u32 - 1);
+        }
+        step.finish();
+        let parts = step.micro_batches(3);
+        assert_eq!(parts.len(), 3);
+        let ids: Vec<u32> = parts.iter().flat_map(|p| p.input_ids.clone()).collect();
+        assert_eq!(ids, step.input_ids);
+        let mut offset = 0;
+        let mut rows = Vec::new();
+        for p in &parts {
+            assert_eq!(p.cu_seqlens_q[0], 0);
+            assert_eq!(*p.cu_seqlens_q.last().unwrap() as usize, p.num_tokens());
+            assert_eq!(p.kv[0].block_tables.len(), p.num_seqs() * 3);
+            rows.extend(p.logits_indices.iter().map(|&i| i + offset));
+            offset += p.num_tokens() as u32;
+        }
+        assert_eq!(rows, step.logits_indices);
+        let seqs: Vec<u32> = parts.iter().flat_map(|p| p.seq_lens_k.clone()).collect();
+        assert_eq!(seqs, step.seq_lens_k);
+    }
 }

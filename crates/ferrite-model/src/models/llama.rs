@@ -4,7 +4,7 @@
 //! Qwen3-MoE are the same blocks with experts in place of the MLP.
 
 use super::layers::{
-    add_row_parallel, embed, embedding, lm_head, norm, output, weight_bytes, Attention, NormWeights,
+    add_row_parallel, embed, embedding, lm_head, norm, output, Attention, NormWeights,
 };
 use super::moe::{Ffn, MoeConfig};
 use super::{Buffers, Family};
@@ -32,10 +32,12 @@ struct Layer<B: Backend> {
 
 pub struct Llama<B: Backend> {
     config: ModelConfig,
-    embedding: B::Embedding,
+    /// The first pipeline stage's (every stage's when the model is not split).
+    embedding: Option<B::Embedding>,
+    /// This stage's layers.
     layers: Vec<Layer<B>>,
-    final_norm: B::Vector,
-    lm_head: B::Linear,
+    /// The last stage's final norm and LM head.
+    head: Option<(B::Vector, B::Linear)>,
     rope: B::Rope,
 }
 
@@ -62,9 +64,15 @@ impl<B: Backend> Llama<B> {
             kv_slot: 0,
         };
         let h = c.hidden_size;
-        let (embedding, vocab) = embedding(b, w, c.vocab_size, h)?;
-        let mut layers = Vec::with_capacity(c.num_layers);
-        for i in 0..c.num_layers {
+        let stage = b.pipeline_stage();
+        let vocab = super::embedding_rows(w)?.unwrap_or(c.vocab_size);
+        let embedding = match stage.is_first() {
+            true => Some(embedding(b, w, vocab, h)?.0),
+            false => None,
+        };
+        let local = stage.layers(c.num_layers);
+        let mut layers = Vec::with_capacity(local.len());
+        for i in local {
             let p = format!("model.layers.{i}");
             let plain = NormWeights::Plain;
             layers.push(Layer {
@@ -86,11 +94,17 @@ impl<B: Backend> Llama<B> {
         if let Some(f) = w.opt_vector("rope_freqs")? {
             rope.scaling = RopeScaling::Factors(f);
         }
+        let head = match stage.is_last() {
+            true => Some((
+                norm(b, w, "model.norm.weight", h, NormWeights::Plain)?,
+                lm_head(b, w, vocab, h)?,
+            )),
+            false => None,
+        };
         Ok(Self {
             embedding,
             layers,
-            final_norm: norm(b, w, "model.norm.weight", h, NormWeights::Plain)?,
-            lm_head: lm_head(b, w, vocab, h)?,
+            head,
             rope: b.rope(&rope, max_positions)?,
             config,
         })
@@ -107,7 +121,11 @@ impl<B: Backend> Family<B> for Llama<B> {
         ws: &mut Buffers<B>,
     ) -> Result<()> {
         let eps = self.config.rms_norm_eps;
-        embed(b, s, &self.embedding, None, &mut ws.x)?;
+        // A later pipeline stage continues the residual stream of the stage before it.
+        match &self.embedding {
+            Some(e) => embed(b, s, e, None, &mut ws.x)?,
+            None => b.recv_prev(&mut ws.x, s.host.num_tokens(), self.config.hidden_size)?,
+        }
         for l in &self.layers {
             let lc = &mut cache[l.attn.spec.kv_slot];
             let input = LinearIn::RmsNorm {
@@ -121,12 +139,17 @@ impl<B: Backend> Family<B> for Llama<B> {
             add_row_parallel(b, o_in, &l.attn.o, &mut ws.x)?;
             l.ffn.forward(b, &mut ws.x, &l.ffn_norm, eps, &mut ws.tmp)?;
         }
-        output(b, s, &ws.x, &self.final_norm, eps, &self.lm_head, None)
+        match &self.head {
+            Some((norm, head)) => output(b, s, &ws.x, norm, eps, head, None),
+            None => b.send_next(&ws.x),
+        }
     }
 
     fn weight_bytes(&self, b: &B) -> usize {
         let layers = self.layers.iter().map(|l| l.attn.bytes(b) + l.ffn.bytes(b));
-        weight_bytes(b, &self.embedding, &self.lm_head, layers)
+        let embedding = self.embedding.as_ref().map_or(0, |e| b.embedding_bytes(e));
+        let head = self.head.as_ref().map_or(0, |h| b.linear_bytes(&h.1));
+        embedding + head + layers.sum::<usize>()
     }
 
     fn expert_bytes(&self, b: &B) -> MoeBytes {

@@ -213,7 +213,7 @@ fn load_family<B: Backend + 'static>(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Decoder<B>> {
     let mut config = config(src)?;
-    if let Some(g) = backend.group() {
+    if backend.group().is_some() {
         // The families whose forward sums their shards; the rest would load them and
         // compute wrong answers.
         if kind(src)? != Kind::Llama || mtp {
@@ -222,9 +222,6 @@ fn load_family<B: Backend + 'static>(
                 src.path().display(),
                 src.architecture()
             );
-        }
-        if g.pp.stages > 1 {
-            bail!("pipeline parallelism: not built yet");
         }
     }
     let hybrid = match kind(src)? {
@@ -294,7 +291,7 @@ fn load_family<B: Backend + 'static>(
 }
 
 /// The vocabulary as the embedding table counts it.
-fn embedding_rows(w: &WeightSource) -> Result<Option<usize>> {
+pub(crate) fn embedding_rows(w: &WeightSource) -> Result<Option<usize>> {
     Ok(match w {
         WeightSource::Gguf { file, .. } => file
             .content
@@ -351,8 +348,11 @@ impl<B: Backend> Decoder<B> {
         })?;
         let c = &self.config;
         let kv_heads = self.kv_heads()?;
+        let local = self.local_slots();
         self.cache.clear();
-        for _ in 0..self.layout.slots {
+        for slot in 0..self.layout.slots {
+            // A pipeline stage keeps the pages of its own layers only.
+            let num_blocks = if local[slot] { num_blocks } else { 0 };
             let l = self.backend.layer_cache(
                 num_blocks,
                 block_size,
@@ -402,6 +402,21 @@ impl<B: Backend> Decoder<B> {
         Ok(kv.len())
     }
 
+    /// Which slots of the layout hold this pipeline stage's layers (all, unless split).
+    fn local_slots(&self) -> Vec<bool> {
+        let stage = self.backend.pipeline_stage();
+        let mut local = vec![false; self.layout.slots];
+        for layer in stage.layers(self.layout.layer_slot.len()) {
+            local[self.layout.layer_slot[layer]] = true;
+        }
+        local
+    }
+
+    /// Layers of a KV page this rank stores.
+    pub fn kv_slots(&self) -> usize {
+        self.local_slots().iter().filter(|&&l| l).count()
+    }
+
     /// On the leading rank of a split model, sends `c` to every rank before doing it.
     fn lead(&self, c: &Command) -> Result<()> {
         match self.backend.group() {
@@ -423,32 +438,60 @@ impl<B: Backend> Decoder<B> {
                     self.allocate_cache(blocks, block_size)?
                 }
                 Command::AllocateState { slots } => self.allocate_state(slots)?,
-                Command::Step(step) => {
-                    self.run_local(&step, None)?;
-                    self.collect_logits(step.logits_indices.len())?;
-                }
+                Command::Step(step) => self.run_split(&step)?,
                 Command::Stop => return Ok(()),
             }
         }
     }
 
-    /// After a step on every rank: the logits rows whole on the leader, each tensor-parallel
-    /// rank of the last stage having computed its share of the vocabulary.
-    fn collect_logits(&mut self, rows: usize) -> Result<()> {
+    /// A step of a split model, on every rank. Pipeline stages take its requests in
+    /// micro-batches, so a stage works on one while the next stage works on the one
+    /// before; the last stage's logits reach the leader once all are done.
+    fn run_split(&mut self, step: &PackedStep) -> Result<()> {
+        let g = self
+            .backend
+            .group()
+            .cloned()
+            .context("a rank outside a group")?;
+        self.logits
+            .resize(step.logits_indices.len() * self.config.vocab_size, 0.0);
+        let parts = match g.pp.stages {
+            1 => Vec::new(),
+            n => step.micro_batches(n),
+        };
+        let parts: Vec<&PackedStep> = match parts.is_empty() {
+            true => vec![step],
+            false => parts.iter().collect(),
+        };
+        let mut row = 0;
+        for part in parts {
+            self.run_local(part, None)?;
+            if g.pp.is_last() {
+                self.gather_logits(part.logits_indices.len(), row)?;
+            }
+            row += part.logits_indices.len();
+        }
+        if g.pp.stages > 1 {
+            let last = g.world_rank(g.pp.stages - 1, 0);
+            if g.leads() {
+                g.world.recv(last, &mut self.logits)?;
+            } else if g.world.rank() == last {
+                g.world.send(0, &self.logits)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// On the last stage, after a micro-batch of `rows` logits rows: each tensor-parallel
+    /// rank's share of the vocabulary, whole in rows `first..` of `self.logits` on its
+    /// tensor-parallel rank 0.
+    fn gather_logits(&mut self, rows: usize, first: usize) -> Result<()> {
         let g = self
             .backend
             .group()
             .cloned()
             .context("a rank outside a group")?;
         let vocab = self.config.vocab_size;
-        self.logits.resize(rows * vocab, 0.0);
-        if !g.pp.is_last() {
-            if g.leads() {
-                g.world
-                    .recv(g.world_rank(g.pp.stages - 1, 0), &mut self.logits)?;
-            }
-            return Ok(());
-        }
         let per = g.tp.vocab_rows(vocab);
         let local = self.backend.host_logits()?;
         let mut parts = vec![
@@ -463,13 +506,11 @@ impl<B: Backend> Decoder<B> {
         if g.tp.rank != 0 {
             return Ok(());
         }
-        for (r, out) in self.logits.chunks_mut(vocab).enumerate() {
+        let out = &mut self.logits[first * vocab..(first + rows) * vocab];
+        for (r, out) in out.chunks_mut(vocab).enumerate() {
             for (k, out) in out.chunks_mut(per).enumerate() {
                 out.copy_from_slice(&parts[(k * rows + r) * per..][..out.len()]);
             }
-        }
-        if !g.pp.is_first() {
-            g.world.send(0, &self.logits)?;
         }
         Ok(())
     }
@@ -523,10 +564,9 @@ impl<B: Backend> Decoder<B> {
             bail!("pooling steps on a model split across ranks");
         }
         self.lead(&Command::Step(Box::new(Cow::Borrowed(step))))?;
-        self.run_local(step, draws)?;
         match self.backend.group() {
-            Some(_) => self.collect_logits(step.logits_indices.len()),
-            None => Ok(()),
+            Some(_) => self.run_split(step),
+            None => self.run_local(step, draws),
         }
     }
 

@@ -75,6 +75,7 @@ pub fn load(
         activations: activation_bytes + draft.as_ref().map_or(0, |d| d.1),
         state_per_slot: model.state_bytes_per_slot() as u64,
         draft: draft.as_ref().map(|(d, _)| crate::draft::share(args, d)),
+        kv_slots: None,
     };
     let (plan, scheduler) = args.plan(&config, max_model_len, total as u64, bytes)?;
     // One slot more than the scheduler hands out, for decode graphs' padding rows.
