@@ -350,9 +350,9 @@ impl<B: Backend> Decoder<B> {
         let kv_heads = self.kv_heads()?;
         let local = self.local_slots();
         self.cache.clear();
-        for slot in 0..self.layout.slots {
+        for local in local {
             // A pipeline stage keeps the pages of its own layers only.
-            let num_blocks = if local[slot] { num_blocks } else { 0 };
+            let num_blocks = if local { num_blocks } else { 0 };
             let l = self.backend.layer_cache(
                 num_blocks,
                 block_size,
