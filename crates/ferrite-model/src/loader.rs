@@ -25,6 +25,9 @@ pub fn load(args: &EngineArgs, mut progress: impl FnMut(usize, usize)) -> Result
         bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be positive");
     }
     check_device(args.device)?;
+    if args.world_size() > 1 && args.device != DeviceKind::Cpu {
+        bail!("--tensor-parallel-size / --pipeline-parallel-size on CUDA: not built yet (it needs NCCL); the CPU splits over MPI");
+    }
     match args.device {
         DeviceKind::Cpu => load_cpu(args, &mut progress),
         #[cfg(feature = "cuda")]
@@ -136,6 +139,9 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
     let max_model_len = args.max_model_len(&config, pooling.as_ref())?;
     let tokenizer = open_tokenizer(&args.model)?;
     let mut model = load_rank(args, max_model_len, progress)?;
+    if model.backend.group().is_some_and(|g| !g.leads()) {
+        bail!("a following rank of a split model loads with `loader::follow`");
+    }
     let config = model.config.clone();
     // The pool is sized from this rank's share: its KV heads, its host's memory shared
     // among the ranks there.
@@ -265,6 +271,9 @@ fn profile_activations(
 /// weights read): weights as the CPU backend keeps them, activations estimated (start-up
 /// measures its step), for `device_bytes` of memory.
 pub fn plan_from_header(args: &EngineArgs, device_bytes: u64) -> Result<(MemoryPlan, ModelConfig)> {
+    if args.world_size() > 1 {
+        bail!("planning a model split across ranks is not built yet: start it, its log states each rank's plan");
+    }
     let (args, pooling) = &resolved_for_task(args)?;
     let (src, weights) = open_weights(&args.model, args.load_format)?;
     let config = models::config(&src)?;
