@@ -18,27 +18,36 @@ def free_port():
         return s.getsockname()[1]
 
 
+def wait_healthy(proc, url, log):
+    """Until `url` answers /health (at most 2 minutes), failing with the log if `proc` ends."""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        assert proc.poll() is None, open(log).read()
+        try:
+            if requests.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("server did not become healthy: " + open(log).read())
+
+
 class Server:
-    def __init__(self, *extra, model=MODEL, name="smol", kv_bytes=200 << 20, max_model_len=2048):
+    def __init__(self, *extra, model=MODEL, name="smol", kv_bytes=200 << 20, max_model_len=2048,
+                 launcher=(), address=None):
+        """`launcher`: a command that starts the binary (mpirun); `address`: where the
+        server is reached when not on this host's loopback (it then listens everywhere)."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{address or '127.0.0.1'}:{self.port}"
         self.log = open(os.path.join(ROOT, "target", f"serve-{self.port}.log"), "w")
         # model=None: the model given as vLLM's `--model` flag instead of the positional.
         where = ["--model", MODEL] if model is None else [model]
+        listen = ["--host", "0.0.0.0"] if address else []
         self.proc = subprocess.Popen(
-            [BINARY, "serve", *where, "--port", str(self.port), "--served-model-name", name,
+            [*launcher, BINARY, "serve", *where, *listen, "--port", str(self.port), "--served-model-name", name,
              "--max-model-len", str(max_model_len), "--kv-cache-memory", str(kv_bytes), "--seed", "0", *extra],
             stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            assert self.proc.poll() is None, open(self.log.name).read()
-            try:
-                if requests.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError("server did not become healthy")
+        wait_healthy(self.proc, self.url, self.log.name)
 
     def stop(self):
         self.proc.terminate()

@@ -9,14 +9,12 @@ the single process's word for word."""
 import os
 import subprocess
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import requests
 
-from conftest import BINARY, MODEL, ROOT, Server, free_port
+from conftest import Server
 
 PROMPTS = [
     "Write a Python function that reverses a list.",
@@ -62,51 +60,29 @@ def hosts():
     sh("ip", "netns", "del", b)
 
 
-class PipelineServer:
+def pipeline_server(agent):
     """`ferrite serve --pipeline-parallel-size 2`, one rank on each host."""
+    net = "10.231.0.0/24"
+    mpirun = ["ip", "netns", "exec", NS[0], "mpirun", "--allow-run-as-root", "-n", "2",
+              "--host", ",".join(HOSTS), "--mca", "plm_rsh_agent", agent,
+              "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", net,
+              "--mca", "oob_tcp_if_include", net, "--bind-to", "none"]
+    return Server("--pipeline-parallel-size", "2", launcher=mpirun, address=A_FROM_CLIENT)
 
-    def __init__(self):
-        self.port = free_port()
-        self.url = f"http://{A_FROM_CLIENT}:{self.port}"
-        self.log = open(os.path.join(ROOT, "target", f"serve-pp-{self.port}.log"), "w")
-        # Open MPI's launcher starts a remote rank through an "rsh agent": here, the
-        # namespace of the host it names.
-        self.agent = tempfile.NamedTemporaryFile("w", suffix=".sh", delete=False)
-        self.agent.write(
-            "#!/bin/sh\n"
-            'while [ "${1#-}" != "$1" ]; do shift; done\n'
-            'host=$1; shift\n'
-            f'case $host in {HOSTS[0]}) ns={NS[0]};; {HOSTS[1]}) ns={NS[1]};; *) exit 1;; esac\n'
-            'exec ip netns exec $ns sh -c "$*"\n')
-        self.agent.close()
-        os.chmod(self.agent.name, 0o755)
-        net = "10.231.0.0/24"
-        self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", NS[0], "mpirun", "--allow-run-as-root", "-n", "2",
-             "--host", ",".join(HOSTS), "--mca", "plm_rsh_agent", self.agent.name,
-             "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", net,
-             "--mca", "oob_tcp_if_include", net, "--bind-to", "none",
-             BINARY, "serve", MODEL, "--host", "0.0.0.0", "--port", str(self.port),
-             "--served-model-name", "smol", "--max-model-len", "2048",
-             "--kv-cache-memory", str(200 << 20), "--seed", "0",
-             "--pipeline-parallel-size", "2"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            assert self.proc.poll() is None, open(self.log.name).read()
-            try:
-                if requests.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError("the pipeline did not become healthy: " + open(self.log.name).read())
 
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-        self.log.close()
-        os.unlink(self.agent.name)
+@pytest.fixture
+def agent():
+    """Open MPI's launcher starts a remote rank through an "rsh agent": this one runs it in
+    the namespace of the host it names."""
+    with tempfile.NamedTemporaryFile("w", suffix=".sh", delete=False) as f:
+        f.write("#!/bin/sh\n"
+                'while [ "${1#-}" != "$1" ]; do shift; done\n'
+                'host=$1; shift\n'
+                f'case $host in {HOSTS[0]}) ns={NS[0]};; {HOSTS[1]}) ns={NS[1]};; *) exit 1;; esac\n'
+                'exec ip netns exec $ns sh -c "$*"\n')
+    os.chmod(f.name, 0o755)
+    yield f.name
+    os.unlink(f.name)
 
 
 def answers(url):
@@ -134,8 +110,8 @@ def whole():
     s.stop()
 
 
-def test_pipeline_across_two_hosts_serves_what_one_process_does(hosts, whole):
-    s = PipelineServer()
+def test_pipeline_across_two_hosts_serves_what_one_process_does(hosts, agent, whole):
+    s = pipeline_server(agent)
     try:
         log = open(s.log.name).read()
         assert "pipeline stage 0 of 2" in log, log

@@ -288,7 +288,7 @@ impl<B: Backend> Mlp<B> {
     ) -> Result<Self> {
         let p = |n: &str| format!("{prefix}.mlp.{n}.weight");
         // A tensor-parallel rank holds its span of the width: gate/up rows, down columns.
-        let span = b.tensor_parallel().span(inter, "the MLP width")?;
+        let span = b.tensor_parallel().span(inter, "MLP columns")?;
         let gate_up = ["gate_proj", "up_proj"].map(|n| (p(n), inter, Take::Rows(span.clone())));
         Ok(Self {
             gate_up: matrix_parts(b, w, &gate_up, hidden, Stack::GateUp, Rounding::Coarse)?,

@@ -66,14 +66,7 @@ impl TensorParallel {
 
     /// This rank's query heads of `n`: an equal share, so `n` must divide evenly.
     pub fn heads(&self, n: usize) -> Result<Range<usize>> {
-        if !n.is_multiple_of(self.size) {
-            bail!(
-                "{n} attention heads do not split over tensor-parallel size {}",
-                self.size
-            );
-        }
-        let per = n / self.size;
-        Ok(self.rank * per..(self.rank + 1) * per)
+        self.span(n, "attention heads")
     }
 
     /// This rank's KV heads of `n`: an equal share, or, with more ranks than KV heads, the
@@ -92,11 +85,11 @@ impl TensorParallel {
         Ok(head..head + 1)
     }
 
-    /// This rank's share of `n` columns (an MLP's width).
+    /// This rank's equal share of `n` `what` (heads, an MLP's columns).
     pub fn span(&self, n: usize, what: &str) -> Result<Range<usize>> {
         if !n.is_multiple_of(self.size) {
             bail!(
-                "{what} of {n} does not split over tensor-parallel size {}",
+                "{n} {what} do not split over tensor-parallel size {}",
                 self.size
             );
         }
