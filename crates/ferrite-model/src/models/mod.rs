@@ -564,9 +564,21 @@ impl<B: Backend> Decoder<B> {
             bail!("pooling steps on a model split across ranks");
         }
         self.lead(&Command::Step(Box::new(Cow::Borrowed(step))))?;
-        match self.backend.group() {
-            Some(_) => self.run_split(step),
-            None => self.run_local(step, draws),
+        let Some(g) = self.backend.group().cloned() else {
+            return self.run_local(step, draws);
+        };
+        // The other ranks are inside this step: a failure here cannot be one request's.
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_split(step)));
+        match run {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => {
+                tracing::error!("a step of the split model failed; stopping every rank: {e:#}");
+                g.world.abort(1)
+            }
+            Err(_) => {
+                tracing::error!("a step of the split model panicked; stopping every rank");
+                g.world.abort(1)
+            }
         }
     }
 

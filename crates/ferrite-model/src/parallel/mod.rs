@@ -47,6 +47,9 @@ pub trait Communicator: Send + Sync {
     fn send(&self, to: usize, buf: &[f32]) -> Result<()>;
     /// Exactly `buf.len()` values from `from`.
     fn recv(&self, from: usize, buf: &mut [f32]) -> Result<()>;
+    /// Ends every rank's process: a rank that failed mid-step would leave the others
+    /// waiting in a collective it never joins.
+    fn abort(&self, code: i32) -> !;
 }
 
 /// A rank's place in a tensor-parallel group of `size`: which heads, columns and

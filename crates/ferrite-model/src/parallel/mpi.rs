@@ -179,6 +179,11 @@ impl Collectives for Mpi {
         Ok(())
     }
 
+    fn abort(&self, code: i32) -> ! {
+        // Not through the lock: the failed call may hold it.
+        SimpleCommunicator::world().abort(code)
+    }
+
     fn recv(&self, from: usize, buf: &mut [f32]) -> Result<()> {
         let status = self
             .lock()
