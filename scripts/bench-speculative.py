@@ -8,7 +8,7 @@ greedy, the model stops by itself or at 160 tokens) and the agent `mini` split
 (`ferrite bench serve --dataset agent --preset mini --ignore-eos`). Per level: output tokens/s,
 mean ITL, and from the speculative server's /metrics the acceptance rate per draft position.
 
-Usage: scripts/bench-speculative.py [--concurrency 1,4,16] [--draft-layers N] [--out docs/benchmarks/cpu-speculative.md]
+Usage: scripts/bench-speculative.py [--concurrency 1,4,16] [--rounds 3] [--draft-layers N] [--out docs/benchmarks/cpu-speculative.md]
 """
 import argparse
 import json
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import cpu_name, start_server  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'
 DISABLE = 4  # ferrite_core::spec_decode::DEFAULT_DISABLE_BY_BATCH_SIZE
 
 
@@ -35,10 +35,10 @@ def start(binary, model, extra, log_name):
                         log_name)
 
 
-def copy_prompts(n):
-    """Requests whose answer copies most of the prompt (deterministic)."""
+def copy_prompts(n, first=0):
+    """Requests whose answer copies most of the prompt (deterministic; each `first` its own)."""
     out = []
-    for i in range(n):
+    for i in range(first, first + n):
         if i % 2 == 0:
             rec = {f"field_{k}": {"id": 1000 * i + k, "name": f"item-{i}-{k}", "tags": ["alpha", "beta", f"t{k}"],
                                   "price": round(3.5 * k + i, 2)} for k in range(4)}
@@ -82,13 +82,18 @@ def copy_level(url, prompts, c):
     return tokens / wall, itl, [r[3] for r in res]
 
 
-def agent_level(binary, model, url, c, n, tmp):
+def agent_level(binary, model, url, c, n, tmp, seed):
     out = os.path.join(tmp, f"agent-{abs(hash(url))}-{c}.json")
     subprocess.run([binary, "bench", "serve", "--base-url", url + "/v1", "--model-name", "m", "--tokenizer", model,
                     "--dataset", "agent", "--preset", "mini", "--ignore-eos", "--num-prompts", str(n),
-                    "--concurrency", str(c), "--out", out], check=True, capture_output=True)
+                    "--concurrency", str(c), "--seed", str(seed), "--out", out], check=True, capture_output=True)
     level = json.load(open(out))["levels"][0]
     return level["output_throughput"], level["mean_tpot_s"]
+
+
+def mean_level(results):
+    """(output tokens/s, mean ITL) over rounds: the mean of each."""
+    return statistics.mean(r[0] for r in results), statistics.mean(r[1] for r in results)
 
 
 def spec_counters(url):
@@ -127,6 +132,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks", "cpu-speculative.md"))
     ap.add_argument("--spec", default=SPEC, help="the `--speculative-config` of the second server")
     ap.add_argument("--splits", default="copy,agent")
+    ap.add_argument("--rounds", type=int, default=3, help="off/on turns per level (the figures are their means)")
     ap.add_argument("--serve-args", default="", help="extra `ferrite serve` flags of both servers (e.g. --device cuda)")
     ap.add_argument("--machine", default=None, help="what to call the machine (default: the CPU)")
     ap.add_argument("--draft-layers", type=int, default=0,
@@ -144,25 +150,34 @@ def main():
         a.spec = json.dumps({"method": "draft_model", "model": a.draft, "num_speculative_tokens": a.k})
     method = json.loads(a.spec)["method"].replace("_", " ")
     levels = [int(x) for x in a.concurrency.split(",")]
-    prompts = copy_prompts(a.copy_prompts)
-    rows, identical = [], []
+    rows, identical, turn = [], [], 0
     extra = a.serve_args.split()
     with tempfile.TemporaryDirectory() as tmp:
         off, off_url = start(a.binary, a.model, extra, "bench-spec-off.log")
         on, on_url = start(a.binary, a.model, [*extra, "--speculative-config", a.spec], "bench-spec-on.log")
         try:
             for url in (off_url, on_url):
-                one(url, prompts[0])  # warm-up
+                one(url, copy_prompts(1)[0])  # warm-up
             for split in a.splits.split(","):
                 for c in levels:
                     before = spec_counters(on_url)
+                    offs, ons, same = [], [], 0
+                    # Off and on take turns, so a noisy neighbour's burst lands on both.
+                    for _ in range(a.rounds):
+                        # Fresh prompts every turn (the same pair for off and on): no turn
+                        # reads the prefix cache another filled.
+                        turn += 1
+                        if split == "copy":
+                            prompts = copy_prompts(a.copy_prompts, turn * a.copy_prompts)
+                            offs.append(copy_level(off_url, prompts, c))
+                            ons.append(copy_level(on_url, prompts, c))
+                            same += sum(x == y for x, y in zip(offs[-1][2], ons[-1][2]))
+                        else:
+                            offs.append(agent_level(a.binary, a.model, off_url, c, a.agent_prompts, tmp, turn))
+                            ons.append(agent_level(a.binary, a.model, on_url, c, a.agent_prompts, tmp, turn))
+                    r_off, r_on = mean_level(offs), mean_level(ons)
                     if split == "copy":
-                        r_off, r_on = copy_level(off_url, prompts, c), copy_level(on_url, prompts, c)
-                        same = sum(x == y for x, y in zip(r_off[2], r_on[2]))
-                        identical.append(f"{same}/{len(prompts)} at C={c}")
-                    else:
-                        r_off = agent_level(a.binary, a.model, off_url, c, a.agent_prompts, tmp)
-                        r_on = agent_level(a.binary, a.model, on_url, c, a.agent_prompts, tmp)
+                        identical.append(f"{same}/{a.rounds * a.copy_prompts} at C={c}")
                     acc = acceptance(before, spec_counters(on_url))
                     rows.append((split, c, r_off, r_on, acc))
                     print(split, c, r_off, r_on, acc, file=sys.stderr)
@@ -179,11 +194,13 @@ Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `scripts/bench-
 {a.machine or f"CPU: {cpu_name()}, {os.cpu_count()} cores"}. Two `ferrite serve {os.path.basename(a.model)} --max-model-len 4096
 --kv-cache-memory 800000000 {a.serve_args}` in the same run, the second with
 `--speculative-config '{a.spec}'`{draft_note} (`disable_by_batch_size` unless it says: the default,
-{DISABLE}: no request drafts while more run). Load: closed loop at concurrency C, streamed, one engine at a time.
+{DISABLE}: no request drafts while more run). Load: closed loop at concurrency C, streamed, one engine at a time,
+the two taking turns {a.rounds} times per level (figures: the means over the turns; a shared host's
+noise moves single runs by up to 30%).
 
-- `copy`: {a.copy_prompts} chat requests whose answer repeats the prompt's text with an edit (a JSON
+- `copy`: {a.copy_prompts} chat requests per turn (new ones each turn and level) whose answer repeats the prompt's text with an edit (a JSON
   object with a key renamed, Python functions with a variable renamed); greedy, up to 160 tokens.
-- `agent`: `ferrite bench serve --dataset agent --preset mini --ignore-eos --num-prompts {a.agent_prompts}`
+- `agent`: `ferrite bench serve --dataset agent --preset mini --ignore-eos --num-prompts {a.agent_prompts} --seed T`, T new each turn and level
   (mean 1,000 input tokens, 32 output tokens).
 
 Acceptance: accepted / drafted tokens over the level, then per draft position the share of
