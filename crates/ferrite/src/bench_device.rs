@@ -5,7 +5,7 @@
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Args;
-use ferrite_model::backend::cuda::graph::GraphShape;
+use ferrite_model::backend::cuda::graph::{GraphShape, MAX_WINDOW_ROWS};
 use ferrite_model::backend::cuda::kernels::attention::{AttentionMeta, AttentionShape};
 use ferrite_model::backend::cuda::kernels::matmul::MatIn;
 use ferrite_model::backend::cuda::kernels::Kernels;
@@ -265,17 +265,20 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
         }
     }
     // Speculative verification: each request feeds its last token and k drafts, and every
-    // one of the 1 + k rows gets logits (eager: graphs replay decode-only steps).
+    // one of the 1 + k rows gets logits (replayed from a graph of that window up to
+    // MAX_WINDOW_ROWS rows, eagerly above).
     if state_bytes == 0 {
-        println!("| verify batch | k | context | verify step ms | decode step ms (CUDA graph) | verify / decode | accepted drafts per step to break even |");
-        println!("|---:|---:|---:|---:|---:|---:|---:|");
+        println!("| verify batch | k | context | verify step | verify step ms | decode step ms (CUDA graph) | verify / decode | accepted drafts per step to break even |");
+        println!("|---:|---:|---:|---|---:|---:|---:|---:|");
         for &(b, decode) in &graph_decode {
             for &k in &a.verify_k {
                 let s = step_rows(b, 1 + k, a.context, 1 + k);
                 let t = median(a.repeats, || model.forward_argmax(&s).map(|_| ()))?;
+                let replayed = b.next_power_of_two() * (1 + k) <= MAX_WINDOW_ROWS;
                 println!(
-                    "| {b} | {k} | {} | {:.3} | {:.3} | {:.2} | {:.2} |",
+                    "| {b} | {k} | {} | {} | {:.3} | {:.3} | {:.2} | {:.2} |",
                     a.context,
+                    if replayed { "CUDA graph" } else { "eager" },
                     t * 1e3,
                     decode * 1e3,
                     t / decode,

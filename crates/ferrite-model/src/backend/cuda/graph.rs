@@ -1,8 +1,10 @@
-//! Decode-only steps replayed from CUDA graphs. Launching a step's ~400 kernels one by one
-//! costs the host about as much time as a small batch costs the GPU; a graph launches them
-//! all at once. One graph per batch bucket (powers of two): a step is padded to its bucket
-//! with rows that read one key and write their K/V into a scratch block outside the
-//! scheduler's pool. Everything a graph bakes in is fixed per bucket: input buffers at fixed
+//! Decode and verify steps replayed from CUDA graphs. Launching a step's ~400 kernels one by
+//! one costs the host about as much time as a small batch costs the GPU; a graph launches them
+//! all at once. One graph per batch bucket (powers of two) and window (the most rows a
+//! request has: 1 for a decode, 1 + k for a verify step of k drafts): a step is padded to its
+//! bucket with requests that read their window's keys in a scratch block outside the
+//! scheduler's pool, and each request to the window with rows after its own (causal: its
+//! rows never see them) that write their K/V into that block. Everything a graph bakes in is fixed per bucket: input buffers at fixed
 //! addresses (filled before each launch), block tables as wide as the longest request,
 //! attention splits sized for the longest context, and cuBLAS's workspace. The draw (grammar
 //! masks, sampling) is a second graph, so the host makes the masks while the forward runs.
@@ -11,7 +13,7 @@ use super::inputs::{u32s, GroupInputs, StepInputs};
 use super::kernels::attention::attention_tiles;
 use super::kernels::sample::{draw_params, mask_words};
 use super::kernels::{ptr, Arena, Kernels};
-use crate::runner::DeviceDraws;
+use crate::runner::{DeviceDraws, RowDraw};
 use crate::step::{KvTables, PackedStep};
 use anyhow::{ensure, Context, Result};
 use candle_core::cuda::cudarc::cublas::sys::{cublasSetWorkspace_v2, cublasStatus_t};
@@ -28,6 +30,11 @@ use std::sync::Arc;
 
 /// Largest decode batch replayed from a graph.
 pub const MAX_GRAPH_BATCH: usize = 256;
+
+/// Most rows (requests x window) of a verify step replayed from a graph: verify steps of
+/// a few requests, where launching kernels one by one costs what the GPU work does
+/// (speculation pauses above a few requests by default).
+pub const MAX_WINDOW_ROWS: usize = 64;
 
 /// Largest arena a graph carves its outputs from (an 8B model's batch of 2 needs ~14 MB).
 const MAX_ARENA_BYTES: usize = 64 << 20;
@@ -47,9 +54,9 @@ pub struct DecodeGraph {
     staged: PinnedHostSlice<u32>,
     words: usize,
     /// `[bucket, vocab]` f32, written by each launch.
-    pub logits: Tensor,
+    logits: Tensor,
     /// `[bucket]` u32 tokens drawn from `logits`.
-    pub tokens: Tensor,
+    tokens: Tensor,
     /// What the graphs' outputs were carved from (the forward's, if they were).
     _arenas: (Option<Arena>, Arena),
 }
@@ -95,7 +102,8 @@ impl Drop for BlasWorkspace {
 
 #[derive(Default)]
 pub struct DecodeGraphs {
-    graphs: HashMap<usize, DecodeGraph>,
+    /// By (batch bucket, window).
+    graphs: HashMap<(usize, usize), DecodeGraph>,
     /// Declared after `graphs`: dropped once no graph can launch a gemm.
     _workspace: Option<BlasWorkspace>,
     max_batch: usize,
@@ -127,10 +135,18 @@ pub struct GraphShape {
     pub kv_groups: usize,
 }
 
-/// Batch size of a decode-only step (one new token and one logits row per request).
-fn decode_batch(step: &PackedStep) -> Option<usize> {
+/// Requests and window (the most rows one has) of a step every row of which makes logits,
+/// in order: decodes (window 1) and verify steps (1 + the longest draft).
+fn window_shape(step: &PackedStep) -> Option<(usize, usize)> {
     let b = step.num_seqs();
-    (b > 0 && step.num_tokens() == b && step.logits_indices.len() == b).then_some(b)
+    let all_rows = step.logits_indices.len() == step.num_tokens()
+        && step
+            .logits_indices
+            .iter()
+            .enumerate()
+            .all(|(i, &r)| r as usize == i);
+    let w = step.cu_seqlens_q.windows(2).map(|c| c[1] - c[0]).max()?;
+    (b > 0 && all_rows).then_some((b, w as usize))
 }
 
 impl DecodeGraphs {
@@ -150,10 +166,14 @@ impl DecodeGraphs {
         })
     }
 
-    /// Runs `step` from its bucket's graph (capturing it on first use), drawing each row's
-    /// token as `draws` says (greedy where it says nothing), and returns that graph, whose
-    /// first `step.num_seqs()` rows are the step's; `None` when the step is not a decode-only
-    /// step that fits.
+    /// Graphs captured for steps of `window` rows per request.
+    pub fn captured(&self, window: usize) -> usize {
+        self.graphs.keys().filter(|&&(_, w)| w == window).count()
+    }
+
+    /// Runs `step` from its (bucket, window) graph (capturing it on first use), drawing each
+    /// row's token as `draws` says (greedy where it says nothing), and returns the step's
+    /// logits and tokens; `None` when the step is not a decode or verify step that fits.
     pub fn replay(
         &mut self,
         kernels: &Kernels,
@@ -161,11 +181,16 @@ impl DecodeGraphs {
         step: &PackedStep,
         draws: DeviceDraws,
         forward: Launch,
-    ) -> Result<Option<&DecodeGraph>> {
-        let Some(b) = decode_batch(step) else {
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let Some((b, w)) = window_shape(step) else {
             return Ok(None);
         };
-        let too_wide = step.kv.iter().any(|kv| kv.max_blocks > self.width);
+        let bucket = b.next_power_of_two();
+        let q_len = |i: usize| (step.cu_seqlens_q[i + 1] - step.cu_seqlens_q[i]) as usize;
+        // Every request reads a whole window of keys, its padding rows' included.
+        let keys = |i: usize| step.seq_lens_k[i] as usize + w - q_len(i);
+        let too_wide = step.kv.iter().any(|kv| kv.max_blocks > self.width)
+            || (0..b).any(|i| keys(i) > self.width * self.block_size);
         // A graph moves no state between slots (a prompt's last token can look like a decode),
         // and keeps no hidden states for an MTP head (nor is one).
         if step.moves_state() || step.keep_hidden || !step.hidden_rows.is_empty() {
@@ -174,11 +199,20 @@ impl DecodeGraphs {
         if self.disabled || b > self.max_batch || too_wide || step.kv.len() != self.kv_groups {
             return Ok(None);
         }
-        let bucket = b.next_power_of_two();
-        if !self.graphs.contains_key(&bucket) {
-            match self.capture(kernels, dev, bucket, forward) {
+        // Verify windows: grammar masks are written row by row in the step's order, and a
+        // recurrent state steps once per request.
+        let window = w > 1;
+        if window
+            && (bucket * w > MAX_WINDOW_ROWS
+                || draws.masks.is_some()
+                || self.state_scratch.is_some())
+        {
+            return Ok(None);
+        }
+        if !self.graphs.contains_key(&(bucket, w)) {
+            match self.capture(kernels, dev, bucket, w, forward) {
                 Ok(g) => {
-                    self.graphs.insert(bucket, g);
+                    self.graphs.insert((bucket, w), g);
                 }
                 Err(e) => {
                     tracing::warn!(
@@ -189,33 +223,58 @@ impl DecodeGraphs {
                 }
             }
         }
-        let Device::Cuda(dev) = dev else {
+        let Device::Cuda(cuda) = dev else {
             unreachable!("a CUDA device")
         };
-        let stream = dev.cuda_stream();
+        let stream = cuda.cuda_stream();
         let scratch_slot = self.scratch_block * self.block_size as u32;
-        let pad = |v: &[u32], fill: u32| -> Vec<u32> {
-            let mut p = v.to_vec();
-            p.resize(bucket, fill);
+        // Row `j` of request `i` at `i * w + j`; rows past a request's own take `fill`, or
+        // repeat the request's last row's value.
+        let place = |v: &[u32], fill: Option<u32>| -> Vec<u32> {
+            let mut p = vec![fill.unwrap_or(0); bucket * w];
+            for i in 0..b {
+                let rows = &v[step.cu_seqlens_q[i] as usize..step.cu_seqlens_q[i + 1] as usize];
+                let out = &mut p[i * w..(i + 1) * w];
+                out[..rows.len()].copy_from_slice(rows);
+                if fill.is_none() {
+                    out[rows.len()..].fill(rows[rows.len() - 1]);
+                }
+            }
             p
         };
-        let g = self.graphs.get_mut(&bucket).expect("captured above");
-        copy_in(&stream, &g.inputs.ids, &pad(&step.input_ids, 0))?;
-        copy_in(&stream, &g.inputs.positions, &pad(&step.positions, 0))?;
+        let g = self.graphs.get_mut(&(bucket, w)).expect("captured above");
+        copy_in(&stream, &g.inputs.ids, &place(&step.input_ids, Some(0)))?;
+        // Padding rows' positions stay inside the rotary tables.
+        copy_in(&stream, &g.inputs.positions, &place(&step.positions, None))?;
         for (kv, gi) in step.kv.iter().zip(&g.inputs.groups) {
-            copy_in(&stream, &gi.slots, &pad(&kv.slot_mapping, scratch_slot))?;
-            copy_table(&stream, &gi.block_tables, kv, b, self.width)?;
-        }
-        copy_in(&stream, &g.inputs.seq_lens_k, &pad(&step.seq_lens_k, 1))?;
-        if let Some(scratch) = self.state_scratch {
             copy_in(
                 &stream,
-                &g.inputs.state_slots,
-                &pad(&step.state_slots, scratch),
+                &gi.slots,
+                &place(&kv.slot_mapping, Some(scratch_slot)),
             )?;
+            copy_table(&stream, &gi.block_tables, kv, b, self.width)?;
+        }
+        let mut seq_lens: Vec<u32> = (0..b).map(|i| keys(i) as u32).collect();
+        seq_lens.resize(bucket, w as u32);
+        copy_in(&stream, &g.inputs.seq_lens_k, &seq_lens)?;
+        if let Some(scratch) = self.state_scratch {
+            // One slot per request (decodes only: a window graph has no state).
+            let mut slots = step.state_slots.clone();
+            slots.resize(bucket, scratch);
+            copy_in(&stream, &g.inputs.state_slots, &slots)?;
         }
         let masked = draws.masks.map_or(&[][..], |m| m.rows);
-        copy_in(&stream, &g.draws, &draw_params(draws.rows, bucket, masked))?;
+        let params = if window {
+            let mut rows = vec![RowDraw::Greedy; bucket * w];
+            for (row, &d) in draws.rows.iter().enumerate() {
+                let i = step.cu_seqlens_q.partition_point(|&c| c as usize <= row) - 1;
+                rows[i * w + row - step.cu_seqlens_q[i] as usize] = d;
+            }
+            draw_params(&rows, bucket * w, &[])
+        } else {
+            draw_params(draws.rows, bucket, masked)
+        };
+        copy_in(&stream, &g.draws, &params)?;
         g.forward.launch()?;
         if let Some(m) = draws.masks {
             let n = b * g.words;
@@ -226,7 +285,17 @@ impl DecodeGraphs {
             unsafe { result::memcpy_htod_async(ptr(&g.masks)?, &src[..n], stream.cu_stream()) }?;
         }
         g.draw.launch()?;
-        Ok(Some(g))
+        if !window {
+            return Ok(Some((g.logits.narrow(0, 0, b)?, g.tokens.narrow(0, 0, b)?)));
+        }
+        let real: Vec<u32> = (0..b)
+            .flat_map(|i| (0..q_len(i) as u32).map(move |j| (i * w) as u32 + j))
+            .collect();
+        let real = u32s(&real, dev)?;
+        Ok(Some((
+            g.logits.index_select(&real, 0)?,
+            g.tokens.index_select(&real, 0)?,
+        )))
     }
 
     fn capture(
@@ -234,20 +303,21 @@ impl DecodeGraphs {
         kernels: &Kernels,
         dev: &Device,
         bucket: usize,
+        w: usize,
         forward: Launch,
     ) -> Result<DecodeGraph> {
         let Device::Cuda(cuda) = dev else {
             unreachable!("a CUDA device")
         };
         let (h, hkv, _) = self.heads;
-        // Padding rows: one key, in the scratch block, at position 0.
+        let rows = bucket * w;
+        // Padding requests: a window of keys from the scratch block, at position 0.
         let mut table = vec![0u32; bucket * self.width];
-        table
-            .iter_mut()
-            .step_by(self.width)
-            .for_each(|t| *t = self.scratch_block);
-        let tiles = attention_tiles(bucket, bucket, h / hkv);
-        let scratch_slots = vec![self.scratch_block * self.block_size as u32; bucket];
+        for t in table.chunks_mut(self.width) {
+            t[..w.div_ceil(self.block_size)].fill(self.scratch_block);
+        }
+        let tiles = attention_tiles(rows, bucket, h / hkv);
+        let scratch_slots = vec![self.scratch_block * self.block_size as u32; rows];
         let groups = (0..self.kv_groups)
             .map(|_| {
                 Ok(GroupInputs {
@@ -257,27 +327,28 @@ impl DecodeGraphs {
                 })
             })
             .collect::<Result<_>>()?;
+        let cu_seqlens_q: Vec<u32> = (0..=bucket).map(|i| (i * w) as u32).collect();
         let inputs = StepInputs {
-            ids: u32s(&vec![0; bucket], dev)?,
-            positions: u32s(&vec![0; bucket], dev)?,
-            cu_seqlens_q: u32s(&(0..=bucket as u32).collect::<Vec<_>>(), dev)?,
-            seq_lens_k: u32s(&vec![1; bucket], dev)?,
-            rows: u32s(&(0..bucket as u32).collect::<Vec<_>>(), dev)?,
+            ids: u32s(&vec![0; rows], dev)?,
+            positions: u32s(&vec![0; rows], dev)?,
+            cu_seqlens_q: u32s(&cu_seqlens_q, dev)?,
+            seq_lens_k: u32s(&vec![w as u32; bucket], dev)?,
+            rows: u32s(&(0..rows as u32).collect::<Vec<_>>(), dev)?,
             state_slots: u32s(&vec![self.state_scratch.unwrap_or(0); bucket], dev)?,
             state_moves: None,
             groups,
             num_seqs: bucket,
-            num_tokens: bucket,
-            max_query_len: 1,
+            num_tokens: rows,
+            max_query_len: w,
             max_seq_len: self.max_seq_len,
             splits: Some(kernels.splits(tiles * hkv, self.max_seq_len)),
         };
-        let draws = u32s(&draw_params(&[], bucket, &[]), dev)?;
+        let draws = u32s(&draw_params(&[], rows, &[]), dev)?;
         // An eager run first, so every module is loaded outside the capture; it also measures
         // the outputs the graphs will carve from arenas.
         let (logits, sizes) = kernels.count_outputs(|| forward(&inputs))?;
         let words = mask_words(logits.dim(1)?);
-        let masks = u32s(&vec![0; bucket * words], dev)?;
+        let masks = u32s(&vec![0; rows * words], dev)?;
         let (_, draw_sizes) =
             kernels.count_outputs(|| kernels.sample_rows(&logits, &draws, Some(&masks)))?;
         drop(logits);
@@ -298,7 +369,7 @@ impl DecodeGraphs {
             })
         })?;
         // SAFETY: written before each read (`replay` fills the rows it copies).
-        let staged = unsafe { stream.context().alloc_pinned::<u32>(bucket * words)? };
+        let staged = unsafe { stream.context().alloc_pinned::<u32>(rows * words)? };
         Ok(DecodeGraph {
             forward: forward_graph,
             draw,

@@ -1,7 +1,7 @@
 //! Start-up on a GPU: the family onto the device, one profiling step at the full token
 //! budget, the KV pool sized from the device's memory and reserved once, decode graphs.
 
-use super::graph::{GraphShape, MAX_GRAPH_BATCH};
+use super::graph::{GraphShape, MAX_GRAPH_BATCH, MAX_WINDOW_ROWS};
 use super::{cuda, open_device, CudaBackend};
 use crate::checkpoint::{open_tokenizer, open_weights};
 use crate::config::ModelConfig;
@@ -55,6 +55,9 @@ pub fn load(
     let graphs = !args.enforce_eager && !quantized;
     if graphs {
         activation_bytes += graph_bytes(&config, args.max_num_seqs.min(MAX_GRAPH_BATCH));
+        if let Some(s) = &args.speculation {
+            activation_bytes += verify_graph_bytes(&config, s.k);
+        }
     }
     // A draft model shares the target's blocks (its own pages of each) and the budget; its
     // steps run eagerly, on the same stream.
@@ -134,6 +137,20 @@ fn graph_bytes(c: &ModelConfig, max_batch: usize) -> u64 {
     while b <= max_batch.next_power_of_two() {
         total += b * (bytes_per_token(c) + 8 * c.vocab_size) + (4 << 20);
         b *= 2;
+    }
+    total as u64
+}
+
+/// What the verify graphs keep allocated: windows of 2 to 1 + k rows per request, each in
+/// buckets of requests up to [`MAX_WINDOW_ROWS`] rows.
+fn verify_graph_bytes(c: &ModelConfig, k: usize) -> u64 {
+    let mut total = 0;
+    for w in 2..=1 + k {
+        let mut b = 1;
+        while b * w <= MAX_WINDOW_ROWS {
+            total += b * w * (bytes_per_token(c) + 8 * c.vocab_size) + (4 << 20);
+            b *= 2;
+        }
     }
     total as u64
 }

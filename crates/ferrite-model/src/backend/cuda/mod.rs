@@ -1,7 +1,7 @@
 //! The CUDA backend (cargo feature `cuda`): bf16 weights on one GPU (or a GGUF's quantized
 //! blocks, through candle's kernels), ferrite's own kernels for attention, the K/V write,
 //! norms and activations, cuBLAS for the matmuls of many rows and ferrite's fused small-row
-//! matmuls for decodes of one or two; decode-only steps replayed from CUDA graphs. The
+//! matmuls for decodes of one or two; decode and verify steps replayed from CUDA graphs. The
 //! residual stream stays in f32 and is updated by the matmuls' epilogues.
 
 pub mod graph;
@@ -105,11 +105,16 @@ impl CudaBackend {
         &self.kernels
     }
 
-    /// Replays decode-only steps of up to `shape.max_batch` requests from CUDA graphs,
+    /// Replays decode and verify steps of up to `shape.max_batch` requests from CUDA graphs,
     /// padding rows writing into `shape.scratch_block`, a block the scheduler never hands out.
     pub fn enable_decode_graphs(&mut self, shape: GraphShape) -> Result<()> {
         self.graphs = DecodeGraphs::new(cuda(&self.device)?, shape)?;
         Ok(())
+    }
+
+    /// Graphs captured for steps of `window` rows per request (1: decodes).
+    pub fn graphs_captured(&self, window: usize) -> usize {
+        self.graphs.captured(window)
     }
 
     /// The last step's logits on the device.
@@ -134,13 +139,6 @@ impl CudaBackend {
                 .context("the forward pass made no logits")
         };
         let out = graphs.replay(&kernels, &device, host, draws, &mut launch);
-        let out = out.and_then(|g| {
-            g.map(|g| {
-                let b = host.num_seqs();
-                Ok((g.logits.narrow(0, 0, b)?, g.tokens.narrow(0, 0, b)?))
-            })
-            .transpose()
-        });
         self.graphs = graphs;
         Ok(match out? {
             Some((logits, tokens)) => {

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Runs on the GPU host, from the repository root, with the archives of scripts/cuda/bundle.sh
+# (the models unpacked into /tmp/ferrite by an earlier call, .device/bin.tar.xz carried; or one
+# archive of bin/ferrite, bin/cuda-tests and a shorter cut, models/smollm2-4l.gguf): the
+# CUDA tests of graphs and speculation, the verify step's cost against a decode step on the
+# Llama-3.1-8B shape, and n-gram speculation served on and off (the `copy` split of
+# scripts/bench-speculative.py, the cut test model). Logs go to $OUT (or /tmp/ferrite-out).
+set -euo pipefail
+out=${OUT:-/tmp/ferrite-out}
+mkdir -p "$out" /tmp/ferrite
+for a in .device/*.tar.xz; do xz -dc "$a" | tar -C /tmp/ferrite -xf -; done
+model=$(ls /tmp/ferrite/models/smollm2-*l.gguf 2>/dev/null | head -1)
+[ -n "$model" ] || { echo "models not unpacked: see scripts/cuda/bundle.sh" >&2; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
+status=0
+for filter in graphs greedy_output speculation; do
+  ( root=$PWD && cd /tmp/ferrite && FERRITE_CUDA_TEST_MODEL=$model \
+      FERRITE_REPO_ROOT=$root ./bin/cuda-tests --test-threads 1 --nocapture "$filter" ) 2>&1 \
+    | tee -a "$out/tests.log" | grep -E "^test |test result|graphs vs eager|identical|drafts" || status=1
+done
+if [ "${BATCH:-}" != none ]; then
+  /tmp/ferrite/bin/ferrite bench device scripts/cuda/llama-3.1-8b.json --batch ${BATCH:-1,2,4,8,32} \
+    --verify-k 1,2,4 --repeats 6 --prompt-tokens 512 > "$out/bench-device.log" 2>&1 || status=1
+  grep -E "^\| (verify batch|[0-9]+ \| [0-9]+ \| [0-9]+ \| (CUDA graph|eager))" "$out/bench-device.log" || true
+fi
+python3 scripts/bench-speculative.py --binary /tmp/ferrite/bin/ferrite \
+  --model "$model" --serve-args "--device cuda" --splits copy \
+  --concurrency ${CONCURRENCY:-1,4,16} --rounds 2 --machine "$(head -2 "$out/gpu.txt" | tail -1)" \
+  --out "$out/h200-speculative-copy.md" 2>&1 | tail -8 || status=1
+# The control: verify steps run eagerly (decodes too), as before verify steps had graphs.
+[ -z "${EAGER_CONTROL:-}" ] || python3 scripts/bench-speculative.py --binary /tmp/ferrite/bin/ferrite \
+  --model "$model" --serve-args "--device cuda --enforce-eager" --splits copy \
+  --concurrency 1 --rounds 1 --machine "$(head -2 "$out/gpu.txt" | tail -1)" \
+  --out "$out/h200-speculative-copy-eager.md" 2>&1 | tail -5 || status=1
+exit $status
