@@ -16,7 +16,7 @@ pub struct SpeculativeConfig {
     /// Longest suffix n-gram looked up in the request's tokens.
     #[serde(default)]
     pub prompt_lookup_max: Option<usize>,
-    /// Shortest n-gram that counts as a match.
+    /// Shortest n-gram that counts as a match (default 1).
     #[serde(default)]
     pub prompt_lookup_min: Option<usize>,
     /// Above this many running requests no request drafts: a large batch already fills the
@@ -101,7 +101,10 @@ impl SpeculativeConfig {
                     return Err("the `ngram` method takes no `model`".into());
                 }
                 let max_n = self.prompt_lookup_max.unwrap_or(4);
-                let min_n = self.prompt_lookup_min.unwrap_or(max_n.min(2));
+                // One token is enough: a draft is no longer than the text agreeing before
+                // its match, so a chance match drafts one token (measured:
+                // docs/benchmarks/cpu-speculative.md).
+                let min_n = self.prompt_lookup_min.unwrap_or(1);
                 if min_n == 0 || min_n > max_n {
                     return Err(format!(
                         "prompt_lookup_min ({min_n}) must be at least 1 and at most prompt_lookup_max ({max_n})"
@@ -326,7 +329,7 @@ mod tests {
             c(r#"{"method": "ngram", "num_speculative_tokens": 3}"#).unwrap(),
             Speculation {
                 k: 3,
-                proposer: Proposer::Ngram { min_n: 2, max_n: 4 },
+                proposer: Proposer::Ngram { min_n: 1, max_n: 4 },
                 disable_by_batch_size: DEFAULT_DISABLE_BY_BATCH_SIZE
             }
         );

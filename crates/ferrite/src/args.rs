@@ -99,7 +99,7 @@ pub struct EngineFlags {
     #[arg(long)]
     pub enforce_eager: bool,
     /// Speculative decoding, as vLLM's JSON: `{"method": "ngram", "num_speculative_tokens":
-    /// 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 8}`
+    /// 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 8}`
     /// (drafts from the request's own tokens), or `{"method": "draft_model", "model":
     /// "draft.gguf", "num_speculative_tokens": 3}` (a smaller model with the same tokenizer,
     /// its K/V in the target's blocks); drafts are verified in the next step.
