@@ -176,8 +176,9 @@ impl Speculation {
     /// record's keys recur in every record, and only the record being copied says what comes
     /// next). The draft is no longer than that agreement: a long one says a copy is under way
     /// and will go on; a short one is as likely chance, and a long draft after it would mostly
-    /// cost verify rows. Simulated on the greedy answers of the `copy` benchmark split, these
-    /// two choices raise the tokens per verify step from 2.6 to 3.0 at k = 4.
+    /// cost verify rows. Replayed over the greedy answers of the `copy` benchmark split
+    /// (`scripts/spec-draft-sim.py`, k = 4), these two choices raise acceptance from 0.64 to
+    /// 0.71 (docs/benchmarks/cpu-speculative.md).
     pub fn propose(&self, tokens: &[u32], limit: usize) -> Vec<u32> {
         let limit = limit.min(self.k);
         let Proposer::Ngram { min_n, max_n } = self.proposer else {
