@@ -6,9 +6,9 @@
 // Program (tile, kv_head, split): a tile is up to TQ = MMA_ROWS / G consecutive query tokens of
 // one request, all G query heads of the KV head (so each K/V row read serves every head of the
 // group). Tile t of request i starts at cu_q[i] / TQ + i, so the request is found by binary
-// search (vLLM's unified-attention layout) and the grid is sized from T and B alone. A split
-// covers a share of the tile's key range; with splits > 1 it writes unnormalized partials for
-// `merge_splits`.
+// search (vLLM's unified-attention layout) and the grid is sized from T and B alone. Split s
+// covers positions [s, s + 1) * split_keys of the tile's keys; with splits > 1 it writes
+// unnormalized partials for `merge_splits`.
 // The query tokens of program `blockIdx.x` and the keys they may see.
 struct Tile {
   int seq, q0, t_begin, nt;  // request, its first row in the step, tile start, tokens
@@ -117,7 +117,7 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const void* __res
                                    const uint32_t* seq_k, const uint32_t* tables, int max_blocks,
                                    int num_seqs, int H, int Hkv, int block_size, float scale,
                                    int window, float softcap, const bf16* sinks, int splits,
-                                   bf16* out,
+                                   int split_keys, bf16* out,
                                    float* part_acc, float* part_ml) {
   // Keys per tile: 64, or 32 for heads of 256 (their tiles and accumulators are twice as big).
   constexpr int KEYS = D == 256 ? 32 : MMA_KEYS;
@@ -132,9 +132,12 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const void* __res
   if (!find_tile(cu_q, seq_k, num_seqs, MMA_ROWS / G, window, tl)) return;
   const int seq = tl.seq, q0 = tl.q0, t_begin = tl.t_begin, first_pos = tl.first_pos;
   const int nrows = tl.nt * G, k_start = tl.k_start, k_end = tl.k_end;
-  // This split's keys, whole 64-key tiles apart from the ends.
-  const int per = ((k_end - k_start + splits - 1) / splits + KEYS - 1) / KEYS * KEYS;
-  const int s_begin = k_start + split * per, s_end = min(k_end, s_begin + per);
+  // This split's keys: [split, split + 1) * split_keys (whole 64-key tiles) of the positions,
+  // walked in tiles aligned to positions 0, KEYS, ...: a row's partial sums then cover the
+  // same keys in the same tiles whatever rows share its program (a decode, or a verify window
+  // whose first row starts the sliding window earlier).
+  const int s_begin = max(k_start, split * split_keys);
+  const int s_end = min(k_end, (split + 1) * split_keys);
   const bool active = warp * 16 < nrows;
   const uint32_t* table = tables + (size_t)seq * max_blocks;
 
@@ -158,17 +161,17 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const void* __res
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const float log2e = 1.4426950408889634f;
 
-  for (int kb = s_begin; kb < s_end; kb += KEYS) {
+  for (int kb = s_begin / KEYS * KEYS; kb < s_end; kb += KEYS) {
     __syncthreads();  // the previous tile is no longer read
     // Stage the tile with cp.async (global to shared, no registers): look up every page
     // first, then issue all of this thread's 16-byte copies back to back, so they are in
-    // flight together instead of one round trip each; keys past the range are zero-filled.
+    // flight together instead of one round trip each; keys outside the split are zero-filled.
     constexpr int LOADS = KEYS * D / 8 / MMA_THREADS;
     size_t at[LOADS];
 #pragma unroll
     for (int j = 0; j < LOADS; j++) {
       const int i = tid + j * MMA_THREADS, k = kb + i / (D / 8);
-      at[j] = k < s_end ? (((size_t)table[k / block_size] * Hkv + hk) * block_size + k % block_size) * D +
+      at[j] = k >= s_begin && k < s_end ? (((size_t)table[k / block_size] * Hkv + hk) * block_size + k % block_size) * D +
                               (i % (D / 8)) * 8
                         : SIZE_MAX;
     }
@@ -228,7 +231,7 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const void* __res
           const int key = kb + j * 8 + (lane % 4) * 2 + e;
           float x = s[j][2 * h + e] * scale;
           if (softcap > 0.f) x = softcap * tanhf(x / softcap);
-          const bool ok = row < nrows && key < s_end && key <= pos &&
+          const bool ok = row < nrows && key >= s_begin && key < s_end && key <= pos &&
                           (window <= 0 || key > pos - window);
           x = ok ? x * log2e : -INFINITY;
           s[j][2 * h + e] = x;
@@ -307,16 +310,17 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const void* __res
   }
 }
 
-#define ATTENTION_MMA(D, NAME, KV)                                                                  \
-  extern "C" __global__ void __launch_bounds__(MMA_THREADS) paged_attention_mma_d##D##_##NAME(     \
-      const bf16* q, const void* kc, const void* vc, const float* ksc, const float* vsc,          \
-      const uint32_t* cu_q, const uint32_t* seq_k, const uint32_t* tables, int max_blocks,        \
-      int num_seqs, int H, int Hkv, int block_size, float scale, int window, float softcap,       \
-      const bf16* sinks, int splits, bf16* out, float* part_acc, float* part_ml) {                \
-    wait_for_previous_kernel();                                                                     \
-    attention_tile_mma<D, KV>(q, kc, vc, ksc, vsc, cu_q, seq_k, tables, max_blocks, num_seqs, H,   \
-                              Hkv, block_size, scale, window, softcap, sinks, splits, out,         \
-                              part_acc, part_ml);                                                  \
+#define ATTENTION_MMA(D, NAME, KV)                                                               \
+  extern "C" __global__ void __launch_bounds__(MMA_THREADS) paged_attention_mma_d##D##_##NAME(  \
+      const bf16* q, const void* kc, const void* vc, const float* ksc, const float* vsc,       \
+      const uint32_t* cu_q, const uint32_t* seq_k, const uint32_t* tables, int max_blocks,     \
+      int num_seqs, int H, int Hkv, int block_size, float scale, int window, float softcap,    \
+      const bf16* sinks, int splits, int split_keys, bf16* out, float* part_acc,               \
+      float* part_ml) {                                                                        \
+    wait_for_previous_kernel();                                                                  \
+    attention_tile_mma<D, KV>(q, kc, vc, ksc, vsc, cu_q, seq_k, tables, max_blocks, num_seqs, H, \
+                              Hkv, block_size, scale, window, softcap, sinks, splits,           \
+                              split_keys, out, part_acc, part_ml);                              \
   }
 #define ATTENTION_MMA_ALL(D)          \
   ATTENTION_MMA(D, bf16, Kv::Bf16)    \

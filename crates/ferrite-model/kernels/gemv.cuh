@@ -1,7 +1,7 @@
 #pragma once
 #include "elementwise.cuh"
 
-// ---- Matmuls of one or two rows (decode steps) ----
+// ---- Matmuls of one to eight rows (small decode and verify steps) ----
 // out[m, n] = sum_k in[m, k] w[n, k]: bound by reading w once, which cuBLAS does at ~1.15x the
 // copy floor for one row; here one warp per output column streams the column's weights with
 // 16-byte loads, 2 x GEMV_LOADS in flight per lane. The small kernels around a decode's matmuls are
@@ -171,14 +171,22 @@ __device__ void gemv(const bf16* __restrict__ w, int n, int k, int r, int in_mod
   }
 }
 
-// Threads per block (`GEMV_THREADS` in kernels.rs) and two blocks per multiprocessor: the
-// bound caps registers at 64.
-#define GEMV(R, PRO)                                                                  \
-  extern "C" __global__ void __launch_bounds__(512, 2)                                 \
+// Threads per block (`GEMV_THREADS` in kernels.rs). Up to two rows, two blocks per
+// multiprocessor (the bound caps registers at 64); more rows keep R accumulators per lane, so
+// one block with room for them. Row m's sum does not depend on R (its own accumulator, the same
+// chunk order), so a request's verify rows round exactly as its decode rows do.
+#define GEMV(R, PRO, BLOCKS)                                                          \
+  extern "C" __global__ void __launch_bounds__(512, BLOCKS)                            \
       gemv_r##R##_bf16(const bf16* w, int n, int k, int r, int in_mode, const void* in, \
                        const uint32_t* rows, const bf16* norm, float eps, int out_mode, \
                        void* out) {                                                   \
     gemv<R, PRO>(w, n, k, r, in_mode, in, rows, norm, eps, out_mode, out);            \
   }
-GEMV(1, 2)
-GEMV(2, 1)
+GEMV(1, 2, 2)
+GEMV(2, 1, 2)
+GEMV(3, 1, 1)
+GEMV(4, 1, 1)
+GEMV(5, 1, 1)
+GEMV(6, 1, 1)
+GEMV(7, 1, 1)
+GEMV(8, 1, 1)

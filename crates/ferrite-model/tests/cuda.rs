@@ -1494,6 +1494,90 @@ fn greedy_output_is_the_same_at_concurrency_1_and_16() {
     assert_eq!(same, 16, "greedy tokens depend on the batch");
 }
 
+/// A request alone rounds alike whether it decodes or verifies drafts: its verify windows
+/// of 2 to 8 rows (replayed from graphs) give bit for bit the logits its one-row decode steps
+/// gave at the same positions, so greedy output with speculation on equals it off at
+/// concurrency 1 by construction (the small-row matmuls sum each row the same way for every
+/// row count; attention splits are fixed positions, not shares of each tile's keys).
+#[test]
+fn verify_windows_of_one_request_round_as_its_decode_steps() {
+    let path = test_model();
+    let (bs, max_pos, new_tokens) = (16, 512, 48);
+    let per = max_pos / bs;
+    let mut m = gpu_model(std::path::Path::new(&path), false, max_pos);
+    m.allocate_cache(2 * per + 1, bs).unwrap();
+    enable_graphs(&mut m, 8, 2 * per, bs);
+    let vocab = m.vocab_size();
+    let mut rng = StdRng::seed_from_u64(31);
+    // Long enough that the keys span several attention splits.
+    let prompt: Vec<u32> = (0..300)
+        .map(|_| rng.random_range(0..vocab as u32))
+        .collect();
+    let tables: Vec<Vec<u32>> = (0..2u32)
+        .map(|i| (i * per as u32..(i + 1) * per as u32).collect())
+        .collect();
+    let prefill = |m: &mut Decoder<CudaBackend>, table: &Vec<u32>| {
+        let mut step = PackedStep::default();
+        step.push(&prompt, 0, std::slice::from_ref(table), bs);
+        step.logits_indices.push(step.num_tokens() as u32 - 1);
+        step.finish();
+        m.forward_argmax(&step).unwrap()[0]
+    };
+    // Greedy decode, one row a step: each step's logits.
+    let mut tokens = vec![prefill(&mut m, &tables[0])];
+    let mut decoded = Vec::new();
+    for n in 0..new_tokens {
+        let mut step = PackedStep::default();
+        step.push(
+            &[tokens[n]],
+            prompt.len() + n,
+            std::slice::from_ref(&tables[0]),
+            bs,
+        );
+        step.logits_indices.push(0);
+        step.finish();
+        let logits = m.forward(&step).unwrap().to_vec();
+        tokens.push(argmax(&logits));
+        decoded.push(logits);
+    }
+    // The same tokens verified in windows of 2 to 8 rows (the last token and 1 to 7 drafts).
+    assert_eq!(prefill(&mut m, &tables[1]), tokens[0]);
+    let (mut at, mut windows) = (0, std::collections::BTreeSet::new());
+    while at < new_tokens {
+        let w = rng.random_range(2..=8usize).min(new_tokens - at);
+        let mut step = PackedStep::default();
+        step.push(
+            &tokens[at..at + w],
+            prompt.len() + at,
+            std::slice::from_ref(&tables[1]),
+            bs,
+        );
+        step.logits_indices = (0..w as u32).collect();
+        step.finish();
+        let logits = m.forward(&step).unwrap().to_vec();
+        for (j, row) in logits.chunks(vocab).enumerate() {
+            let want = &decoded[at + j];
+            let differ = row
+                .iter()
+                .zip(want)
+                .filter(|(a, b)| a.to_bits() != b.to_bits());
+            assert_eq!(
+                differ.count(),
+                0,
+                "position {}: a window of {w} rows, row {j}, rounds otherwise than its decode step",
+                prompt.len() + at + j
+            );
+        }
+        windows.insert(w);
+        at += w;
+    }
+    println!("{new_tokens} rows verified in windows of {windows:?} rows: logits bit-identical to one-row decode steps");
+    // Every step ran from a graph (the default), the decodes' and each window's.
+    for w in windows.iter().chain([&1]) {
+        assert_eq!(m.backend.graphs_captured(*w), 1, "window {w}");
+    }
+}
+
 /// The hybrid (gated delta-net) on the GPU fed in chunks of 1 (token-by-token decode), 7 and
 /// 64, two requests sharing each step in their own state slots, against one whole prefill:
 /// the same logits to bf16 precision (the chunks take other matmul paths than the whole).

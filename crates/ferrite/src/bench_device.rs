@@ -331,7 +331,7 @@ fn dense_matmuls(
     let layers = layer_weights(config, &dev)?;
     let lm_head = Linear::Dense(linear::random(config.vocab_size, config.hidden_size, &dev)?);
     let final_norm = Tensor::ones(config.hidden_size, DType::BF16, &dev)?;
-    for rows in [1usize, 32] {
+    for rows in [1usize, 2, 4, 8, 32] {
         let x =
             Tensor::randn(0f32, 1.0, (rows, config.hidden_size), &dev)?.to_dtype(DType::BF16)?;
         let xi = Tensor::randn(0f32, 1.0, (rows, config.intermediate_size), &dev)?
@@ -355,9 +355,10 @@ fn dense_matmuls(
             t / (wbytes / copy_bw)
         );
     }
-    // The same through the small-row matmuls of one- and two-row steps, with the RMSNorms,
-    // the SiLU-mul and the residual adds of the layer folded in.
-    for rows in [1usize, 2] {
+    // The same through the small-row matmuls of steps of up to 8 rows (decodes, one request's
+    // verify window), with the RMSNorms, the SiLU-mul and the residual adds of the layer folded
+    // in; a matrix whose rows do not fit shared memory goes to cuBLAS, as in a step.
+    for rows in [1usize, 2, 4, 8] {
         let x = Tensor::randn(0f32, 1.0, (rows, config.hidden_size), &dev)?;
         let attn = Tensor::randn(0f32, 1.0, (rows, config.num_heads * config.head_dim), &dev)?
             .to_dtype(DType::BF16)?;

@@ -316,7 +316,9 @@ impl DecodeGraphs {
         for t in table.chunks_mut(self.width) {
             t[..w.div_ceil(self.block_size)].fill(self.scratch_block);
         }
-        let tiles = attention_tiles(rows, bucket, h / hkv);
+        // Attention splits as for the bucket's decode step, whatever the window: a request's
+        // rows then sum the same key splits whether it decodes or verifies drafts.
+        let tiles = attention_tiles(bucket, bucket, h / hkv);
         let scratch_slots = vec![self.scratch_block * self.block_size as u32; rows];
         let groups = (0..self.kv_groups)
             .map(|_| {

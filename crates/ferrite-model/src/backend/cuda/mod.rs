@@ -1,7 +1,8 @@
 //! The CUDA backend (cargo feature `cuda`): bf16 weights on one GPU (or a GGUF's quantized
 //! blocks, through candle's kernels), ferrite's own kernels for attention, the K/V write,
 //! norms and activations, cuBLAS for the matmuls of many rows and ferrite's fused small-row
-//! matmuls for decodes of one or two; decode and verify steps replayed from CUDA graphs. The
+//! matmuls for decodes of one or two requests and one request's verify steps; decode and
+//! verify steps replayed from CUDA graphs. The
 //! residual stream stays in f32 and is updated by the matmuls' epilogues.
 
 pub mod graph;
@@ -319,6 +320,10 @@ impl Backend for CudaBackend {
             .bind_to_thread()?;
         // Dropped here, before a capture could see them go.
         (self.logits, self.tokens) = (None, None);
+        self.kernels.set_fused_rows(match host.num_seqs() {
+            1 => kernels::matmul::GEMV_MAX_ROWS,
+            _ => kernels::matmul::GEMV_BATCH_ROWS,
+        });
         let none = DeviceDraws {
             rows: &[],
             masks: None,

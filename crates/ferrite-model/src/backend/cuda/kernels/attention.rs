@@ -217,6 +217,10 @@ impl Kernels {
         let splits = meta
             .splits
             .unwrap_or_else(|| self.splits(tiles * hkv, meta.max_seq_len));
+        // Splits of a fixed width (whole tiles of 64 keys) from the longest context, not from
+        // each tile's range: a row's partial sums then cover the same keys whether its
+        // request decodes or verifies drafts after it.
+        let split_keys = meta.max_seq_len.div_ceil(splits).next_multiple_of(64);
         // Partials only when the key range is split.
         let (acc, ml) = if splits > 1 {
             (
@@ -252,6 +256,7 @@ impl Kernels {
                 Arg::F(s.softcap),
                 opt(sinks)?,
                 Arg::I(splits as i32),
+                Arg::I(split_keys as i32),
                 Arg::P(ptr(&out)?),
                 Arg::P(ptr(&acc)?),
                 Arg::P(ptr(&ml)?),

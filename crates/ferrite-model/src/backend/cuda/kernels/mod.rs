@@ -20,6 +20,7 @@ use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Shape, Storage, Tensor};
 use half::bf16;
 use std::collections::HashMap;
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 
 /// sm_80 and sm_90 machine code plus sm_90 PTX, built by `build.rs`.
@@ -35,11 +36,14 @@ pub struct Kernels {
     gated_mul: CudaFunction,
     add_f32: CudaFunction,
     softcap: CudaFunction,
-    /// For 1 and 2 rows.
-    gemv: [CudaFunction; 2],
+    /// For 1 to [`matmul::GEMV_MAX_ROWS`] rows.
+    gemv: Vec<CudaFunction>,
     /// Blocks of `gemv[r - 1]` per multiprocessor with `k`-wide rows, by (r, k): asked of the
     /// driver once per shape, not at every launch.
     gemv_occupancy: Mutex<HashMap<(usize, usize), u32>>,
+    /// The most rows the fused matmuls take in the current step (see
+    /// [`Kernels::set_fused_rows`]).
+    fused_rows: AtomicUsize,
     /// By KV dtype ([`attention::KvPages::variant`]).
     qkv_rope_write: [CudaFunction; 3],
     /// Head sizes 32, 64, 128 and 256, each by KV dtype.
@@ -172,7 +176,9 @@ impl Kernels {
                 .load_function(name)
                 .with_context(|| format!("kernel {name}"))
         };
-        let gemv = [f("gemv_r1_bf16")?, f("gemv_r2_bf16")?];
+        let gemv = (1..=matmul::GEMV_MAX_ROWS)
+            .map(|r| f(&format!("gemv_r{r}_bf16")))
+            .collect::<Result<Vec<_>>>()?;
         for g in &gemv {
             g.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -211,6 +217,7 @@ impl Kernels {
             softcap: f("softcap_f32")?,
             gemv,
             gemv_occupancy: Mutex::default(),
+            fused_rows: AtomicUsize::new(matmul::GEMV_MAX_ROWS),
             qkv_rope_write: [
                 f("qkv_rope_write_bf16")?,
                 f("qkv_rope_write_fp8")?,
