@@ -27,6 +27,16 @@ for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda":
         print(m["executable"])')
+# The tensor/pipeline-parallel tests (ranks under mpirun; Open MPI from scripts/mpi-deps.sh),
+# a binary of their own: it links libmpi, which the other tests do not need on the GPU host.
+bash scripts/mpi-deps.sh
+parallel_tests=$(cargo test --release --features cuda,mpi -p ferrite-model --test cuda_parallel --no-run \
+  --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda_parallel":
+        print(m["executable"])')
 model=$(scripts/fetch-model.sh smollm2)
 stage=$(mktemp -d); trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/bin" "$stage/models"
@@ -35,7 +45,9 @@ cp "$tests" "$stage/bin/cuda-tests"
 # Writes the llama.cpp peer's GGUF there (serve-peer.sh llamacpp-build).
 cargo build --release -q -p ferrite-model --example random_gguf
 cp target-cuda/release/examples/random_gguf "$stage/bin/random_gguf"
-strip "$stage/bin/ferrite" "$stage/bin/cuda-tests" "$stage/bin/random_gguf"
+mkdir -p "$stage/parallel/bin"
+cp "$parallel_tests" "$stage/parallel/bin/cuda-parallel-tests"
+strip "$stage/bin/ferrite" "$stage/bin/cuda-tests" "$stage/bin/random_gguf" "$stage/parallel/bin/cuda-parallel-tests"
 cargo run --release -q -p ferrite-model --example cut_gguf -- "$model" "$stage/models/smollm2-10l.gguf" 10 q4_0
 # The 8B shape with SmolLM2's tokenizer, for the served peer benchmark (serve-peer.sh).
 cargo run --release -q -p ferrite-model --example hf_folder -- "$model" scripts/cuda/llama-3.1-8b.json \
@@ -47,4 +59,6 @@ mkdir -p .device
 rm -f .device/bundle.tar.xz
 tar -C "$stage" -cf - bin | xz -6 -T2 > .device/bin.tar.xz
 tar -C "$stage" -cf - models | xz -6 -T2 > .device/models.tar.xz
-ls -la .device/bin.tar.xz .device/models.tar.xz
+# A third for the parallel tests: scripts/cuda/parallel.sh.
+tar -C "$stage/parallel" -cf - bin | xz -6 -T2 > .device/parallel.tar.xz
+ls -la .device/bin.tar.xz .device/models.tar.xz .device/parallel.tar.xz

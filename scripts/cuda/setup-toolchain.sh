@@ -25,6 +25,10 @@ CUDARC=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/index.crates.io-*/cuda
 grep -ohE 'load::<_F>\("cu[A-Za-z0-9_]+"\)' "$CUDARC"/src/driver/sys/*.rs | sed -E 's/.*\("(.*)"\)/\1/' | sort -u \
   | awk '{print "void " $1 "(void){}"}' > "$R/lib/stubs/cuda_stub.c"
 gcc -shared -fPIC -o "$R/lib/stubs/libcuda.so" -Wl,-soname,libcuda.so.1 "$R/lib/stubs/cuda_stub.c"
+# The same for NCCL (`--features nccl`): the GPU host's libnccl.so.2 is used at run time.
+grep -ohE 'load::<_F>\("nccl[A-Za-z0-9_]+"\)' "$CUDARC"/src/nccl/sys/mod.rs | sed -E 's/.*\("(.*)"\)/\1/' | sort -u \
+  | awk '{print "void " $1 "(void){}"}' > "$R/lib/stubs/nccl_stub.c"
+gcc -shared -fPIC -o "$R/lib/stubs/libnccl.so" -Wl,-soname,libnccl.so.2 "$R/lib/stubs/nccl_stub.c"
 cat > "$DIR/env.sh" <<ENV
 export CUDA_ROOT=$R CUDA_HOME=$R CUDA_PATH=$R
 export PATH=$R/bin:\$PATH

@@ -3,12 +3,15 @@
 #pragma once
 #include "common.cuh"
 
-// x[t, :] = table[ids[t], :] * scale, widened to f32. Grid: T blocks.
+// x[t, :] = table[ids[t] - first, :] * scale, widened to f32; zeros for a token outside the
+// table's `rows` (a tensor-parallel rank's share of the vocabulary). Grid: T blocks.
 extern "C" __global__ void embed_bf16(const uint32_t* ids, const bf16* table, float* x,
-                                      int hidden, float scale) {
-  const bf16* row = table + (size_t)ids[blockIdx.x] * hidden;
+                                      int hidden, float scale, uint32_t first, uint32_t rows) {
+  const uint32_t id = ids[blockIdx.x] - first;  // wraps past `rows` below `first`
+  const bf16* row = table + (size_t)id * hidden;
   float* out = x + (size_t)blockIdx.x * hidden;
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x) out[i] = __bfloat162float(row[i]) * scale;
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+    out[i] = id < rows ? __bfloat162float(row[i]) * scale : 0.f;
 }
 
 __device__ __forceinline__ void store_as(bf16* p, float v) { *p = __float2bfloat16(v); }

@@ -25,9 +25,6 @@ pub fn load(args: &EngineArgs, mut progress: impl FnMut(usize, usize)) -> Result
         bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be positive");
     }
     check_device(args.device)?;
-    if args.world_size() > 1 && args.device != DeviceKind::Cpu {
-        bail!("--tensor-parallel-size / --pipeline-parallel-size on CUDA: not built yet (it needs NCCL); the CPU splits over MPI");
-    }
     match args.device {
         DeviceKind::Cpu => load_cpu(args, &mut progress),
         #[cfg(feature = "cuda")]
@@ -121,12 +118,21 @@ pub fn load_rank(
 /// A following rank of a split model: loads its share and does what the leading rank
 /// commands until it stops.
 pub fn follow(args: &EngineArgs) -> Result<()> {
+    check_device(args.device)?;
     let (args, pooling) = &resolved_for_task(args)?;
     if pooling.is_some() {
         bail!("embedding models are not split across ranks yet");
     }
     let max_model_len = args.max_model_len(&read_config(&args.model)?, None)?;
-    load_rank(args, max_model_len, &mut |_, _| {})?.follow()
+    match args.device {
+        DeviceKind::Cpu => load_rank(args, max_model_len, &mut |_, _| {})?.follow(),
+        #[cfg(feature = "cuda")]
+        DeviceKind::Cuda(ordinal) => {
+            crate::backend::cuda::loader::follow(args, ordinal, max_model_len)
+        }
+        #[cfg(not(feature = "cuda"))]
+        DeviceKind::Cuda(_) => unreachable!("refused by check_device"),
+    }
 }
 
 fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result<LoadedEngine> {

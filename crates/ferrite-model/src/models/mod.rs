@@ -486,6 +486,11 @@ impl<B: Backend> Decoder<B> {
     /// rank's share of the vocabulary, whole in rows `first..` of `self.logits` on its
     /// tensor-parallel rank 0.
     fn gather_logits(&mut self, rows: usize, first: usize) -> Result<()> {
+        // A micro-batch of prefill chunks only: nothing to gather (every rank of the group
+        // skips it alike), whatever a backend left as its logits.
+        if rows == 0 {
+            return Ok(());
+        }
         let g = self
             .backend
             .group()

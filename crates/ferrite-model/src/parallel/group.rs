@@ -19,6 +19,8 @@ pub struct Group {
     pub pp: PipelineStage,
     /// Ranks on this host (they share its cores and memory).
     pub local_ranks: usize,
+    /// This rank's place among them (which GPU it takes).
+    pub local_rank: usize,
 }
 
 /// What the leader has every rank do, in order.
@@ -37,7 +39,7 @@ impl Group {
         world: Arc<dyn Communicator>,
         tensor: Arc<dyn Communicator>,
         stages: usize,
-        local_ranks: usize,
+        (local_rank, local_ranks): (usize, usize),
     ) -> Result<Self> {
         let tp = TensorParallel {
             rank: tensor.rank(),
@@ -60,6 +62,7 @@ impl Group {
             tp,
             pp,
             local_ranks: local_ranks.max(1),
+            local_rank,
         })
     }
 

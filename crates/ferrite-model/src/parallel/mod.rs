@@ -1,11 +1,14 @@
 //! Tensor and pipeline parallelism: which part of the model a rank holds, and the
 //! communicator its collectives go through. Every rank runs the same family code on its
 //! shard; the model code calls `all_reduce` / `send` / `recv` through the backend, which
-//! holds a [`Communicator`] of whatever library serves its device (MPI on CPUs).
+//! holds a [`Communicator`] of whatever library serves its device (MPI on CPUs; on GPUs
+//! NCCL, with MPI starting the ranks).
 
 pub mod group;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 
 use anyhow::{bail, Result};
 use std::ops::Range;

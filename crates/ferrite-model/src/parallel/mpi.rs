@@ -65,12 +65,12 @@ pub fn group(tensor_parallel: usize, stages: usize) -> Result<Group> {
     let tensor = world
         .split_by_color_with_key(Color::with_value(stage as i32), rank as i32)
         .expect("every rank has a colour");
-    let local_ranks = world.split_shared(rank as i32).size() as usize;
+    let host = world.split_shared(rank as i32);
     let g = Group::new(
         Arc::new(Mpi::new(world)),
         Arc::new(Mpi::new(tensor)),
         stages,
-        local_ranks,
+        (host.rank() as usize, host.size() as usize),
     )?;
     *made = Some(g.clone());
     Ok(g)

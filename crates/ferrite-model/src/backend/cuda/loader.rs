@@ -3,30 +3,58 @@
 
 use super::graph::{GraphShape, MAX_GRAPH_BATCH, MAX_WINDOW_ROWS};
 use super::{cuda, open_device, CudaBackend};
-use crate::checkpoint::{open_tokenizer, open_weights};
+use crate::backend::Backend;
+use crate::checkpoint::{open_tokenizer, open_weights, read_config};
 use crate::config::ModelConfig;
 use crate::engine_args::{EngineArgs, LoadedEngine, ModelBytes, WeightFormat};
 use crate::models::{self, Decoder};
+use crate::parallel::{self, Group};
 use crate::runner::{ModelRunner, StepModel};
 use crate::step::PackedStep;
 use crate::weights::WeightSource;
 use anyhow::{bail, Result};
+use candle_core::cuda::cudarc::driver::CudaContext;
 use ferrite_core::step_cost::StepCost;
 
-pub fn load(
+/// A split model's GPU for this rank: one of its own, `ordinal + local rank`, when the host
+/// has that many; else every rank of the host shares `ordinal` (host-staged collectives).
+fn rank_device(g: Option<&Group>, ordinal: usize) -> Result<(usize, bool)> {
+    let Some(g) = g else {
+        return Ok((ordinal, true));
+    };
+    let gpus = CudaContext::device_count().unwrap_or(0).max(0) as usize;
+    Ok(match ordinal + g.local_ranks <= gpus {
+        true => (ordinal + g.local_rank, true),
+        false => {
+            tracing::warn!(
+                "{} ranks on this host and {gpus} GPU(s) from cuda:{ordinal} on: the ranks share cuda:{ordinal}, their activations staged through host memory",
+                g.local_ranks
+            );
+            (ordinal, false)
+        }
+    })
+}
+
+/// This process's share of the model on a GPU (the whole model unless it is a rank of a
+/// split one): the backend, weights bf16 or kept quantized, KV cache not yet allocated;
+/// with the GPU's total memory and how many ranks share it.
+pub fn load_rank(
     args: &EngineArgs,
     ordinal: usize,
-    mut progress: impl FnMut(usize, usize),
-) -> Result<LoadedEngine> {
+    max_model_len: usize,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(Decoder<CudaBackend>, bool, u64)> {
+    let group = parallel::join(args.tensor_parallel_size, args.pipeline_parallel_size)?;
+    let (ordinal, own_gpu) = rank_device(group.as_ref(), ordinal)?;
     let device = open_device(ordinal)?;
     let ctx = cuda(&device)?.cuda_stream().context().clone();
     let gpu_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
     let (_, total) = ctx.mem_get_info()?;
-    if args.pooling()?.is_some() {
-        bail!("embedding models run on the CPU backend only; use --device cpu");
-    }
+    let sharing = match (&group, own_gpu) {
+        (Some(g), false) => g.local_ranks as u64,
+        _ => 1,
+    };
     let (src, mut weights) = open_weights(&args.model, args.load_format)?;
-    let max_model_len = args.max_model_len(&models::config(&src)?, None)?;
     // `native` keeps a GGUF's blocks (candle's quantized matmuls), `f32` dequantizes to bf16
     // (cuBLAS and ferrite's small-row matmuls: faster, see h200.md), `auto` takes bf16 when
     // that needs at most half the GPU's memory.
@@ -38,21 +66,61 @@ pub fn load(
         _ => false,
     };
     let name = format!("cuda:{ordinal} ({gpu_name})");
-    let backend = CudaBackend::new(device.clone(), quantized, name.clone())?;
+    let backend = CudaBackend::new(device, quantized, name)?;
     let mtp = crate::loader::drafts_with_mtp(args);
-    let mut model = match mtp {
-        true => models::load_with_mtp(backend, &src, &mut weights, max_model_len, &mut progress)?,
-        false => models::load(backend, &src, &mut weights, max_model_len, &mut progress)?,
+    let mut model = match group {
+        Some(g) => {
+            if args.speculation.is_some() {
+                bail!("--speculative-config with --tensor-parallel-size or --pipeline-parallel-size: not built yet");
+            }
+            let backend = backend.in_group(g, own_gpu)?;
+            models::load(backend, &src, &mut weights, max_model_len, progress)?
+        }
+        None if mtp => models::load_with_mtp(backend, &src, &mut weights, max_model_len, progress)?,
+        None => models::load(backend, &src, &mut weights, max_model_len, progress)?,
     };
-    drop(weights);
+    model.set_kv_dtype(args.kv_cache_dtype);
+    Ok((model, quantized, total as u64 / sharing))
+}
+
+/// A following rank of a model split across GPUs: loads its share and does what the
+/// leading rank commands until it stops.
+pub fn follow(args: &EngineArgs, ordinal: usize, max_model_len: usize) -> Result<()> {
+    load_rank(args, ordinal, max_model_len, &mut |_, _| {})?
+        .0
+        .follow()
+}
+
+pub fn load(
+    args: &EngineArgs,
+    ordinal: usize,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<LoadedEngine> {
+    if args.pooling()?.is_some() {
+        bail!("embedding models run on the CPU backend only; use --device cpu");
+    }
+    let max_model_len = args.max_model_len(&read_config(&args.model)?, None)?;
+    let (mut model, quantized, total) = load_rank(args, ordinal, max_model_len, &mut progress)?;
+    let split = model.backend.group().is_some();
+    if model.backend.group().is_some_and(|g| !g.leads()) {
+        bail!("a following rank of a split model loads with `loader::follow`");
+    }
+    let device = model.backend.device().clone();
+    let name = model.backend.name().to_string();
+    let mtp = crate::loader::drafts_with_mtp(args);
     let tokenizer = open_tokenizer(&args.model)?;
     let config = model.config.clone();
-    model.set_kv_dtype(args.kv_cache_dtype);
+    // The pool is sized from this rank's share: its KV heads, its GPU's memory.
+    let rank_config = ModelConfig {
+        num_kv_heads: model.kv_heads()?,
+        ..config.clone()
+    };
     let tokens = args.max_num_batched_tokens.min(max_model_len);
     let (mut activation_bytes, cost) = profile_step(&mut model, tokens, args.block_size)?;
     // candle's quantized matmuls keep a workspace they may move between calls, which a
-    // captured graph would go on pointing at: quantized weights run eagerly.
-    let graphs = !args.enforce_eager && !quantized;
+    // captured graph would go on pointing at: quantized weights run eagerly. A split model's
+    // ranks run eagerly too: every rank would have to capture the same graphs in step.
+    let graphs = !args.enforce_eager && !quantized && !split;
     if graphs {
         activation_bytes += graph_bytes(&config, args.max_num_seqs.min(MAX_GRAPH_BATCH));
         if let Some(s) = &args.speculation {
@@ -78,9 +146,9 @@ pub fn load(
         activations: activation_bytes + draft.as_ref().map_or(0, |d| d.1),
         state_per_slot: model.state_bytes_per_slot() as u64,
         draft: draft.as_ref().map(|(d, _)| crate::draft::share(args, d)),
-        kv_slots: None,
+        kv_slots: split.then(|| model.kv_slots()),
     };
-    let (plan, scheduler) = args.plan(&config, max_model_len, total as u64, bytes)?;
+    let (plan, scheduler) = args.plan(&rank_config, max_model_len, total, bytes)?;
     // One slot more than the scheduler hands out, for decode graphs' padding rows.
     let stateful = plan.state_slots > 0;
     let scratch = plan.state_slots + plan.state_checkpoints + plan.state_draft_slots;

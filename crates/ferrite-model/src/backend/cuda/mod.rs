@@ -5,6 +5,7 @@
 //! verify steps replayed from CUDA graphs. The
 //! residual stream stays in f32 and is updated by the matmuls' epilogues.
 
+pub mod collectives;
 pub mod graph;
 pub mod inputs;
 pub mod kernels;
@@ -19,12 +20,14 @@ use super::{
 use crate::config::RopeStyle;
 use crate::engine_args::DeviceKind;
 use crate::kv_dtype::KvCacheDtype;
+use crate::parallel::Group;
 use crate::rope::{RopeSpec, RopeTable};
 use crate::runner::DeviceDraws;
 use crate::step::PackedStep;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::quantized::QTensor;
 use candle_core::{CudaDevice, DType, Device, Tensor};
+use collectives::Collectives;
 use graph::{DecodeGraphs, GraphShape};
 use inputs::{u32s, StepInputs};
 pub use kernels::attention::KvPages;
@@ -61,6 +64,13 @@ impl Act {
     }
 }
 
+/// The embedding table, bf16 `[rows, hidden]`: the whole vocabulary, or a tensor-parallel
+/// rank's rows from token `first` on.
+pub struct Embedding {
+    table: Tensor,
+    first: usize,
+}
+
 /// Rotary tables `[max_positions, dim / 2]` f32.
 pub struct Rope {
     cos: Tensor,
@@ -81,6 +91,8 @@ pub struct CudaBackend {
     tokens: Option<Tensor>,
     host_logits: Vec<f32>,
     graphs: DecodeGraphs,
+    /// The ranks of a split model and how this one exchanges activations with them.
+    group: Option<(Group, Collectives)>,
 }
 
 impl CudaBackend {
@@ -95,7 +107,20 @@ impl CudaBackend {
             tokens: None,
             host_logits: Vec::new(),
             graphs: DecodeGraphs::default(),
+            group: None,
         })
+    }
+
+    /// This backend as a rank of `g`; `own_gpu`: no other rank of the group shares its GPU.
+    pub fn in_group(mut self, g: Group, own_gpu: bool) -> Result<Self> {
+        let c = Collectives::new(&g, &self.device, own_gpu)?;
+        self.group = Some((g, c));
+        Ok(self)
+    }
+
+    /// The GPU and its name, for log lines.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     pub fn device(&self) -> &Device {
@@ -193,8 +218,7 @@ impl Backend for CudaBackend {
     /// bf16.
     type Vector = Tensor;
     type Linear = Linear;
-    /// bf16 `[vocab, hidden]`.
-    type Embedding = Tensor;
+    type Embedding = Embedding;
     type Rope = Rope;
     type Moe = moe::Moe;
     type LayerCache = KvPages;
@@ -215,8 +239,15 @@ impl Backend for CudaBackend {
         linear::upload(&parts, stack, self.quantized, &self.device)
     }
 
-    fn embedding(&self, table: QTensor) -> Result<Tensor> {
-        linear::bf16(&table, &self.device)
+    fn embedding(&self, table: QTensor) -> Result<Embedding> {
+        self.vocab_embedding(table, 0)
+    }
+
+    fn vocab_embedding(&self, table: QTensor, first: usize) -> Result<Embedding> {
+        Ok(Embedding {
+            table: linear::bf16(&table, &self.device)?,
+            first,
+        })
     }
 
     fn random_linear(
@@ -230,8 +261,11 @@ impl Backend for CudaBackend {
         Ok(Linear::Dense(linear::random(total, cols, &self.device)?))
     }
 
-    fn random_embedding(&self, vocab: usize, hidden: usize) -> Result<Tensor> {
-        linear::random(vocab, hidden, &self.device)
+    fn random_embedding(&self, vocab: usize, hidden: usize) -> Result<Embedding> {
+        Ok(Embedding {
+            table: linear::random(vocab, hidden, &self.device)?,
+            first: 0,
+        })
     }
 
     fn rope(&self, spec: &RopeSpec, max_positions: usize) -> Result<Rope> {
@@ -268,8 +302,8 @@ impl Backend for CudaBackend {
         w.bytes()
     }
 
-    fn embedding_bytes(&self, e: &Tensor) -> usize {
-        e.elem_count() * e.dtype().size_in_bytes()
+    fn embedding_bytes(&self, e: &Embedding) -> usize {
+        e.table.elem_count() * e.table.dtype().size_in_bytes()
     }
 
     fn layer_cache(
@@ -362,13 +396,13 @@ impl Backend for CudaBackend {
     fn embed(
         &mut self,
         s: &Step<Self>,
-        table: &Tensor,
+        e: &Embedding,
         scale: Option<f32>,
         out: &mut Act,
     ) -> Result<()> {
         out.0 = Some(
             self.kernels
-                .embed(&s.inputs.ids, table, scale.unwrap_or(1.0))?,
+                .embed(&s.inputs.ids, &e.table, e.first, scale.unwrap_or(1.0))?,
         );
         Ok(())
     }
@@ -535,7 +569,7 @@ impl Backend for CudaBackend {
         bail!("{POOLING}")
     }
 
-    fn add_rows(&mut self, _t: &Tensor, _ids: &[u32], _x: &mut Act) -> Result<()> {
+    fn add_rows(&mut self, _t: &Embedding, _ids: &[u32], _x: &mut Act) -> Result<()> {
         bail!("{ENCODERS}")
     }
 
@@ -552,8 +586,44 @@ impl Backend for CudaBackend {
         Ok(&mut self.host_logits)
     }
 
+    fn group(&self) -> Option<&Group> {
+        self.group.as_ref().map(|(g, _)| g)
+    }
+
+    fn all_reduce(&mut self, x: &mut Act) -> Result<()> {
+        let Some((g, c)) = &self.group else {
+            bail!("an all-reduce outside a tensor-parallel group");
+        };
+        if let Some(sum) = c.all_reduce(g, x.get()?)? {
+            x.0 = Some(sum);
+        }
+        Ok(())
+    }
+
+    fn send_next(&mut self, x: &Act) -> Result<()> {
+        match &self.group {
+            Some((g, c)) if !g.pp.is_last() => {
+                c.send(g, x.get()?, g.world_rank(g.pp.stage + 1, g.tp.rank))
+            }
+            _ => bail!("no next pipeline stage to send to"),
+        }
+    }
+
+    fn recv_prev(&mut self, x: &mut Act, rows: usize, cols: usize) -> Result<()> {
+        match &self.group {
+            Some((g, c)) if !g.pp.is_first() => {
+                let from = g.world_rank(g.pp.stage - 1, g.tp.rank);
+                x.0 = Some(c.recv(g, (rows, cols), from, &self.device)?);
+                Ok(())
+            }
+            _ => bail!("no previous pipeline stage to receive from"),
+        }
+    }
+
+    /// A split model's logits are shards of the vocabulary, gathered and drawn from on the
+    /// leader's host.
     fn draws_on_device(&self) -> bool {
-        true
+        self.group.is_none()
     }
 
     fn drawn_tokens(&mut self) -> Result<Vec<u32>> {
@@ -570,8 +640,19 @@ impl Backend for CudaBackend {
         } else {
             "bf16 weights"
         };
+        let split = match &self.group {
+            Some((g, c)) => format!(
+                ", tensor-parallel rank {} of {}, pipeline stage {} of {}, collectives {}",
+                g.tp.rank,
+                g.tp.size,
+                g.pp.stage,
+                g.pp.stages,
+                c.describe()
+            ),
+            None => String::new(),
+        };
         format!(
-            "backend {} ({weights}), kernels: ferrite CUDA + cuBLAS",
+            "backend {} ({weights}{split}), kernels: ferrite CUDA + cuBLAS",
             self.name
         )
     }

@@ -416,9 +416,11 @@ impl Kernels {
     }
 
     /// `[T]` ids into `[vocab, hidden]` bf16 rows times `scale`, widened to an f32 `[T, hidden]`.
-    pub fn embed(&self, ids: &Tensor, table: &Tensor, scale: f32) -> Result<Tensor> {
+    /// Rows `ids - first` of `table` (a vocabulary shard from token `first` on) times `scale`,
+    /// f32 `[T, hidden]`; zeros for tokens outside the shard.
+    pub fn embed(&self, ids: &Tensor, table: &Tensor, first: usize, scale: f32) -> Result<Tensor> {
         let t = ids.dim(0)?;
-        let hidden = table.dim(1)?;
+        let (rows, hidden) = table.dims2()?;
         let x = self.output((t, hidden), DType::F32)?;
         if t > 0 {
             self.launch(
@@ -430,6 +432,8 @@ impl Kernels {
                     Arg::P(ptr(&x)?),
                     Arg::I(hidden as i32),
                     Arg::F(scale),
+                    Arg::I(first as i32),
+                    Arg::I(rows as i32),
                 ],
             )?;
         }
