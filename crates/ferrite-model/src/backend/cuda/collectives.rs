@@ -28,6 +28,8 @@ impl Collectives {
         #[cfg(feature = "nccl")]
         if own_gpu {
             let stream = super::cuda(device)?.cuda_stream();
+            // NCCL takes the communicator's GPU from the thread's current context.
+            stream.context().bind_to_thread()?;
             return Ok(Self::Nccl {
                 tensor: crate::parallel::nccl::Nccl::join(g.tensor.as_ref(), &stream)?,
                 world: crate::parallel::nccl::Nccl::join(g.world.as_ref(), &stream)?,
