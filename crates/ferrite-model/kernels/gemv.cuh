@@ -190,3 +190,93 @@ GEMV(5, 1, 1)
 GEMV(6, 1, 1)
 GEMV(7, 1, 1)
 GEMV(8, 1, 1)
+
+// ---- The same on tensor cores: up to 8 rows as the N = 8 of mma.sync m16n8k16 ----
+// A tile is 16 output columns (the MMA's M: weight rows c0 + g and c0 + g + 8, g = lane / 4);
+// a block of 8 warps takes tiles blockIdx.x, + gridDim.x, ... (the input rows built once in
+// shared memory), each over the whole depth: warp w the 32-deep chunks w, w + 8, ... of k, in
+// order, then the 8 warps' partial sums add in warp order. Each lane loads 16 bytes (8
+// consecutive k) of both its weight rows per chunk and 16 bytes of input row g from shared
+// memory; the chunk's k is permuted alike in A and B (lane t's 8 values fill k pairs 2t and
+// 2t + 8 of two MMAs), which the sum does not see. Input rows m >= r read as zeros. A row's sum
+// is fixed by the instruction and this order for every row count and grid, as in `gemv<R>`,
+// and the input is read from shared memory once per 32 bytes of weights (`gemv<R>`: R times
+// per 16). Each of a lane's MMA_GEMV_SLOTS loads in flight is refilled as soon as its MMA has
+// read it, across tiles too. Grid: up to n / 16 blocks of 256 threads; dynamic shared memory
+// r * k bf16.
+#define MMA_GEMV_SLOTS 4
+extern "C" __global__ void __launch_bounds__(256) gemv_mma_bf16(
+    const bf16* __restrict__ w, int n, int k, int r, int in_mode, const void* in,
+    const uint32_t* rows, const bf16* norm, float eps, int out_mode, void* out) {
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  __shared__ float red[32];
+  __shared__ float part[8][16][8];
+  bf16* xs = (bf16*)gemv_smem;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int k8 = k / 8, chunks = k / 32, tiles = n / 16;
+  // This warp's chunks of a tile, in groups of MMA_GEMV_SLOTS.
+  const int mine = warp < chunks ? (chunks - 1 - warp) / 8 + 1 : 0;
+  const int groups = (mine + MMA_GEMV_SLOTS - 1) / MMA_GEMV_SLOTS;
+  uint4 va[MMA_GEMV_SLOTS], vb[MMA_GEMV_SLOTS];
+  // Slot u of group q of `tile`: chunk warp + 8 (q SLOTS + u), if there is one.
+  auto load = [&](int tile, int q, int u) {
+    const int j = warp + 8 * (q * MMA_GEMV_SLOTS + u);
+    if (j >= chunks) return;
+    const uint4* row = (const uint4*)(w + (size_t)(tile * 16 + g) * k) + 4 * j + t;
+    va[u] = __ldcs(row);
+    vb[u] = __ldcs(row + (size_t)8 * k8);
+  };
+  // The first loads are in flight while the kernel before finishes.
+#pragma unroll
+  for (int u = 0; u < MMA_GEMV_SLOTS; u++) load(blockIdx.x, 0, u);
+  wait_for_previous_kernel();
+  for (int m = 0; m < r; m++)
+    gemv_input<1>(in_mode, m, r, in, rows, norm, eps, k, (uint4*)(xs + m * k), red);
+  __syncthreads();
+  const uint4* x4 = (const uint4*)xs + (size_t)g * k8 + t;
+  const bool gated = out_mode >= GEMV_OUT_SILU;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int q = 0; q < groups; q++) {
+#pragma unroll
+      for (int u = 0; u < MMA_GEMV_SLOTS; u++) {
+        const int j = warp + 8 * (q * MMA_GEMV_SLOTS + u);
+        if (j < chunks) {
+          const uint4 xb = g < r ? x4[4 * j] : make_uint4(0, 0, 0, 0);
+          const uint32_t a1[4] = {va[u].x, vb[u].x, va[u].y, vb[u].y};
+          const uint32_t a2[4] = {va[u].z, vb[u].z, va[u].w, vb[u].w};
+          mma_bf16(c, a1, xb.x, xb.y);
+          mma_bf16(c, a2, xb.z, xb.w);
+        }
+        if (q + 1 < groups) load(tile, q + 1, u);
+        else if (tile + gridDim.x < tiles) load(tile + gridDim.x, 0, u);
+      }
+    }
+    // c: columns g (c[0], c[1]) and g + 8 (c[2], c[3]) of the tile, input rows 2t, 2t + 1.
+    part[warp][g][2 * t] = c[0];
+    part[warp][g][2 * t + 1] = c[1];
+    part[warp][g + 8][2 * t] = c[2];
+    part[warp][g + 8][2 * t + 1] = c[3];
+    __syncthreads();
+    // One thread per (column, row); a gate|up pair's thread takes both columns.
+    const int i = gated ? 2 * (threadIdx.x >> 3) : threadIdx.x >> 3, m = threadIdx.x & 7;
+    if (threadIdx.x < (gated ? 64 : 128) && m < r) {
+      float sum = 0.f;
+      for (int v = 0; v < 8; v++) sum += part[v][i][m];
+      const int col = tile * 16 + i;
+      const size_t o = (size_t)m * n + col;
+      if (out_mode == GEMV_OUT_BF16) ((bf16*)out)[o] = __float2bfloat16(sum);
+      else if (out_mode == GEMV_OUT_F32) ((float*)out)[o] = sum;
+      else if (out_mode == GEMV_OUT_ADD) ((float*)out)[o] += sum;
+      else {
+        float up = 0.f;
+        for (int v = 0; v < 8; v++) up += part[v][i + 1][m];
+        ((bf16*)out)[(size_t)m * (n / 2) + col / 2] = __float2bfloat16(
+            gate_times(out_mode == GEMV_OUT_GELU ? ACT_GELU_TANH : ACT_SILU,
+                       __bfloat162float(__float2bfloat16(sum)),
+                       __bfloat162float(__float2bfloat16(up))));
+      }
+    }
+    __syncthreads();  // `part` is read before the next tile writes it
+  }
+}
