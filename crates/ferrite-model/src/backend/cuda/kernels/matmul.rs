@@ -7,7 +7,6 @@ use super::{cfg, opt, ptr, Arg, Kernels};
 use crate::backend::cuda::linear::Linear;
 use crate::backend::Activation;
 use anyhow::{ensure, Context, Result};
-use candle_core::cuda::cudarc::driver::CudaFunction;
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Tensor};
 use std::collections::hash_map::Entry;
@@ -154,14 +153,11 @@ impl Kernels {
     }
 
     /// The fused small-row matmul into `out`, when the step is small enough; false otherwise.
-    /// On tensor cores (`gemv_mma_bf16`) where the shape allows (k a multiple of 32, n of 16),
-    /// else one warp per column (`gemv_r*_bf16`); which one depends on the shape alone, so a
-    /// request's rows take the same kernel whatever their count.
     fn gemv(&self, input: &MatIn, w: &Tensor, out: &Tensor, out_mode: i32) -> Result<bool> {
         let r = input.rows()?;
         let (n, k) = w.dims2()?;
         let most = self.fused_rows.load(Ordering::Relaxed);
-        if r == 0 || r > most || k % 8 != 0 {
+        if r == 0 || r > most || k % 8 != 0 || r * k * 2 > GEMV_MAX_SHARED {
             return Ok(false);
         }
         let (in_mode, src, rows, norm, eps) = match input {
@@ -175,51 +171,19 @@ impl Kernels {
             src.dims(),
             out.dims()
         );
-        if k % 32 == 0 && n % 16 == 0 && 2 * k <= GEMV_MAX_SHARED {
-            // Rows in groups whose inputs fit shared memory; each group reads the weights
-            // again, and a row's sum does not depend on its group.
-            let fit = (GEMV_MAX_SHARED / (2 * k)).min(GEMV_MAX_ROWS);
-            let (src_at, out_at) = (ptr(src)?, ptr(out)?);
-            let in_row = k * src.dtype().size_in_bytes();
-            let out_row = out_cols * out.dtype().size_in_bytes();
-            for m0 in (0..r).step_by(fit) {
-                let group = fit.min(r - m0);
-                let shared = group * k * 2;
-                let blocks = (n / 16).min(
-                    self.blocks_per_sm(GEMV_MAX_ROWS, &self.gemv_mma, 256, shared)? as usize
-                        * self.multiprocessors as usize,
-                );
-                // With `rows`, the group's entries of it pick the residual rows.
-                let (src_m, rows_m) = match rows {
-                    Some(t) => (src_at, ptr(t)? + 4 * m0 as u64),
-                    None => (src_at + (m0 * in_row) as u64, 0),
-                };
-                self.launch_chained(
-                    &self.gemv_mma,
-                    cfg((blocks as u32, 1, 1), 256, shared as u32),
-                    &[
-                        Arg::P(ptr(w)?),
-                        Arg::I(n as i32),
-                        Arg::I(k as i32),
-                        Arg::I(group as i32),
-                        Arg::I(in_mode),
-                        Arg::P(src_m),
-                        Arg::P(rows_m),
-                        opt(norm)?,
-                        Arg::F(eps),
-                        Arg::I(out_mode),
-                        Arg::P(out_at + (m0 * out_row) as u64),
-                    ],
-                )?;
-            }
-            return Ok(true);
-        }
-        if r * k * 2 > GEMV_MAX_SHARED {
-            return Ok(false);
-        }
         let f = &self.gemv[r - 1];
         let shared = (r * k * 2) as u32;
-        let per_sm = self.blocks_per_sm(r - 1, f, GEMV_THREADS, shared as usize)?;
+        let per_sm = match self.gemv_occupancy.lock().unwrap().entry((r, k)) {
+            Entry::Occupied(e) => *e.get(),
+            Entry::Vacant(e) => *e.insert(
+                f.occupancy_max_active_blocks_per_multiprocessor(
+                    GEMV_THREADS,
+                    shared as usize,
+                    None,
+                )?
+                .max(1),
+            ),
+        };
         let warps = GEMV_THREADS as usize / 32;
         let blocks = n
             .div_ceil(warps)
@@ -242,26 +206,6 @@ impl Kernels {
             ],
         )?;
         Ok(true)
-    }
-
-    /// Blocks of `threads` with `shared` bytes of `f` (small-row kernel `which`) that fit a
-    /// multiprocessor: asked of the driver once per shape, not at every launch.
-    fn blocks_per_sm(
-        &self,
-        which: usize,
-        f: &CudaFunction,
-        threads: u32,
-        shared: usize,
-    ) -> Result<u32> {
-        Ok(
-            match self.gemv_occupancy.lock().unwrap().entry((which, shared)) {
-                Entry::Occupied(e) => *e.get(),
-                Entry::Vacant(e) => *e.insert(
-                    f.occupancy_max_active_blocks_per_multiprocessor(threads, shared, None)?
-                        .max(1),
-                ),
-            },
-        )
     }
 
     /// The bf16 rows a matmul reads, computed by the kernel that folds into the small-row path.

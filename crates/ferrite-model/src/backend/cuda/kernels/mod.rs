@@ -38,9 +38,8 @@ pub struct Kernels {
     softcap: CudaFunction,
     /// For 1 to [`matmul::GEMV_MAX_ROWS`] rows.
     gemv: Vec<CudaFunction>,
-    /// Up to [`matmul::GEMV_MAX_ROWS`] rows on tensor cores.
-    gemv_mma: CudaFunction,
-    /// Blocks per multiprocessor of each small-row kernel, by (kernel, shared bytes).
+    /// Blocks of `gemv[r - 1]` per multiprocessor with `k`-wide rows, by (r, k): asked of the
+    /// driver once per shape, not at every launch.
     gemv_occupancy: Mutex<HashMap<(usize, usize), u32>>,
     /// The most rows the fused matmuls take in the current step (see
     /// [`Kernels::set_fused_rows`]).
@@ -180,8 +179,7 @@ impl Kernels {
         let gemv = (1..=matmul::GEMV_MAX_ROWS)
             .map(|r| f(&format!("gemv_r{r}_bf16")))
             .collect::<Result<Vec<_>>>()?;
-        let gemv_mma = f("gemv_mma_bf16")?;
-        for g in gemv.iter().chain([&gemv_mma]) {
+        for g in &gemv {
             g.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 matmul::GEMV_MAX_SHARED as i32,
@@ -218,7 +216,6 @@ impl Kernels {
             add_f32: f("add_f32")?,
             softcap: f("softcap_f32")?,
             gemv,
-            gemv_mma,
             gemv_occupancy: Mutex::default(),
             fused_rows: AtomicUsize::new(matmul::GEMV_MAX_ROWS),
             qkv_rope_write: [
