@@ -17,8 +17,9 @@ use std::sync::atomic::Ordering;
 /// memory; larger ones cuBLAS. A row's sum is the same for every row count, so a request
 /// alone rounds alike whether it decodes or verifies drafts.
 pub const GEMV_MAX_ROWS: usize = 8;
-/// The same for steps of several requests: past two rows cuBLAS reads the weights faster
-/// (8 rows of the Llama-3.1-8B shape on an H100: 8.27 ms fused, 5.92 ms cuBLAS; h200.md).
+/// The same for steps of several requests: past two rows cuBLAS reads the weights about as
+/// fast or faster (the Llama-3.1-8B shape's matmuls on an H100: 4 rows 5.76 ms fused with the
+/// norms, 5.70 ms cuBLAS alone; 8 rows 6.94 against 5.71; h200-speculative.md).
 pub const GEMV_BATCH_ROWS: usize = 2;
 /// The `__launch_bounds__` of `gemv_r*_bf16`.
 const GEMV_THREADS: u32 = 512;
@@ -157,7 +158,7 @@ impl Kernels {
         let r = input.rows()?;
         let (n, k) = w.dims2()?;
         let most = self.fused_rows.load(Ordering::Relaxed);
-        if r == 0 || r > most || k % 8 != 0 || r * k * 2 > GEMV_MAX_SHARED {
+        if r == 0 || r > most || k % 8 != 0 || n % 2 != 0 || r * k * 2 > GEMV_MAX_SHARED {
             return Ok(false);
         }
         let (in_mode, src, rows, norm, eps) = match input {
@@ -184,8 +185,9 @@ impl Kernels {
                 .max(1),
             ),
         };
+        // A warp takes a pair of columns at a time.
         let warps = GEMV_THREADS as usize / 32;
-        let blocks = n
+        let blocks = (n / 2)
             .div_ceil(warps)
             .min((per_sm * self.multiprocessors) as usize);
         self.launch_chained(
