@@ -18,12 +18,12 @@ use ferrite_core::step_cost::StepCost;
 
 /// A split model's GPU for this rank: one of its own, `ordinal + local rank`, when the host
 /// has that many; else every rank of the host shares `ordinal` (host-staged collectives).
-fn rank_device(g: Option<&Group>, ordinal: usize) -> Result<(usize, bool)> {
+fn rank_device(g: Option<&Group>, ordinal: usize) -> (usize, bool) {
     let Some(g) = g else {
-        return Ok((ordinal, true));
+        return (ordinal, true);
     };
     let gpus = CudaContext::device_count().unwrap_or(0).max(0) as usize;
-    Ok(match ordinal + g.local_ranks <= gpus {
+    match ordinal + g.local_ranks <= gpus {
         true => (ordinal + g.local_rank, true),
         false => {
             tracing::warn!(
@@ -32,7 +32,7 @@ fn rank_device(g: Option<&Group>, ordinal: usize) -> Result<(usize, bool)> {
             );
             (ordinal, false)
         }
-    })
+    }
 }
 
 /// This process's share of the model on a GPU (the whole model unless it is a rank of a
@@ -45,7 +45,7 @@ pub fn load_rank(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(Decoder<CudaBackend>, bool, u64)> {
     let group = parallel::join(args.tensor_parallel_size, args.pipeline_parallel_size)?;
-    let (ordinal, own_gpu) = rank_device(group.as_ref(), ordinal)?;
+    let (ordinal, own_gpu) = rank_device(group.as_ref(), ordinal);
     let device = open_device(ordinal)?;
     let ctx = cuda(&device)?.cuda_stream().context().clone();
     let gpu_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
