@@ -406,3 +406,77 @@ pub const PROMPTS: [&str; 8] = [
     "List of European capitals: Paris, Berlin, Madrid,",
     "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nName a prime number larger than 100.<|im_end|>\n<|im_start|>assistant\n",
 ];
+
+/// Greedy tokens (24 each) of four requests starting 0, 5, 10 and 15 tokens into `prompt`,
+/// all at once (their chunks share steps with the others' decodes).
+pub fn greedy_staggered(args: EngineArgs, prompt: &[u32]) -> Vec<Vec<u32>> {
+    let (engine, _) = engine_with(args);
+    let params = ferrite_core::sampling::SamplingParams {
+        temperature: 0.0,
+        max_tokens: Some(24),
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let streams: Vec<_> = (0..4)
+        .map(|i| {
+            engine
+                .add_request(prompt[i * 5..].to_vec(), params.clone())
+                .unwrap()
+        })
+        .collect();
+    let out = streams
+        .into_iter()
+        .map(|s| tokens_of(&collect(s).unwrap()))
+        .collect();
+    engine.shutdown();
+    out
+}
+
+/// Runs this test binary's ignored test `entry` as `ranks` processes under `mpirun` with
+/// `env` set; the entry's leader writes `{"logits", "tokens"}` to `FERRITE_PARALLEL_OUT`,
+/// returned here. Panics, naming `what`, if any rank fails.
+pub fn mpirun_split(
+    what: &str,
+    ranks: usize,
+    entry: &str,
+    env: &[(&str, String)],
+) -> (Vec<Vec<f32>>, Vec<Vec<u32>>) {
+    let out = std::env::temp_dir().join(format!(
+        "ferrite-{entry}-{}-{}.json",
+        what.replace('/', "_"),
+        std::process::id()
+    ));
+    let status = Command::new("mpirun")
+        .args([
+            "-n",
+            &ranks.to_string(),
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+        ])
+        .arg("--allow-run-as-root")
+        .arg(std::env::current_exe().unwrap())
+        // The ranks' libtest lines are noise; their panics go to stderr.
+        .args([
+            "--ignored",
+            "--exact",
+            entry,
+            "--test-threads",
+            "1",
+            "--nocapture",
+        ])
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .env("FERRITE_PARALLEL_OUT", &out)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("mpirun (Open MPI)");
+    assert!(status.success(), "{what}: {status}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    std::fs::remove_file(&out).ok();
+    let logits = v["logits"].as_array().unwrap().iter().map(|r| {
+        let r = r.as_array().unwrap().iter();
+        r.map(|x| x.as_f64().unwrap() as f32).collect()
+    });
+    let tokens = v["tokens"].as_array().unwrap().iter().map(ids);
+    (logits.collect(), tokens.collect())
+}

@@ -10,7 +10,6 @@
 mod common;
 
 use common::*;
-use ferrite_core::sampling::SamplingParams;
 use ferrite_model::backend::cuda::loader as cuda_loader;
 use ferrite_model::kv_dtype::KvCacheDtype;
 use ferrite_model::loader::{
@@ -18,7 +17,6 @@ use ferrite_model::loader::{
 };
 use ferrite_model::parallel;
 use ferrite_model::sampler::argmax;
-use std::process::{Command, Stdio};
 
 /// The cut test model (9 heads, 3 KV heads: splits 3 ways) and two tiny random-weight
 /// checkpoints (4 heads, 2 KV heads: 2 and 4 ways, the KV heads replicated at 4).
@@ -56,38 +54,13 @@ fn prompt(vocab: usize) -> Vec<u32> {
     (0..40).map(|i| ((i * 37 + 11) % vocab) as u32).collect()
 }
 
-/// Greedy tokens of four requests of different lengths, all at once.
-fn greedy(args: EngineArgs, vocab: usize) -> Vec<Vec<u32>> {
-    let (engine, _) = engine_with(args);
-    let params = SamplingParams {
-        temperature: 0.0,
-        max_tokens: Some(24),
-        ignore_eos: true,
-        ..Default::default()
-    };
-    let p = prompt(vocab);
-    let streams: Vec<_> = (0..4)
-        .map(|i| {
-            engine
-                .add_request(p[i * 5..].to_vec(), params.clone())
-                .unwrap()
-        })
-        .collect();
-    let out = streams
-        .into_iter()
-        .map(|s| tokens_of(&collect(s).unwrap()))
-        .collect();
-    engine.shutdown();
-    out
-}
-
 /// Teacher-forced logits of the prompt, then greedy tokens.
 fn run(args: &EngineArgs) -> (Vec<Vec<f32>>, Vec<Vec<u32>>) {
     let (mut model, _, _) = cuda_loader::load_rank(args, 0, 256, &mut |_, _| {}).unwrap();
     let vocab = model.config.vocab_size;
     let logits = all_logits(&mut model, &prompt(vocab));
     drop(model);
-    (logits, greedy(args.clone(), vocab))
+    (logits, greedy_staggered(args.clone(), &prompt(vocab)))
 }
 
 fn env(name: &str) -> String {
@@ -120,44 +93,17 @@ fn cuda_rank() {
 
 /// `model` split `(tp, pp)` ways under mpirun: the leader's logits and greedy tokens.
 fn split(model: &str, (tp, pp): (usize, usize)) -> (Vec<Vec<f32>>, Vec<Vec<u32>>) {
-    let out = std::env::temp_dir().join(format!(
-        "ferrite-cuda-parallel-{tp}x{pp}-{}.json",
-        std::process::id()
-    ));
-    let status = Command::new("mpirun")
-        .args([
-            "-n",
-            &(tp * pp).to_string(),
-            "--oversubscribe",
-            "--bind-to",
-            "none",
-        ])
-        .arg("--allow-run-as-root")
-        .arg(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "cuda_rank",
-            "--test-threads",
-            "1",
-            "--nocapture",
-        ])
-        .env("FERRITE_MODEL", model)
-        .env("FERRITE_TP", tp.to_string())
-        .env("FERRITE_PP", pp.to_string())
-        .env("FERRITE_PARALLEL_OUT", &out)
-        .stdout(Stdio::null())
-        .status()
-        .expect("mpirun (Open MPI)");
-    assert!(status.success(), "{model} split {tp} x {pp}: {status}");
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
-    std::fs::remove_file(&out).ok();
-    let logits = v["logits"].as_array().unwrap().iter().map(|r| {
-        let r = r.as_array().unwrap().iter();
-        r.map(|x| x.as_f64().unwrap() as f32).collect()
-    });
-    let tokens = v["tokens"].as_array().unwrap().iter().map(ids);
-    (logits.collect(), tokens.collect())
+    let env = [
+        ("FERRITE_MODEL", model.to_string()),
+        ("FERRITE_TP", tp.to_string()),
+        ("FERRITE_PP", pp.to_string()),
+    ];
+    mpirun_split(
+        &format!("{model} split {tp} x {pp}"),
+        tp * pp,
+        "cuda_rank",
+        &env,
+    )
 }
 
 /// Mean |dlogit| between two sets of logits.

@@ -8,11 +8,9 @@
 mod common;
 
 use common::*;
-use ferrite_core::sampling::SamplingParams;
 use ferrite_model::kv_dtype::KvCacheDtype;
 use ferrite_model::loader::{self, EngineArgs, WeightFormat};
 use ferrite_model::parallel;
-use std::process::{Command, Stdio};
 
 const FAMILIES: [&str; 3] = ["llama31", "qwen2", "qwen3"];
 /// Tensor-parallel x pipeline-parallel sizes.
@@ -38,38 +36,12 @@ fn prompt() -> Vec<u32> {
     (0..40).map(|i| (i * 37 + 11) % 128).collect()
 }
 
-/// Greedy tokens of four requests of different lengths, all at once (their chunks share
-/// steps with the others' decodes).
-fn greedy(args: EngineArgs) -> Vec<Vec<u32>> {
-    let (engine, _) = engine_with(args);
-    let params = SamplingParams {
-        temperature: 0.0,
-        max_tokens: Some(24),
-        ignore_eos: true,
-        ..Default::default()
-    };
-    let p = prompt();
-    let streams: Vec<_> = (0..4)
-        .map(|i| {
-            engine
-                .add_request(p[i * 5..].to_vec(), params.clone())
-                .unwrap()
-        })
-        .collect();
-    let out = streams
-        .into_iter()
-        .map(|s| tokens_of(&collect(s).unwrap()))
-        .collect();
-    engine.shutdown();
-    out
-}
-
 /// Teacher-forced logits, then greedy tokens: what the comparison needs from one model.
 fn run(args: &EngineArgs) -> (Vec<Vec<f32>>, Vec<Vec<u32>>) {
     let mut model = loader::load_rank(args, 128, &mut |_, _| {}).unwrap();
     let logits = all_logits(&mut model, &prompt());
     drop(model);
-    (logits, greedy(args.clone()))
+    (logits, greedy_staggered(args.clone(), &prompt()))
 }
 
 fn env(name: &str) -> String {
@@ -102,38 +74,14 @@ fn rank() {
 
 /// `family` split `(tp, pp)` ways under mpirun: the leader's logits and greedy tokens.
 fn split(family: &str, (tp, pp): (usize, usize), exact: bool) -> (Vec<Vec<f32>>, Vec<Vec<u32>>) {
-    let out = std::env::temp_dir().join(format!(
-        "ferrite-parallel-{family}-{tp}x{pp}-{exact}-{}.json",
-        std::process::id()
-    ));
-    let status = Command::new("mpirun")
-        .args([
-            "-n",
-            &(tp * pp).to_string(),
-            "--oversubscribe",
-            "--bind-to",
-            "none",
-        ])
-        .arg("--allow-run-as-root")
-        .arg(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "rank", "--test-threads", "1"])
-        .env("FERRITE_FAMILY", family)
-        .env("FERRITE_TP", tp.to_string())
-        .env("FERRITE_PP", pp.to_string())
-        .env("FERRITE_EXACT", if exact { "1" } else { "0" })
-        .env("FERRITE_PARALLEL_OUT", &out)
-        .stdout(Stdio::null())
-        .status()
-        .expect("mpirun (Debian's openmpi-bin)");
-    assert!(status.success(), "{family} split {tp} x {pp}: {status}");
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
-    std::fs::remove_file(&out).ok();
-    let logits = v["logits"].as_array().unwrap().iter().map(|r| {
-        let r = r.as_array().unwrap().iter();
-        r.map(|x| x.as_f64().unwrap() as f32).collect()
-    });
-    let tokens = v["tokens"].as_array().unwrap().iter().map(ids);
-    (logits.collect(), tokens.collect())
+    let env = [
+        ("FERRITE_FAMILY", family.to_string()),
+        ("FERRITE_TP", tp.to_string()),
+        ("FERRITE_PP", pp.to_string()),
+        ("FERRITE_EXACT", if exact { "1" } else { "0" }.to_string()),
+    ];
+    let what = format!("{family} split {tp} x {pp}, exact {exact}");
+    mpirun_split(&what, tp * pp, "rank", &env)
 }
 
 /// Every family split as each of `SPLITS` against itself whole, `exact` or with the
