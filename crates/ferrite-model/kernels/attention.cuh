@@ -69,14 +69,6 @@ constexpr int MMA_ROWS = 64;
 constexpr int MMA_KEYS = 64;
 constexpr int MMA_THREADS = 128;
 
-__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* p) {
   uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -101,13 +93,6 @@ __device__ __forceinline__ void stage8(bf16* dst, uint2 raw, float s) {
   for (int e = 0; e < 4; e++)
     o[e] = pack_bf16(kv_decode<KV>(c[2 * e]) * s, kv_decode<KV>(c[2 * e + 1]) * s);
   *reinterpret_cast<uint4*>(dst) = out;
-}
-
-// 16 bytes global -> shared without passing through registers; zero-fills when !valid.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
-               "r"(valid ? 16 : 0));
 }
 
 template <int D, Kv KV>
@@ -219,7 +204,10 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const void* __res
         mma_bf16(s[j], qa[t + 1], b[2], b[3]);
       }
     }
-    // Mask, scale, online softmax (each row's 64 scores sit in one quad of lanes).
+    // Mask, scale, online softmax (each row's 64 scores sit in one quad of lanes). The
+    // multiplies and subtractions are written as `__f*_rn`, which the compiler never fuses
+    // into an FMA: fused or not could differ between the unrolled copies for rows g and
+    // g + 8, and a row would round otherwise in another place of its tile.
 #pragma unroll
     for (int h = 0; h < 2; h++) {
       const int row = h ? r1 : r0, pos = h ? pos1 : pos0;
@@ -229,32 +217,33 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const void* __res
 #pragma unroll
         for (int e = 0; e < 2; e++) {
           const int key = kb + j * 8 + (lane % 4) * 2 + e;
-          float x = s[j][2 * h + e] * scale;
-          if (softcap > 0.f) x = softcap * tanhf(x / softcap);
+          float x = __fmul_rn(s[j][2 * h + e], scale);
+          if (softcap > 0.f) x = __fmul_rn(softcap, tanhf(__fdiv_rn(x, softcap)));
           const bool ok = row < nrows && key >= s_begin && key < s_end && key <= pos &&
                           (window <= 0 || key > pos - window);
-          x = ok ? x * log2e : -INFINITY;
+          x = ok ? __fmul_rn(x, log2e) : -INFINITY;
           s[j][2 * h + e] = x;
           mx = fmaxf(mx, x);
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = fmaxf(m[h], mx);
-      const float corr = m_new == -INFINITY ? 1.f : exp2f(m[h] - m_new);
+      const float corr = m_new == -INFINITY ? 1.f : exp2f(__fsub_rn(m[h], m_new));
       m[h] = m_new;
-      l[h] *= corr;
+      l[h] = __fmul_rn(l[h], corr);
 #pragma unroll
       for (int n = 0; n < DN; n++) {
-        o[n][2 * h] *= corr;
-        o[n][2 * h + 1] *= corr;
+        o[n][2 * h] = __fmul_rn(o[n][2 * h], corr);
+        o[n][2 * h + 1] = __fmul_rn(o[n][2 * h + 1], corr);
       }
 #pragma unroll
       for (int j = 0; j < NJ; j++)
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-          const float p = m_new == -INFINITY ? 0.f : exp2f(s[j][2 * h + e] - m_new);
+          const float p =
+              m_new == -INFINITY ? 0.f : exp2f(__fsub_rn(s[j][2 * h + e], m_new));
           s[j][2 * h + e] = p;
-          l[h] += p;
+          l[h] = __fadd_rn(l[h], p);
         }
     }
     // O += P V: the S accumulators of two key groups are exactly an A fragment.
@@ -299,7 +288,9 @@ __device__ void attention_tile_mma(const bf16* __restrict__ q, const void* __res
     }
     // A sink is one more logit in the softmax (log2 units here), with no value behind it.
     const float lh =
-        l[h] + (sinks ? exp2f(__bfloat162float(sinks[hk * G + row % G]) * log2e - m[h]) : 0.f);
+        __fadd_rn(l[h], sinks ? exp2f(__fsub_rn(
+                                   __fmul_rn(__bfloat162float(sinks[hk * G + row % G]), log2e), m[h]))
+                             : 0.f);
     const float inv = lh > 0.f ? 1.f / lh : 0.f;
     bf16* dst = out + qrow * D;
 #pragma unroll

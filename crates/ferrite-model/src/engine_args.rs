@@ -65,6 +65,8 @@ pub struct EngineArgs {
     pub load_format: LoadFormat,
     /// CUDA: launch every step's kernels one by one, never from a captured graph.
     pub enforce_eager: bool,
+    /// CUDA: a row rounds alike in a step of any size (`--batch-invariant`).
+    pub batch_invariant: bool,
     /// `--speculative-config`, checked; `None`: off.
     pub speculation: Option<Speculation>,
     /// What the model serves (`--runner`, vLLM's).
@@ -180,6 +182,7 @@ impl EngineArgs {
             device: DeviceKind::Cpu,
             load_format: LoadFormat::Auto,
             enforce_eager: false,
+            batch_invariant: false,
             speculation: None,
             runner: RunnerKind::Auto,
             max_step_ms: None,

@@ -98,6 +98,11 @@ pub struct EngineFlags {
     /// CUDA: never replay decode steps from captured CUDA graphs.
     #[arg(long)]
     pub enforce_eager: bool,
+    /// A request's tokens and logprobs do not depend on what else runs beside it: CUDA takes
+    /// ferrite's batch-invariant matmul for every step and unsplit attention (slower than
+    /// cuBLAS; dense families, bf16 weights). The CPU kernels are batch-invariant always.
+    #[arg(long)]
+    pub batch_invariant: bool,
     /// Speculative decoding, as vLLM's JSON: `{"method": "ngram", "num_speculative_tokens":
     /// 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 8}`
     /// (drafts from the request's own tokens), or `{"method": "draft_model", "model":
@@ -196,6 +201,7 @@ impl EngineFlags {
             device: self.device,
             load_format: self.load_format,
             enforce_eager: self.enforce_eager,
+            batch_invariant: self.batch_invariant,
             speculation: self.speculative_config.clone(),
             runner: self.runner,
             max_step_ms: self.max_step_ms,

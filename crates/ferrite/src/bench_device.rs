@@ -44,6 +44,10 @@ pub struct DeviceBenchArgs {
     /// Draft lengths of the speculative verify-step table (each request 1 + k rows).
     #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
     pub verify_k: Vec<usize>,
+    /// Time the batch-invariant kernels (`ferrite serve --batch-invariant`): every matmul
+    /// of the steps (and of the small-row tables) through them, attention unsplit.
+    #[arg(long)]
+    pub batch_invariant: bool,
 }
 
 const BLOCK: usize = 16;
@@ -169,6 +173,10 @@ pub fn run(a: DeviceBenchArgs) -> Result<()> {
     );
     let max_ctx = a.context.max(a.prompt_tokens) + 1;
     let backend = CudaBackend::new(dev.clone(), false, "bench".into())?;
+    backend.kernels().set_batch_invariant(a.batch_invariant);
+    if a.batch_invariant {
+        println!("batch-invariant kernels: every matmul through gemm_bi, attention unsplit");
+    }
     let mut model = models::load(
         backend,
         &src,
@@ -328,6 +336,7 @@ fn dense_matmuls(
     // The matmuls of a decode step alone (every layer's four and the LM head, one row each):
     // what cuBLAS makes of reading the weights once.
     let kernels = Kernels::load(cuda)?;
+    kernels.set_batch_invariant(a.batch_invariant);
     let layers = layer_weights(config, &dev)?;
     let lm_head = Linear::Dense(linear::random(config.vocab_size, config.hidden_size, &dev)?);
     let final_norm = Tensor::ones(config.hidden_size, DType::BF16, &dev)?;
@@ -357,8 +366,13 @@ fn dense_matmuls(
     }
     // The same through the small-row matmuls of steps of up to 8 rows (decodes, one request's
     // verify window), with the RMSNorms, the SiLU-mul and the residual adds of the layer folded
-    // in; a matrix whose rows do not fit shared memory goes to cuBLAS, as in a step.
-    for rows in [1usize, 2, 4, 8] {
+    // in; a matrix whose rows do not fit shared memory goes to cuBLAS, as in a step. (With
+    // --batch-invariant: the batch-invariant kernel at every row count, the norms apart.)
+    let rows_list: &[usize] = match a.batch_invariant {
+        true => &[1, 2, 4, 8, 32],
+        false => &[1, 2, 4, 8],
+    };
+    for &rows in rows_list {
         let x = Tensor::randn(0f32, 1.0, (rows, config.hidden_size), &dev)?;
         let attn = Tensor::randn(0f32, 1.0, (rows, config.num_heads * config.head_dim), &dev)?
             .to_dtype(DType::BF16)?;
@@ -382,7 +396,8 @@ fn dense_matmuls(
             sync(&dev)
         })?;
         println!(
-            "small-row matmuls with norms, SiLU and residual adds folded in, {rows} rows: {:.3} ms = {:.0} GB/s of weights ({:.2}x the weights-read floor)",
+            "{} matmuls with norms, SiLU and residual adds, {rows} rows: {:.3} ms = {:.0} GB/s of weights ({:.2}x the weights-read floor)",
+            if a.batch_invariant { "batch-invariant" } else { "small-row (folded)" },
             t * 1e3,
             wbytes / t / 1e9,
             t / (wbytes / copy_bw)

@@ -57,16 +57,20 @@ pub fn load_rank(
     let (src, mut weights) = open_weights(&args.model, args.load_format)?;
     // `native` keeps a GGUF's blocks (candle's quantized matmuls), `f32` dequantizes to bf16
     // (cuBLAS and ferrite's small-row matmuls: faster, see h200.md), `auto` takes bf16 when
-    // that needs at most half the GPU's memory.
+    // that needs at most half the GPU's memory (always, with `--batch-invariant`).
     let quantized = match (&weights, args.weight_format) {
         (WeightSource::Gguf { file, .. }, WeightFormat::Auto) => {
-            2 * file.param_count() as u64 > total as u64 / 2
+            !args.batch_invariant && 2 * file.param_count() as u64 > total as u64 / 2
         }
         (WeightSource::Gguf { .. }, format) => format == WeightFormat::Native,
         _ => false,
     };
+    if quantized && args.batch_invariant {
+        bail!("--batch-invariant runs bf16 weights: leave out --weight-format native");
+    }
     let name = format!("cuda:{ordinal} ({gpu_name})");
     let backend = CudaBackend::new(device, quantized, name)?;
+    backend.kernels().set_batch_invariant(args.batch_invariant);
     let mtp = crate::loader::drafts_with_mtp(args);
     let mut model = match group {
         Some(g) => {
@@ -133,6 +137,7 @@ pub fn load(
         Some(path) => {
             let (src, mut weights) = open_weights(path, args.load_format)?;
             let backend = CudaBackend::new(device, quantized, format!("{name}, eager"))?;
+            backend.kernels().set_batch_invariant(args.batch_invariant);
             let mut d = models::load(backend, &src, &mut weights, max_model_len, &mut progress)?;
             crate::draft::check_pair(&model, &tokenizer, &d, &open_tokenizer(path)?)?;
             d.set_kv_dtype(args.kv_cache_dtype);

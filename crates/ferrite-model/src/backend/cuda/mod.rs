@@ -24,7 +24,7 @@ use crate::parallel::Group;
 use crate::rope::{RopeSpec, RopeTable};
 use crate::runner::DeviceDraws;
 use crate::step::PackedStep;
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use candle_core::quantized::QTensor;
 use candle_core::{CudaDevice, DType, Device, Tensor};
 use collectives::Collectives;
@@ -428,6 +428,10 @@ impl Backend for CudaBackend {
     }
 
     fn mixture(&mut self, x: &mut Act, norm: &Tensor, eps: f32, m: &moe::Moe) -> Result<()> {
+        ensure!(
+            !self.kernels.batch_invariant(),
+            "--batch-invariant: the CUDA expert matmuls are not batch-invariant yet"
+        );
         self.mixture_into(x, norm, eps, m)
     }
 
@@ -494,6 +498,12 @@ impl Backend for CudaBackend {
         state: &mut Tensor,
         out: &mut Act,
     ) -> Result<()> {
+        // The recurrent and the chunked forms round apart, and which one a request's tokens
+        // take depends on whether the step holds a prefill.
+        ensure!(
+            !self.kernels.batch_invariant(),
+            "--batch-invariant: the CUDA linear-attention layers are not batch-invariant yet"
+        );
         let i = s.inputs;
         let step = GdnStep {
             cu_seqlens: &i.cu_seqlens_q,
@@ -651,8 +661,12 @@ impl Backend for CudaBackend {
             ),
             None => String::new(),
         };
+        let kernels = match self.kernels.batch_invariant() {
+            true => "ferrite CUDA, batch-invariant matmuls and unsplit attention",
+            false => "ferrite CUDA + cuBLAS",
+        };
         format!(
-            "backend {} ({weights}{split}), kernels: ferrite CUDA + cuBLAS",
+            "backend {} ({weights}{split}), kernels: {kernels}",
             self.name
         )
     }

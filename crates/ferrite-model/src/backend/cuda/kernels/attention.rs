@@ -214,13 +214,23 @@ impl Kernels {
             return Ok(out);
         }
         let tiles = attention_tiles(t, meta.num_seqs, group);
-        let splits = meta
-            .splits
-            .unwrap_or_else(|| self.splits(tiles * hkv, meta.max_seq_len));
-        // Splits of a fixed width (whole tiles of 64 keys) from the longest context, not from
-        // each tile's range: a row's partial sums then cover the same keys whether its
-        // request decodes or verifies drafts after it.
-        let split_keys = meta.max_seq_len.div_ceil(splits).next_multiple_of(64);
+        let (splits, split_keys) = if self.batch_invariant() {
+            // One program walks all of a row's keys in tiles from position 0, whatever rows
+            // share the step. (Splits of a fixed width would keep long decodes parallel, but
+            // their partials grow with prefill rows times the longest context.)
+            (1, meta.max_seq_len.next_multiple_of(64))
+        } else {
+            let splits = meta
+                .splits
+                .unwrap_or_else(|| self.splits(tiles * hkv, meta.max_seq_len));
+            // Splits of a fixed width (whole tiles of 64 keys) from the longest context, not
+            // from each tile's range: a row's partial sums then cover the same keys whether
+            // its request decodes or verifies drafts after it.
+            (
+                splits,
+                meta.max_seq_len.div_ceil(splits).next_multiple_of(64),
+            )
+        };
         // Partials only when the key range is split.
         let (acc, ml) = if splits > 1 {
             (

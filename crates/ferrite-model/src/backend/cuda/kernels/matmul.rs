@@ -1,7 +1,8 @@
 //! Matmuls: cuBLAS (cublasGemmEx) for steps of many rows, ferrite's fused small-row kernels
 //! for decodes of one or two requests, candle's quantized kernels for GGUF blocks kept as
 //! they are; each with the op before it (RMSNorm) and after it (residual add, gated
-//! activation) folded in where the kernel can.
+//! activation) folded in where the kernel can. With `--batch-invariant`, ferrite's
+//! batch-invariant kernel (`gemm_bi_*`) for every row count instead.
 
 use super::{cfg, opt, ptr, Arg, Kernels};
 use crate::backend::cuda::linear::Linear;
@@ -21,6 +22,12 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// fast or faster (the Llama-3.1-8B shape's matmuls on an H100: 4 rows 5.76 ms fused with the
 /// norms, 5.70 ms cuBLAS alone; 8 rows 6.94 against 5.71; h200-speculative.md).
 pub const GEMV_BATCH_ROWS: usize = 2;
+/// The batch-invariant kernels' tiles (`gemm_bi_m16/m64/m128`): the most rows each is
+/// picked for, its block's rows and columns, threads and dynamic shared memory (gemm.cuh).
+pub const GEMM_INVARIANT_ROWS: [usize; 3] = [16, 64, usize::MAX];
+const GEMM_INVARIANT_TILES: [(usize, usize, u32); 3] =
+    [(16, 32, 64), (64, 32, 128), (128, 128, 256)];
+pub(super) const GEMM_INVARIANT_SHARED: [usize; 3] = [48 * 64 * 8, 96 * 64 * 8, 256 * 64 * 4];
 /// The `__launch_bounds__` of `gemv_r*_bf16`.
 const GEMV_THREADS: u32 = 512;
 /// Shared memory the fused matmuls may take for their input rows.
@@ -34,6 +41,54 @@ impl Kernels {
         let out = self.output((x.dim(0)?, w.dim(0)?), out_dtype)?;
         self.gemm(x, w, &out, 0.0)?;
         Ok(out)
+    }
+
+    /// From now on every matmul (and attention's key splits, see
+    /// [`Kernels::paged_attention`]) rounds a row the same way in a step of any size: set
+    /// once, before the first step (`--batch-invariant`).
+    pub fn set_batch_invariant(&self, on: bool) {
+        self.batch_invariant.store(on, Ordering::Relaxed);
+    }
+
+    pub fn batch_invariant(&self) -> bool {
+        self.batch_invariant.load(Ordering::Relaxed)
+    }
+
+    /// `x [R, k] @ w [n, k]^T` into `out` by `out_mode` through `gemm_bi_*`.
+    fn gemm_invariant(&self, x: &Tensor, w: &Tensor, out: &Tensor, out_mode: i32) -> Result<()> {
+        let (r, k) = x.dims2()?;
+        let (n, k2) = w.dims2()?;
+        let out_cols = if out_mode >= GEMV_OUT_SILU { n / 2 } else { n };
+        ensure!(
+            k == k2 && k % 8 == 0 && out.dims2()? == (r, out_cols),
+            "batch-invariant matmul of [{r}, {k}] by [{n}, {k2}]^T into {:?} (the depth a multiple of 8)",
+            out.dims()
+        );
+        if r == 0 {
+            return Ok(());
+        }
+        let at = GEMM_INVARIANT_ROWS
+            .iter()
+            .position(|&most| r <= most)
+            .unwrap_or(2);
+        let (rows, cols, threads) = GEMM_INVARIANT_TILES[at];
+        self.launch_chained(
+            &self.gemm_invariant[at],
+            cfg(
+                (n.div_ceil(cols) as u32, r.div_ceil(rows) as u32, 1),
+                threads,
+                GEMM_INVARIANT_SHARED[at] as u32,
+            ),
+            &[
+                Arg::P(ptr(x)?),
+                Arg::P(ptr(w)?),
+                Arg::I(r as i32),
+                Arg::I(n as i32),
+                Arg::I(k as i32),
+                Arg::I(out_mode),
+                Arg::P(ptr(out)?),
+            ],
+        )
     }
 
     /// `out = x @ w^T + beta * out`, `out` bf16 or f32 `[R, n]`.
@@ -95,7 +150,9 @@ impl Kernels {
             DType::BF16 => GEMV_OUT_BF16,
             _ => GEMV_OUT_F32,
         };
-        if !self.gemv(&input, w, &out, mode)? {
+        if self.batch_invariant() {
+            self.gemm_invariant(&self.materialize(input)?, w, &out, mode)?;
+        } else if !self.gemv(&input, w, &out, mode)? {
             self.gemm(&self.materialize(input)?, w, &out, 0.0)?;
         }
         Ok(out)
@@ -114,6 +171,10 @@ impl Kernels {
                     Activation::Silu => GEMV_OUT_SILU,
                     Activation::GeluTanh => GEMV_OUT_GELU,
                 };
+                if self.batch_invariant() {
+                    self.gemm_invariant(&self.materialize(input)?, w, &out, mode)?;
+                    return Ok(out);
+                }
                 if self.gemv(&input, w, &out, mode)? {
                     return Ok(out);
                 }
@@ -131,6 +192,10 @@ impl Kernels {
     pub fn matmul_add(&self, input: MatIn, w: &Linear, x: &Tensor) -> Result<()> {
         match w {
             Linear::Quant(q) => self.add_into(x, &self.quant_matmul(input, q)?),
+            Linear::Dense(w) if self.batch_invariant() => {
+                self.gemm_invariant(&self.materialize(input)?, w, x, GEMV_OUT_ADD)?;
+                Ok(())
+            }
             Linear::Dense(w) => {
                 if !self.gemv(&input, w, x, GEMV_OUT_ADD)? {
                     self.gemm(&self.materialize(input)?, w, x, 1.0)?;
@@ -143,6 +208,11 @@ impl Kernels {
     /// candle's quantized CUDA matmul (its MMVQ kernels up to 8 rows, MMQ or dequantize +
     /// matmul beyond) on the input rows in f32, `[R, n]` f32 out.
     fn quant_matmul(&self, input: MatIn, q: &QTensor) -> Result<Tensor> {
+        ensure!(
+            !self.batch_invariant(),
+            "--batch-invariant runs bf16 weights; these are {:?} blocks",
+            q.dtype()
+        );
         let a = self.materialize(input)?.to_dtype(DType::F32)?;
         Ok(a.apply_op1_no_bwd(q)?)
     }

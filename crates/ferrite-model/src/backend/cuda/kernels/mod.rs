@@ -20,7 +20,7 @@ use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Shape, Storage, Tensor};
 use half::bf16;
 use std::collections::HashMap;
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::{Arc, Mutex};
 
 /// sm_80 and sm_90 machine code plus sm_90 PTX, built by `build.rs`.
@@ -44,6 +44,11 @@ pub struct Kernels {
     /// The most rows the fused matmuls take in the current step (see
     /// [`Kernels::set_fused_rows`]).
     fused_rows: AtomicUsize,
+    /// Tiles of up to 16, 64 and 128 rows ([`matmul::GEMM_INVARIANT_ROWS`]).
+    gemm_invariant: [CudaFunction; 3],
+    /// Every matmul through `gemm_invariant` and attention split at a fixed width, so a row
+    /// gets the same bits in a step of any size (`--batch-invariant`).
+    batch_invariant: AtomicBool,
     /// By KV dtype ([`attention::KvPages::variant`]).
     qkv_rope_write: [CudaFunction; 3],
     /// Head sizes 32, 64, 128 and 256, each by KV dtype.
@@ -185,6 +190,20 @@ impl Kernels {
                 matmul::GEMV_MAX_SHARED as i32,
             )?;
         }
+        let gemm_invariant = ["m16", "m64", "m128"]
+            .iter()
+            .zip(matmul::GEMM_INVARIANT_SHARED)
+            .map(|(name, shared)| {
+                let g = f(&format!("gemm_bi_{name}"))?;
+                g.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared as i32,
+                )?;
+                Ok(g)
+            })
+            .collect::<Result<Vec<_>>>()?
+            .try_into()
+            .map_err(|_| anyhow::anyhow!("three batch-invariant matmul kernels"))?;
         let gdn_chunked: Vec<CudaFunction> = gdn::RULE_KEY_DIMS
             .iter()
             .map(|&d| {
@@ -218,6 +237,8 @@ impl Kernels {
             gemv,
             gemv_occupancy: Mutex::default(),
             fused_rows: AtomicUsize::new(matmul::GEMV_MAX_ROWS),
+            gemm_invariant,
+            batch_invariant: AtomicBool::new(false),
             qkv_rope_write: [
                 f("qkv_rope_write_bf16")?,
                 f("qkv_rope_write_fp8")?,
