@@ -23,11 +23,12 @@ pub const GEMV_MAX_ROWS: usize = 8;
 /// norms, 5.70 ms cuBLAS alone; 8 rows 6.94 against 5.71; h200-speculative.md).
 pub const GEMV_BATCH_ROWS: usize = 2;
 /// The batch-invariant kernels' tiles (`gemm_bi_m16/m64/m128`): the most rows each is
-/// picked for, its block's rows and columns, threads and dynamic shared memory (gemm.cuh).
+/// picked for, its block's rows and columns, and dynamic shared memory (gemm.cuh).
 pub const GEMM_INVARIANT_ROWS: [usize; 3] = [16, 64, usize::MAX];
-const GEMM_INVARIANT_TILES: [(usize, usize, u32); 3] =
-    [(16, 32, 64), (64, 32, 128), (128, 128, 256)];
-pub(super) const GEMM_INVARIANT_SHARED: [usize; 3] = [48 * 64 * 8, 96 * 64 * 8, 256 * 64 * 4];
+const GEMM_INVARIANT_TILES: [(usize, usize); 3] = [(16, 32), (64, 32), (128, 128)];
+/// (rows + columns) x 64 bytes a chunk, x chunks a stage x stages.
+pub(super) const GEMM_INVARIANT_SHARED: [usize; 3] =
+    [48 * 64 * 4 * 6, 96 * 64 * 4 * 4, 256 * 64 * 4];
 /// The `__launch_bounds__` of `gemv_r*_bf16`.
 const GEMV_THREADS: u32 = 512;
 /// Shared memory the fused matmuls may take for their input rows.
@@ -71,12 +72,13 @@ impl Kernels {
             .iter()
             .position(|&most| r <= most)
             .unwrap_or(2);
-        let (rows, cols, threads) = GEMM_INVARIANT_TILES[at];
+        let (rows, cols) = GEMM_INVARIANT_TILES[at];
+        let (f, threads) = &self.gemm_invariant[at];
         self.launch_chained(
-            &self.gemm_invariant[at],
+            f,
             cfg(
                 (n.div_ceil(cols) as u32, r.div_ceil(rows) as u32, 1),
-                threads,
+                *threads,
                 GEMM_INVARIANT_SHARED[at] as u32,
             ),
             &[

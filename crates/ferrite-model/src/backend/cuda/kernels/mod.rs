@@ -44,8 +44,9 @@ pub struct Kernels {
     /// The most rows the fused matmuls take in the current step (see
     /// [`Kernels::set_fused_rows`]).
     fused_rows: AtomicUsize,
-    /// Tiles of up to 16, 64 and 128 rows ([`matmul::GEMM_INVARIANT_ROWS`]).
-    gemm_invariant: [CudaFunction; 3],
+    /// Tiles of up to 16, 64 and 128 rows ([`matmul::GEMM_INVARIANT_ROWS`]), each with the
+    /// threads of its block (its `__launch_bounds__`).
+    gemm_invariant: [(CudaFunction, u32); 3],
     /// Every matmul through `gemm_invariant` and attention split at a fixed width, so a row
     /// gets the same bits in a step of any size (`--batch-invariant`).
     batch_invariant: AtomicBool,
@@ -199,7 +200,9 @@ impl Kernels {
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     shared as i32,
                 )?;
-                Ok(g)
+                let threads =
+                    g.get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?;
+                Ok((g, threads as u32))
             })
             .collect::<Result<Vec<_>>>()?
             .try_into()
