@@ -85,6 +85,31 @@ fn u32s(v: &[u32], dev: &Device) -> Tensor {
     Tensor::from_slice(v, v.len(), dev).unwrap()
 }
 
+/// Paged attention of `q`'s rows over the requests of `step` (its first KV group's tables).
+fn attend(
+    k: &Kernels,
+    q: &Tensor,
+    cache: &KvPages,
+    step: &PackedStep,
+    shape: &AttentionShape,
+    sinks: Option<&Tensor>,
+) -> Vec<f32> {
+    let dev = q.device();
+    let (cu, sk) = (u32s(&step.cu_seqlens_q, dev), u32s(&step.seq_lens_k, dev));
+    let bt = u32s(&step.kv[0].block_tables, dev);
+    let meta = AttentionMeta {
+        cu_seqlens_q: &cu,
+        seq_lens_k: &sk,
+        block_tables: &bt,
+        max_blocks: step.kv[0].max_blocks,
+        num_seqs: step.num_seqs(),
+        num_tokens: step.num_tokens(),
+        max_seq_len: *step.seq_lens_k.iter().max().unwrap() as usize,
+        splits: None,
+    };
+    host(&k.paged_attention(q, cache, &meta, shape, sinks).unwrap())
+}
+
 struct Case {
     name: &'static str,
     heads: usize,
@@ -205,19 +230,6 @@ fn run_attention_case(c: &Case, seed: u64, kv: KvCacheDtype) {
         .unwrap()
         .to_dtype(DType::BF16)
         .unwrap();
-    let cu = u32s(&step.cu_seqlens_q, &dev);
-    let sk = u32s(&step.seq_lens_k, &dev);
-    let bt = u32s(&step.kv[0].block_tables, &dev);
-    let meta = AttentionMeta {
-        cu_seqlens_q: &cu,
-        seq_lens_k: &sk,
-        block_tables: &bt,
-        max_blocks: step.kv[0].max_blocks,
-        num_seqs: step.num_seqs(),
-        num_tokens: t,
-        max_seq_len: *step.seq_lens_k.iter().max().unwrap() as usize,
-        splits: None,
-    };
     let shape = AttentionShape {
         num_heads: h,
         num_kv_heads: hkv,
@@ -233,10 +245,7 @@ fn run_attention_case(c: &Case, seed: u64, kv: KvCacheDtype) {
             .to_dtype(DType::BF16)
             .unwrap()
     });
-    let out = host(
-        &k.paged_attention(&q, &cache, &meta, &shape, sinks.as_ref())
-            .unwrap(),
-    );
+    let out = attend(&k, &q, &cache, &step, &shape, sinks.as_ref());
     let qh = host(&q);
     let (kh, vh) = host_pages(&cache);
     // (token row, request, position) of every checked query token.
@@ -2091,8 +2100,17 @@ fn attention_rows_round_alike_in_any_tile_arrangement() {
                 .unwrap()
                 .to_dtype(DType::BF16)
                 .unwrap();
+            let shape = AttentionShape {
+                num_heads: h,
+                num_kv_heads: hkv,
+                head_dim: d,
+                block_size: bs,
+                scale: 1.0 / (d as f32).sqrt(),
+                sliding_window: 0,
+                softcap: 0.0,
+            };
             // The rows from position `from` on, the keys before them already cached.
-            let attend = |from: usize| -> Vec<f32> {
+            let rows_from = |from: usize| -> Vec<f32> {
                 let mut step = PackedStep::default();
                 step.push(
                     &vec![0u32; len - from],
@@ -2101,33 +2119,12 @@ fn attention_rows_round_alike_in_any_tile_arrangement() {
                     bs,
                 );
                 step.finish();
-                let (cu, sk) = (u32s(&step.cu_seqlens_q, &dev), u32s(&step.seq_lens_k, &dev));
-                let bt = u32s(&step.kv[0].block_tables, &dev);
-                let meta = AttentionMeta {
-                    cu_seqlens_q: &cu,
-                    seq_lens_k: &sk,
-                    block_tables: &bt,
-                    max_blocks: step.kv[0].max_blocks,
-                    num_seqs: 1,
-                    num_tokens: len - from,
-                    max_seq_len: len,
-                    splits: None,
-                };
-                let shape = AttentionShape {
-                    num_heads: h,
-                    num_kv_heads: hkv,
-                    head_dim: d,
-                    block_size: bs,
-                    scale: 1.0 / (d as f32).sqrt(),
-                    sliding_window: 0,
-                    softcap: 0.0,
-                };
                 let q = q.narrow(0, from, len - from).unwrap();
-                host(&k.paged_attention(&q, &cache, &meta, &shape, None).unwrap())
+                attend(&k, &q, &cache, &step, &shape, None)
             };
-            let whole = attend(0);
+            let whole = rows_from(0);
             for from in [len - 58, len - 44, len / 64 * 64, len - 30, len - 1] {
-                let part = attend(from).into_iter().map(f32::to_bits);
+                let part = rows_from(from).into_iter().map(f32::to_bits);
                 let want = whole[from * h * d..].iter().map(|x| x.to_bits());
                 let got: Vec<u32> = part.collect();
                 let want: Vec<u32> = want.collect();
