@@ -498,12 +498,6 @@ impl Backend for CudaBackend {
         state: &mut Tensor,
         out: &mut Act,
     ) -> Result<()> {
-        // The recurrent and the chunked forms round apart, and which one a request's tokens
-        // take depends on whether the step holds a prefill.
-        ensure!(
-            !self.kernels.batch_invariant(),
-            "--batch-invariant: the CUDA linear-attention layers are not batch-invariant yet"
-        );
         let i = s.inputs;
         let step = GdnStep {
             cu_seqlens: &i.cu_seqlens_q,

@@ -36,7 +36,8 @@ pub struct GdnStep<'a> {
     pub drafts: Option<&'a Tensor>,
     pub num_seqs: usize,
     /// Some request has more than one token: the rule's chunk-parallel form (unless some
-    /// request verifies drafts: only the recurrent form keeps the state after each token).
+    /// request verifies drafts: only the recurrent form keeps the state after each token; nor
+    /// in batch-invariant mode).
     pub prefill: bool,
 }
 
@@ -132,7 +133,9 @@ impl Kernels {
             spec.num_v_heads as u32,
             spec.v_dim.div_ceil(COLS) as u32,
         );
-        let chunked = s.prefill && s.drafts.is_none();
+        // Batch-invariant: the recurrent form for every step, so a request's tokens round
+        // alike whether a prefill shares their step or not.
+        let chunked = s.prefill && s.drafts.is_none() && !self.batch_invariant();
         let (rule, launch) = match chunked {
             true => (
                 &self.gdn_chunked[rule],
