@@ -26,7 +26,12 @@ pub fn load(args: &EngineArgs, mut progress: impl FnMut(usize, usize)) -> Result
     }
     check_device(args.device)?;
     match args.device {
-        DeviceKind::Cpu => load_cpu(args, &mut progress),
+        DeviceKind::Cpu => {
+            if args.batch_invariant {
+                tracing::info!("--batch-invariant: the CPU kernels are batch-invariant already (a token's result never depends on what shares its step)");
+            }
+            load_cpu(args, &mut progress)
+        }
         #[cfg(feature = "cuda")]
         DeviceKind::Cuda(ordinal) => {
             crate::backend::cuda::loader::load(&args.resolved()?, ordinal, progress)
