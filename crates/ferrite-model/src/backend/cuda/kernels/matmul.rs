@@ -44,9 +44,9 @@ impl Kernels {
         Ok(out)
     }
 
-    /// From now on every matmul (and attention's key splits, see
-    /// [`Kernels::paged_attention`]) rounds a row the same way in a step of any size: set
-    /// once, before the first step (`--batch-invariant`).
+    /// From now on every matmul (and attention, unsplit: see [`Kernels::paged_attention`])
+    /// rounds a row the same way in a step of any size: set once, before the first step
+    /// (`--batch-invariant`).
     pub fn set_batch_invariant(&self, on: bool) {
         self.batch_invariant.store(on, Ordering::Relaxed);
     }
