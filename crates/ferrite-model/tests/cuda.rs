@@ -95,6 +95,24 @@ fn u32s(v: &[u32], dev: &Device) -> Tensor {
     Tensor::from_slice(v, v.len(), dev).unwrap()
 }
 
+/// Heads `(query, KV, size)` in pages of `bs` tokens, scaled by 1 / sqrt(size).
+fn attention_shape(
+    (h, hkv, d): (usize, usize, usize),
+    bs: usize,
+    window: usize,
+    softcap: f32,
+) -> AttentionShape {
+    AttentionShape {
+        num_heads: h,
+        num_kv_heads: hkv,
+        head_dim: d,
+        block_size: bs,
+        scale: 1.0 / (d as f32).sqrt(),
+        sliding_window: window,
+        softcap,
+    }
+}
+
 /// Paged attention of `q`'s rows over the requests of `step` (its first KV group's tables).
 fn attend(
     k: &Kernels,
@@ -240,15 +258,7 @@ fn run_attention_case(c: &Case, seed: u64, kv: KvCacheDtype) {
         .unwrap()
         .to_dtype(DType::BF16)
         .unwrap();
-    let shape = AttentionShape {
-        num_heads: h,
-        num_kv_heads: hkv,
-        head_dim: d,
-        block_size: bs,
-        scale: 1.0 / (d as f32).sqrt(),
-        sliding_window: c.window,
-        softcap: c.softcap,
-    };
+    let shape = attention_shape((h, hkv, d), bs, c.window, c.softcap);
     let sinks = c.sinks.as_ref().map(|v| {
         Tensor::from_vec(v.clone(), v.len(), &dev)
             .unwrap()
@@ -2129,15 +2139,7 @@ fn attention_rows_round_alike_in_any_tile_arrangement() {
                 .unwrap()
                 .to_dtype(DType::BF16)
                 .unwrap();
-            let shape = AttentionShape {
-                num_heads: h,
-                num_kv_heads: hkv,
-                head_dim: d,
-                block_size: bs,
-                scale: 1.0 / (d as f32).sqrt(),
-                sliding_window: 0,
-                softcap: 0.0,
-            };
+            let shape = attention_shape((h, hkv, d), bs, 0, 0.0);
             // The rows from position `from` on, the keys before them already cached.
             let rows_from = |from: usize| -> Vec<f32> {
                 let mut step = PackedStep::default();
