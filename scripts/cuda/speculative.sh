@@ -6,7 +6,7 @@
 # Llama-3.1-8B shape, and n-gram speculation served on and off (the `copy` split of
 # scripts/bench-speculative.py, the cut test model). Logs go to $OUT (or /tmp/ferrite-out).
 # Env: BATCH (device bench batches; none skips it), CONCURRENCY, ROUNDS, SPLITS (n-gram run;
-# default copy), EAGER_CONTROL, SERVE_ARGS (more `ferrite serve` flags for the served runs, e.g.
+# default copy; none skips it), EAGER_CONTROL, SERVE_ARGS (more `ferrite serve` flags for the served runs, e.g.
 # --batch-invariant), BENCH_ARGS (more `ferrite bench device` flags), TESTS (test name filters; default: graphs, verify windows, greedy
 # identity, speculation).
 set -euo pipefail
@@ -27,7 +27,7 @@ if [ "${BATCH:-}" != none ]; then
     --verify-k 1,2,4 --repeats 6 --prompt-tokens 512 ${BENCH_ARGS:-} > "$out/bench-device.log" 2>&1 || status=1
   grep -E "^\| (verify batch|[0-9]+ \| [0-9]+ \| [0-9]+ \| (CUDA graph|eager))" "$out/bench-device.log" || true
 fi
-python3 scripts/bench-speculative.py --binary /tmp/ferrite/bin/ferrite \
+[ "${SPLITS:-}" = none ] || python3 scripts/bench-speculative.py --binary /tmp/ferrite/bin/ferrite \
   --model "$model" --serve-args "--device cuda ${SERVE_ARGS:-}" --splits ${SPLITS:-copy} \
   --concurrency ${CONCURRENCY:-1,4,16} --rounds ${ROUNDS:-2} --machine "$(head -2 "$out/gpu.txt" | tail -1)" \
   --out "$out/h200-speculative-copy.md" 2>&1 | tail -8 || status=1

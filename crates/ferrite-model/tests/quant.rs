@@ -261,6 +261,18 @@ fn a_tokens_result_does_not_depend_on_its_neighbours() {
             all.quantize(&x, tokens, cols, rounding);
             let mut y = vec![0f32; tokens * rows];
             matmul(&w, &all, &mut y, isa);
+            // Steps of 1-9 tokens: each count has its own kernel instance below a tile.
+            for n in 1..=9 {
+                let mut few = QuantizedActs::default();
+                few.quantize(&x[..n * cols], n, cols, rounding);
+                let mut y_few = vec![0f32; n * rows];
+                matmul(&w, &few, &mut y_few, isa);
+                assert_eq!(
+                    &y[..n * rows],
+                    &y_few[..],
+                    "{isa:?} {rounding:?} {dtype:?} {n} tokens"
+                );
+            }
             for t in 0..tokens {
                 let mut one = QuantizedActs::default();
                 one.quantize(&x[t * cols..][..cols], 1, cols, rounding);

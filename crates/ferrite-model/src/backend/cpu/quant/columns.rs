@@ -43,7 +43,7 @@ pub(super) fn matmul_rows(
     }
 }
 
-/// [`columns`] for the weights' codes and the activations' rounding.
+/// [`columns`] for the weights' codes, the activations' rounding and the token count.
 ///
 /// # Safety
 /// The CPU has AVX-512 VNNI; `panel` and `tokens` are in range, `tokens` at most [`TOKENS`].
@@ -55,11 +55,27 @@ pub(super) unsafe fn columns_of(
     tokens: std::ops::Range<usize>,
     out: Out,
 ) {
+    // One instance per token count: its accumulators stay in registers.
+    macro_rules! by_count {
+        ($u4:literal, $f:literal) => {
+            match tokens.len() {
+                1 => columns::<$u4, $f, 1>(w, a, panel, nr, tokens.start, out),
+                2 => columns::<$u4, $f, 2>(w, a, panel, nr, tokens.start, out),
+                3 => columns::<$u4, $f, 3>(w, a, panel, nr, tokens.start, out),
+                4 => columns::<$u4, $f, 4>(w, a, panel, nr, tokens.start, out),
+                5 => columns::<$u4, $f, 5>(w, a, panel, nr, tokens.start, out),
+                6 => columns::<$u4, $f, 6>(w, a, panel, nr, tokens.start, out),
+                7 => columns::<$u4, $f, 7>(w, a, panel, nr, tokens.start, out),
+                8 => columns::<$u4, $f, 8>(w, a, panel, nr, tokens.start, out),
+                n => unreachable!("{n} tokens at once"),
+            }
+        };
+    }
     match (w.codes, a.rounding == Rounding::Fine) {
-        (Codes::U4, false) => columns::<true, false>(w, a, panel, nr, tokens, out),
-        (Codes::U4, true) => columns::<true, true>(w, a, panel, nr, tokens, out),
-        (Codes::U8, false) => columns::<false, false>(w, a, panel, nr, tokens, out),
-        (Codes::U8, true) => columns::<false, true>(w, a, panel, nr, tokens, out),
+        (Codes::U4, false) => by_count!(true, false),
+        (Codes::U4, true) => by_count!(true, true),
+        (Codes::U8, false) => by_count!(false, false),
+        (Codes::U8, true) => by_count!(false, true),
     }
 }
 
@@ -143,51 +159,59 @@ unsafe fn block_dot(codes: &[__m512i; 8], x: *const i8) -> __m512i {
     _mm512_add_epi32(even, odd)
 }
 
-/// Tokens `tokens` (at most [`TOKENS`]) times the panel's rows, then [`accumulate`] per
-/// token and block.
+/// Block `b` of the panel (its codes `codes`) for `N` tokens from `t0`: the exact dots, then
+/// [`accumulate`] per token.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn block<const U4: bool, const F: bool, const N: usize>(
+    acc: &mut [__m512; N],
+    codes: &[__m512i; 8],
+    w: &PackedWeight,
+    a: &QuantizedActs,
+    panel: usize,
+    b: usize,
+    t0: usize,
+) {
+    let nb = w.blocks;
+    let (dw, mw) = block_scales::<U4>(w, panel, b);
+    for (j, acc) in acc.iter_mut().enumerate() {
+        let at = (t0 + j) * nb * BLOCK + b * BLOCK;
+        let mut dot = block_dot(codes, a.q.as_ptr().add(at));
+        if F {
+            let fine = block_dot(codes, a.r.as_ptr().add(at));
+            dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), fine);
+        }
+        let ab = (t0 + j) * nb + b;
+        let dot = _mm512_add_epi32(dot, _mm512_set1_epi32(correction::<U4, F>(a, ab)));
+        *acc = accumulate::<U4>(*acc, dot, dw, mw, a, ab);
+    }
+}
+
+/// `N` tokens from `t0` times the panel's rows, a block at a time.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-unsafe fn columns<const U4: bool, const F: bool>(
+unsafe fn columns<const U4: bool, const F: bool, const N: usize>(
     w: &PackedWeight,
     a: &QuantizedActs,
     panel: usize,
     nr: usize,
-    tokens: std::ops::Range<usize>,
+    t0: usize,
     out: Out,
 ) {
-    let (t0, nt) = (tokens.start, tokens.len());
-    assert!(nt <= TOKENS, "{nt} tokens at once");
-    let nb = w.blocks;
-    let lda = nb * BLOCK;
     let nibble = _mm512_set1_epi8(0x0F);
-    let mut acc = [_mm512_setzero_ps(); TOKENS];
+    let mut acc = [_mm512_setzero_ps(); N];
     // One slot (`U4`: a pair of blocks, `U8`: a block) of the panel at a time.
-    let slots = if U4 { nb / 2 } else { nb };
+    let slots = if U4 { w.blocks / 2 } else { w.blocks };
     let src = w.data.as_ptr().add(panel * slots * SLOT) as *const __m512i;
-    let mut block = |b: usize, codes: &[__m512i; 8]| {
-        let (dw, mw) = block_scales::<U4>(w, panel, b);
-        for j in 0..nt {
-            let at = (t0 + j) * lda + b * BLOCK;
-            let mut dot = block_dot(codes, a.q.as_ptr().add(at));
-            if F {
-                let fine = block_dot(codes, a.r.as_ptr().add(at));
-                dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), fine);
-            }
-            let ab = (t0 + j) * nb + b;
-            let dot = _mm512_add_epi32(dot, _mm512_set1_epi32(correction::<U4, F>(a, ab)));
-            acc[j] = accumulate::<U4>(acc[j], dot, dw, mw, a, ab);
-        }
-    };
     for s in 0..slots {
         let raw: [__m512i; 8] = std::array::from_fn(|k4| _mm512_loadu_si512(src.add(s * 8 + k4)));
         if U4 {
-            block(2 * s, &raw.map(|x| _mm512_and_si512(x, nibble)));
-            block(
-                2 * s + 1,
-                &raw.map(|x| _mm512_and_si512(_mm512_srli_epi16(x, 4), nibble)),
-            );
+            let lo = raw.map(|x| _mm512_and_si512(x, nibble));
+            block::<U4, F, N>(&mut acc, &lo, w, a, panel, 2 * s, t0);
+            let hi = raw.map(|x| _mm512_and_si512(_mm512_srli_epi16(x, 4), nibble));
+            block::<U4, F, N>(&mut acc, &hi, w, a, panel, 2 * s + 1, t0);
         } else {
-            block(s, &raw);
+            block::<U4, F, N>(&mut acc, &raw, w, a, panel, s, t0);
         }
     }
-    store(&acc[..nt], t0, panel, nr, out);
+    store(&acc, t0, panel, nr, out);
 }
