@@ -59,6 +59,7 @@ pub(super) unsafe fn columns_of(
     macro_rules! by_count {
         ($u4:literal, $f:literal) => {
             match tokens.len() {
+                0 => {}
                 1 => columns::<$u4, $f, 1>(w, a, panel, nr, tokens.start, out),
                 2 => columns::<$u4, $f, 2>(w, a, panel, nr, tokens.start, out),
                 3 => columns::<$u4, $f, 3>(w, a, panel, nr, tokens.start, out),
