@@ -32,8 +32,8 @@ pub struct QuantizedActs {
     pub block_corr_r: Vec<i32>,
 }
 
-/// Rows the code buffers are padded to: tile kernels read whole 16-token tiles (the padding
-/// rows' results are never stored).
+/// Rows the buffers (codes, scales, sums) are padded to: tile kernels compute whole 16-token
+/// tiles (the padding rows hold what earlier steps left; their results are never stored).
 const ROW_PAD: usize = 16;
 
 impl QuantizedActs {
@@ -45,14 +45,13 @@ impl QuantizedActs {
         self.rows = rows;
         self.blocks = blocks;
         self.rounding = rounding;
-        let codes = rows.next_multiple_of(ROW_PAD) * blocks * BLOCK;
-        self.q.resize(codes, 0);
-        self.r.resize(if fine { codes } else { 0 }, 0);
-        self.block_corr.resize(rows * blocks, 0);
-        self.block_corr_r
-            .resize(if fine { rows * blocks } else { 0 }, 0);
-        self.d.resize(rows * blocks, 0.0);
-        self.s.resize(rows * blocks, 0.0);
+        let padded = rows.next_multiple_of(ROW_PAD) * blocks;
+        self.q.resize(padded * BLOCK, 0);
+        self.r.resize(if fine { padded * BLOCK } else { 0 }, 0);
+        self.block_corr.resize(padded, 0);
+        self.block_corr_r.resize(if fine { padded } else { 0 }, 0);
+        self.d.resize(padded, 0.0);
+        self.s.resize(padded, 0.0);
         let rows_iter = self
             .q
             .par_chunks_mut(blocks * BLOCK)

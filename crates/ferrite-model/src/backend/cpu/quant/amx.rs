@@ -86,12 +86,22 @@ impl TileConfig {
     }
 }
 
-/// Loads the matmul's tile shapes on this thread: tmm0/tmm3 the int32 results (16 tokens x
-/// 16 rows), tmm1/tmm4 the activation codes and their fine residuals (16 tokens x 32), tmm2
-/// the weight panel (8 x 16 rows x 4 codes). Tiles are released after each use, so no
-/// thread holds tile state (8 KiB more for every context switch to save) between matmuls.
+/// Loads the matmul's tile shapes on this thread: tmm0/tmm3 (even blocks) and tmm5/tmm6 (odd
+/// blocks) the int32 results (16 tokens x 16 rows) of the codes and of their fine residuals,
+/// tmm1/tmm4 the activation codes and residuals (16 tokens x 32), tmm2 the weight panel (8 x
+/// 16 rows x 4 codes). Tiles are released after each use, so no thread holds tile state (8 KiB
+/// more for every context switch to save) between matmuls.
 fn configure() {
-    TileConfig::new(&[(16, 64), (16, 32), (8, 64), (16, 64), (16, 32)]).load();
+    TileConfig::new(&[
+        (16, 64),
+        (16, 32),
+        (8, 64),
+        (16, 64),
+        (16, 32),
+        (16, 64),
+        (16, 64),
+    ])
+    .load();
 }
 
 fn release() {
@@ -99,10 +109,10 @@ fn release() {
     unsafe { asm!("tilerelease", options(nostack, nomem)) };
 }
 
-/// Below this many tokens a matmul takes [`columns`] (at most its `TOKENS` at once): the tile's fixed cost (and a `U4`
-/// panel's unpacking) pay off only over enough tokens (measured by `examples/qgemm_speed`).
-const TILE_MIN_TOKENS: usize = 8;
-const _: () = assert!(TILE_MIN_TOKENS - 1 <= columns::TOKENS);
+/// Below this many tokens a matmul takes [`columns`]: the tiles' stores and reloads (and a
+/// `U4` panel's unpacking) pay off only over enough tokens (`examples/qgemm_speed`, 3072 x 576:
+/// 24 tokens 0.130 ms by columns, 0.156 ms by tiles; 32 tokens 0.171 and 0.168).
+const TILE_MIN_TOKENS: usize = 32;
 
 /// `out[t, r] = sum_k a[t, k] * w[r, k]` for weight rows `rows` (whole panels but the last)
 /// and every token.
@@ -113,10 +123,10 @@ pub(super) fn matmul_rows(
     out: Out,
 ) {
     assert_eq!(w.layout, Layout::Panels, "AMX kernels read panels");
-    let tiles = a.rows >= TILE_MIN_TOKENS;
-    if tiles {
-        configure();
+    if a.rows < TILE_MIN_TOKENS {
+        return columns::matmul_rows(w, a, rows, out);
     }
+    configure();
     let fine = a.rounding == Rounding::Fine;
     UNPACKED.with_borrow_mut(|unpacked| {
         for r0 in rows.clone().step_by(PANEL) {
@@ -125,10 +135,6 @@ pub(super) fn matmul_rows(
             // SAFETY: the CPU has AVX-512 and AMX (`Isa::Amx` is supported), tiles are
             // configured, the panel exists and the codes are padded to whole tiles.
             unsafe {
-                if !tiles {
-                    columns::columns_of(w, a, panel, nr, 0..a.rows, out);
-                    continue;
-                }
                 let b_tiles = match w.codes {
                     Codes::U4 => {
                         unpack(w, panel, unpacked);
@@ -149,9 +155,7 @@ pub(super) fn matmul_rows(
             }
         }
     });
-    if tiles {
-        release();
-    }
+    release();
 }
 
 /// A `U4` panel's codes one byte each: a pair's 512 bytes hold block `2q` in the low nibbles
@@ -173,9 +177,61 @@ unsafe fn unpack(w: &PackedWeight, panel: usize, out: &mut Vec<u8>) {
     }
 }
 
+/// Block `b`'s tile products for tokens from `t0` stored into `dq` (and `dr`, fine): into
+/// result tiles tmm0/tmm3 for even blocks, tmm5/tmm6 for odd ones, so a block's products are
+/// under way while the one before is scaled.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn products<const F: bool>(
+    b: usize,
+    a: &QuantizedActs,
+    t0: usize,
+    lda: usize,
+    b_tiles: *const u8,
+    dq: *mut i32,
+    dr: *mut i32,
+) {
+    macro_rules! product {
+        ($q:literal, $r:literal) => {{
+            asm!(
+                "tileloadd tmm1, [{a} + {lda}*1]",
+                "tileloadd tmm2, [{b} + {ldb}*1]",
+                concat!("tilezero ", $q),
+                concat!("tdpbsud ", $q, ", tmm1, tmm2"),
+                concat!("tilestored [{c} + {ldc}*1], ", $q),
+                a = in(reg) a.q.as_ptr().add(t0 * lda + b * BLOCK),
+                lda = in(reg) lda,
+                b = in(reg) b_tiles.add(b * B_TILE),
+                ldb = in(reg) 64usize,
+                c = in(reg) dq,
+                ldc = in(reg) 64usize,
+                options(nostack),
+            );
+            if F {
+                asm!(
+                    "tileloadd tmm4, [{a} + {lda}*1]",
+                    concat!("tilezero ", $r),
+                    concat!("tdpbsud ", $r, ", tmm4, tmm2"),
+                    concat!("tilestored [{c} + {ldc}*1], ", $r),
+                    a = in(reg) a.r.as_ptr().add(t0 * lda + b * BLOCK),
+                    lda = in(reg) lda,
+                    c = in(reg) dr,
+                    ldc = in(reg) 64usize,
+                    options(nostack),
+                );
+            }
+        }};
+    }
+    if b.is_multiple_of(2) {
+        product!("tmm0", "tmm3");
+    } else {
+        product!("tmm5", "tmm6");
+    }
+}
+
 /// Tokens `t0..t0 + nt` times the panel's rows (`at` = (t0, nt, panel, nr)), `b_tiles` the
 /// panel's codes one byte each (`[blocks][512]`): per block a tile product, then
-/// [`accumulate`] per token.
+/// [`accumulate`] per token, the next block's product issued before this one is scaled.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
 unsafe fn tile<const U4: bool, const F: bool>(
     w: &PackedWeight,
@@ -188,45 +244,28 @@ unsafe fn tile<const U4: bool, const F: bool>(
     struct Dots([i32; TOKENS * PANEL]);
     let nb = w.blocks;
     let lda = nb * BLOCK;
-    let (mut dq, mut dr) = (Dots([0; TOKENS * PANEL]), Dots([0; TOKENS * PANEL]));
+    // Two of each: block b's products land in [b % 2].
+    let mut dq = [Dots([0; TOKENS * PANEL]), Dots([0; TOKENS * PANEL])];
+    let mut dr = [Dots([0; TOKENS * PANEL]), Dots([0; TOKENS * PANEL])];
     let mut acc = [_mm512_setzero_ps(); TOKENS];
+    let issue = |b: usize, dq: &mut [Dots; 2], dr: &mut [Dots; 2]| {
+        let (q, r) = (dq[b % 2].0.as_mut_ptr(), dr[b % 2].0.as_mut_ptr());
+        products::<F>(b, a, t0, lda, b_tiles, q, r);
+    };
+    issue(0, &mut dq, &mut dr);
     for b in 0..nb {
-        asm!(
-            "tileloadd tmm1, [{a} + {lda}*1]",
-            "tileloadd tmm2, [{b} + {ldb}*1]",
-            "tilezero tmm0",
-            "tdpbsud tmm0, tmm1, tmm2",
-            "tilestored [{c} + {ldc}*1], tmm0",
-            a = in(reg) a.q.as_ptr().add(t0 * lda + b * BLOCK),
-            lda = in(reg) lda,
-            b = in(reg) b_tiles.add(b * B_TILE),
-            ldb = in(reg) 64usize,
-            c = in(reg) dq.0.as_mut_ptr(),
-            ldc = in(reg) 64usize,
-            options(nostack),
-        );
-        if F {
-            asm!(
-                "tileloadd tmm4, [{a} + {lda}*1]",
-                "tilezero tmm3",
-                "tdpbsud tmm3, tmm4, tmm2",
-                "tilestored [{c} + {ldc}*1], tmm3",
-                a = in(reg) a.r.as_ptr().add(t0 * lda + b * BLOCK),
-                lda = in(reg) lda,
-                c = in(reg) dr.0.as_mut_ptr(),
-                ldc = in(reg) 64usize,
-                options(nostack),
-            );
+        if b + 1 < nb {
+            issue(b + 1, &mut dq, &mut dr);
         }
+        let (q, r) = (&dq[b % 2].0, &dr[b % 2].0);
         let (dw, mw) = block_scales::<U4>(w, panel, b);
+        // All 16 rows of the tile, padding included (the activations are padded to whole
+        // tiles): a loop of fixed length keeps the accumulators in registers.
         for j in 0..TOKENS {
-            if j >= nt {
-                break;
-            }
             let ab = (t0 + j) * nb + b;
-            let mut dot = _mm512_load_si512(dq.0.as_ptr().add(j * PANEL) as *const _);
+            let mut dot = _mm512_load_si512(q.as_ptr().add(j * PANEL) as *const _);
             if F {
-                let fine = _mm512_load_si512(dr.0.as_ptr().add(j * PANEL) as *const _);
+                let fine = _mm512_load_si512(r.as_ptr().add(j * PANEL) as *const _);
                 dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), fine);
             }
             let dot = _mm512_add_epi32(dot, _mm512_set1_epi32(correction::<U4, F>(a, ab)));
