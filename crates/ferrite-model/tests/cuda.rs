@@ -1643,7 +1643,9 @@ fn greedy_output_is_the_same_at_concurrency_1_and_16() {
 #[test]
 fn batch_invariant_logits_do_not_depend_on_the_step() {
     logits_alone_and_in_company(std::path::Path::new(&test_model()));
-    logits_alone_and_in_company(&common::repo_root().join("tests/oracle/tiny/qwen3_5"));
+    for family in ["qwen3_5", "qwen2_moe", "qwen3_5_moe"] {
+        logits_alone_and_in_company(&common::repo_root().join("tests/oracle/tiny").join(family));
+    }
 }
 
 fn logits_alone_and_in_company(path: &std::path::Path) {

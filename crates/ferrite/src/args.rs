@@ -100,7 +100,7 @@ pub struct EngineFlags {
     pub enforce_eager: bool,
     /// A request's tokens and logprobs do not depend on what else runs beside it: CUDA takes
     /// ferrite's batch-invariant matmul for every step and unsplit attention (slower than
-    /// cuBLAS; no expert layers, bf16 weights). The CPU kernels are batch-invariant always.
+    /// cuBLAS; bf16 weights). The CPU kernels are batch-invariant always.
     #[arg(long)]
     pub batch_invariant: bool,
     /// Speculative decoding, as vLLM's JSON: `{"method": "ngram", "num_speculative_tokens":

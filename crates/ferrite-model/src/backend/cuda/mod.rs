@@ -24,7 +24,7 @@ use crate::parallel::Group;
 use crate::rope::{RopeSpec, RopeTable};
 use crate::runner::DeviceDraws;
 use crate::step::PackedStep;
-use anyhow::{anyhow, bail, ensure, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use candle_core::quantized::QTensor;
 use candle_core::{CudaDevice, DType, Device, Tensor};
 use collectives::Collectives;
@@ -428,10 +428,6 @@ impl Backend for CudaBackend {
     }
 
     fn mixture(&mut self, x: &mut Act, norm: &Tensor, eps: f32, m: &moe::Moe) -> Result<()> {
-        ensure!(
-            !self.kernels.batch_invariant(),
-            "--batch-invariant: the CUDA expert matmuls are not batch-invariant yet"
-        );
         self.mixture_into(x, norm, eps, m)
     }
 

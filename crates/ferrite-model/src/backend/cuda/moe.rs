@@ -133,7 +133,10 @@ impl CudaBackend {
             m.shared.is_some(),
             m.gated_shared,
         )?;
-        let small = x.dim(0)? * s.top_k <= GEMV_MAX_ASSIGNMENTS;
+        // One warp per (assignment, column) sums in the same order whatever else the step
+        // holds, so `--batch-invariant` takes it at every size; the grouped tiles are faster
+        // past a few decodes, but their kernel (tile height) is chosen by the step's size.
+        let small = k.batch_invariant() || x.dim(0)? * s.top_k <= GEMV_MAX_ASSIGNMENTS;
         let groups = match small {
             true => None,
             false => Some(k.moe_align(&routes, s.num_experts)?),
