@@ -133,13 +133,15 @@ impl CudaBackend {
             m.shared.is_some(),
             m.gated_shared,
         )?;
-        // One warp per (assignment, column) sums in the same order whatever else the step
-        // holds, so `--batch-invariant` takes it at every size; the grouped tiles are faster
-        // past a few decodes, but their kernel (tile height) is chosen by the step's size.
-        let small = k.batch_invariant() || x.dim(0)? * s.top_k <= GEMV_MAX_ASSIGNMENTS;
+        // The kernel is chosen by the step's size: one warp per (assignment, column) for a
+        // few decodes, tiles of the grouped assignments (16 or 64 rows) beyond. With
+        // `--batch-invariant` every step takes the tiles, always 16 rows high: a row's sums
+        // then run the same tensor-core sequence wherever it sits in whatever tile.
+        let invariant = k.batch_invariant();
+        let small = !invariant && x.dim(0)? * s.top_k <= GEMV_MAX_ASSIGNMENTS;
         let groups = match small {
             true => None,
-            false => Some(k.moe_align(&routes, s.num_experts)?),
+            false => Some(k.moe_align(&routes, s.num_experts, invariant)?),
         };
         let act = k.moe_gate_up(&xn, groups.as_ref(), &routes, &m.gate_up, s.act)?;
         let y = k.moe_down(&act, groups.as_ref(), &routes, &m.down)?;

@@ -92,10 +92,11 @@ impl Kernels {
         })
     }
 
-    /// Groups the routes' assignments by expert.
-    pub fn moe_align(&self, r: &Routes, experts: usize) -> Result<Groups> {
+    /// Groups the routes' assignments by expert, in tiles of 16 rows (`short`), or 64 when
+    /// experts average enough assignments.
+    pub fn moe_align(&self, r: &Routes, experts: usize, short: bool) -> Result<Groups> {
         let n = r.ids.dim(0)?;
-        let tile_rows = if n / experts >= TALL_TILE_FROM {
+        let tile_rows = if !short && n / experts >= TALL_TILE_FROM {
             64
         } else {
             16
