@@ -63,6 +63,18 @@ unsafe fn dot<const F: bool>(u: __m256i, q: __m256i, r: __m256i) -> __m256i {
     }
 }
 
+/// Prefetches the codes of the rows two tiles after `r0`'s: a tile reads its rows' codes as
+/// R short interleaved streams that the hardware prefetcher does not follow in time (a decode
+/// waited on memory: 1.3x slower). Past the matrix's end this reads nothing: a prefetch
+/// never faults.
+#[inline(always)]
+unsafe fn prefetch_rows<const R: usize>(w: &PackedWeight, r0: usize, row_bytes: usize) {
+    let from = w.data.as_ptr().wrapping_add((r0 + 2 * R) * row_bytes) as *const i8;
+    for line in (0..R * row_bytes).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(from.wrapping_add(line));
+    }
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn tile_u4<const R: usize, const C: usize, const F: bool>(
     w: &PackedWeight,
@@ -73,6 +85,7 @@ pub(super) unsafe fn tile_u4<const R: usize, const C: usize, const F: bool>(
 ) {
     let nb = w.blocks;
     let mask = _mm256_set1_epi8(0x0F);
+    prefetch_rows::<R>(w, r0, nb * 16);
     let mut acc = [[_mm256_setzero_ps(); C]; R];
     for p in 0..nb / 2 {
         let b = 2 * p;
@@ -127,6 +140,7 @@ pub(super) unsafe fn tile_u8<const R: usize, const C: usize, const F: bool>(
 ) {
     let nb = w.blocks;
     let flip = _mm256_set1_epi8(-128);
+    prefetch_rows::<R>(w, r0, nb * BLOCK);
     let mut acc = [[_mm256_setzero_ps(); C]; R];
     for b in 0..nb {
         let mut q = [_mm256_setzero_si256(); C];

@@ -22,6 +22,10 @@ pub(super) const PANEL: usize = PANEL_ROWS;
 pub(super) const SLOT: usize = 512;
 /// Tokens whose accumulators stay in registers while a slot's codes are loaded once.
 pub(super) const TOKENS: usize = 8;
+/// Slots ahead whose codes are prefetched (4 KiB): a panel's codes are a few KiB, too short
+/// a stream for the hardware prefetcher to ramp up on, so without it a decode waits on
+/// memory (1.4x slower) and a verify step's dots never overlap the loads.
+const PREFETCH_SLOTS: usize = 8;
 
 /// `out[t, r] = sum_k a[t, k] * w[r, k]` for weight rows `rows` (whole panels but the last)
 /// and every token, [`TOKENS`] at a time.
@@ -204,6 +208,11 @@ unsafe fn columns<const U4: bool, const F: bool, const N: usize>(
     let slots = if U4 { w.blocks / 2 } else { w.blocks };
     let src = w.data.as_ptr().add(panel * slots * SLOT) as *const __m512i;
     for s in 0..slots {
+        // Past the matrix's end this reads nothing: a prefetch never faults.
+        let ahead = src.wrapping_add((s + PREFETCH_SLOTS) * 8) as *const i8;
+        for line in 0..SLOT / 64 {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line * 64));
+        }
         let raw: [__m512i; 8] = std::array::from_fn(|k4| _mm512_loadu_si512(src.add(s * 8 + k4)));
         if U4 {
             let lo = raw.map(|x| _mm512_and_si512(x, nibble));
