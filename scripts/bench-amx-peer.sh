@@ -20,10 +20,16 @@ if [ ! -x "$old" ]; then
   python3 -m pip download -q --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.7 -d "$tmp"
   mkdir -p "$base"
   tar xzf "$tmp"/llama_cpp_python-0.3.7.tar.gz -C "$base" --strip-components=1
-  command -v cmake >/dev/null || python3 -m pip install -q cmake
-  cmake -S "$src" -B "$src/build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+  # PyPI's cmake where the machine has none, called by path (its shim may not be on PATH yet).
+  if command -v cmake > /dev/null; then
+    cmake=cmake
+  else
+    python3 -m pip install -q cmake
+    cmake=$(python3 -c 'import cmake; print(cmake.CMAKE_BIN_DIR)')/cmake
+  fi
+  "$cmake" -S "$src" -B "$src/build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
     -DCMAKE_BUILD_TYPE=Release > "$tmp/cmake.log"
-  cmake --build "$src/build" --target llama-bench -j "$(nproc)" > "$tmp/build.log"
+  "$cmake" --build "$src/build" --target llama-bench -j "$(nproc)" > "$tmp/build.log"
 fi
 source scripts/llamacpp-env.sh
 cargo build --release -q
