@@ -109,6 +109,7 @@ impl ConfigSource {
             .map_err(|e| anyhow!("reading {}: {e}", path.display()))?;
         let json: Value = serde_json::from_str(&text)
             .map_err(|e| anyhow!("{} is not JSON: {e}", path.display()))?;
+        super::supported::check_hf_config(&json, path)?;
         // Multimodal checkpoints nest the language model's config.
         let json = match json.get("text_config") {
             Some(t) if t.get("hidden_size").is_some() => {

@@ -27,7 +27,7 @@ impl GgufFile {
             gguf_file::Content::read(&mut reader)
         }))
         .map_err(|_| bad("its header makes the reader fail".into()))?
-        .map_err(|e| bad(e.to_string()))?;
+        .map_err(|e| bad(readable(e.to_string())))?;
         check_layout(&content, len).map_err(|e| bad(format!("{e:#}")))?;
         Ok(Self {
             path: path.to_path_buf(),
@@ -149,6 +149,25 @@ impl GgufFile {
             .map(|t| t.shape.elem_count() / t.ggml_dtype.block_size() * t.ggml_dtype.type_size())
             .sum()
     }
+}
+
+/// candle names a tensor type it cannot read by its number: llama.cpp's name for it, and
+/// the types that load.
+fn readable(e: String) -> String {
+    let Some(t) = e
+        .strip_prefix("unknown dtype for tensor ")
+        .and_then(|t| t.split_whitespace().next()?.parse::<u32>().ok())
+    else {
+        return e;
+    };
+    let name = match super::supported::ggml_type_name(t) {
+        Some(n) => format!("{n} (type {t})"),
+        None => format!("of type {t}"),
+    };
+    format!(
+        "a tensor is {name}, a GGUF tensor type this build cannot load; it loads {}",
+        super::supported::GGUF_TYPES
+    )
 }
 
 /// Whether the header sets `general.alignment` to 0, which candle's reader divides by: the

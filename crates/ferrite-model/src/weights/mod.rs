@@ -10,6 +10,7 @@ pub mod footprint;
 pub mod gguf;
 pub mod hub;
 pub mod shard;
+pub mod supported;
 
 use anyhow::{anyhow, bail, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -120,6 +121,7 @@ impl WeightSource {
         }
         // SAFETY: the files are mapped read-only and not modified while the engine runs.
         let files = unsafe { MmapedSafetensors::multi(&paths)? };
+        supported::check_safetensors(&files, dir)?;
         let language_model = files
             .tensors()
             .iter()
