@@ -18,6 +18,14 @@ if [ ! -x "$venv/bin/pytest" ] || ! "$venv/bin/python" -c 'import jsonschema, an
   python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet --disable-pip-version-check openai==2.* anthropic pytest requests jsonschema prometheus_client playwright
 fi
+# The coding-agent CLIs tests/server/test_agents.py runs, pinned, beside the test virtualenv.
+clis=$venv/agent-clis
+if ! "$clis/node_modules/.bin/claude" --version 2>/dev/null | grep -q '^2\.1\.332 ' ||
+   ! "$clis/node_modules/.bin/codex" --version 2>/dev/null | grep -q ' 0\.171\.0$'; then
+  command -v npm >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nodejs npm >/dev/null; }
+  npm install --prefix "$clis" --no-audit --no-fund --loglevel=error \
+    @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0
+fi
 # The slowest tests named in the log: CI must stay within its time.
 "$venv/bin/pytest" -q --durations=12 tests/server
 # Third-party clients built on the OpenAI API, in their own virtualenv (they pin a newer

@@ -50,6 +50,8 @@ pub struct RequestOutput {
     pub stop_str: Option<String>,
     pub num_prompt_tokens: usize,
     pub num_output_tokens: usize,
+    /// Prompt tokens the prefix cache served when the request was first scheduled.
+    pub num_cached_tokens: usize,
     /// Seconds from arrival to first scheduling; sent with the first output.
     pub queue_time: Option<f64>,
     /// A pooling request's pooled hidden state (its only output).

@@ -179,15 +179,10 @@ pub enum AdmissionError {
     #[error("the prompt is empty")]
     EmptyPrompt,
     #[error(
-        "this model's maximum context length is {max_model_len} tokens; the request has \
-         {prompt} prompt tokens and asks for {requested} more ({total} in all)"
+        "this model's maximum context length is {max_model_len} tokens; the prompt has \
+         {prompt} tokens, which leaves no room for output"
     )]
-    TooLong {
-        max_model_len: usize,
-        prompt: usize,
-        requested: usize,
-        total: usize,
-    },
+    TooLong { max_model_len: usize, prompt: usize },
     #[error(
         "the request needs {needed} KV blocks but the whole pool has {available}; \
          raise --gpu-memory-utilization or --kv-cache-memory"
@@ -308,7 +303,10 @@ impl Scheduler {
         &self.config
     }
 
-    /// Resolves the output cap and refuses requests that could never be served.
+    /// Resolves the output cap and refuses requests that could never be served. A cap past
+    /// the context left is cut to it (clients send fixed caps: Claude Code 32,000), and the
+    /// request ends with the length reason there, as llama.cpp's server does; only a prompt
+    /// that leaves no room is refused.
     pub fn check_admissible(
         &self,
         prompt_len: usize,
@@ -318,19 +316,17 @@ impl Scheduler {
             return Err(AdmissionError::EmptyPrompt);
         }
         let max_len = self.config.max_model_len;
-        let requested = params
-            .max_tokens
-            .map(|m| m.max(1) as usize)
-            .unwrap_or_else(|| max_len.saturating_sub(prompt_len).max(1));
-        let total = prompt_len + requested;
-        if total > max_len {
+        let room = max_len.saturating_sub(prompt_len);
+        if room == 0 {
             return Err(AdmissionError::TooLong {
                 max_model_len: max_len,
                 prompt: prompt_len,
-                requested,
-                total,
             });
         }
+        let requested = params
+            .max_tokens
+            .map_or(room, |m| (m.max(1) as usize).min(room));
+        let total = prompt_len + requested;
         let c = &self.config;
         let needed = max_blocks(&c.kv_groups, total, c.block_size, c.max_num_batched_tokens);
         if needed > self.kv.num_blocks() {

@@ -433,11 +433,17 @@ fn requests_that_can_never_fit_are_refused() {
         max_tokens: Some(m),
         ..Default::default()
     };
-    let e = sched.check_admissible(30, &p(5)).unwrap_err().to_string();
+    let e = sched.check_admissible(32, &p(5)).unwrap_err().to_string();
     assert!(
-        e.contains("maximum context length is 32") && e.contains("30 prompt tokens"),
+        e.contains("maximum context length is 32") && e.contains("prompt has 32 tokens"),
         "{e}"
     );
+    // A cap past the context left is cut to it.
+    let roomy = Scheduler::new(SchedulerConfig {
+        num_blocks: 16,
+        ..sched.config().clone()
+    });
+    assert_eq!(roomy.check_admissible(30, &p(5)), Ok(2));
     let e = sched.check_admissible(20, &p(5)).unwrap_err().to_string();
     assert!(e.contains("7 KV blocks") && e.contains("pool has 6"), "{e}");
     assert!(sched

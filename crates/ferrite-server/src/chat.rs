@@ -372,15 +372,17 @@ pub async fn chat_completions(
         ));
     }
     let mut out = Vec::new();
-    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    let mut usage: Option<Usage> = None;
     let mut prompt_logprobs = None;
     let choices = std::mem::take(&mut started.choices);
     let finished =
         futures_util::future::join_all(choices.into_iter().map(|c| collect(&state, c))).await;
     for (index, f) in finished.into_iter().enumerate() {
         let f = f?;
-        prompt_tokens = f.prompt_tokens;
-        completion_tokens += f.completion_tokens;
+        usage = Some(match usage {
+            None => f.usage.clone(),
+            Some(u) => u.and(&f.usage),
+        });
         if req.prompt_logprobs.is_some() && prompt_logprobs.is_none() {
             let lps = f.prompt_logprobs.as_deref().unwrap_or(&[]);
             prompt_logprobs = Some(prompt_logprobs_json(&state, lps));
@@ -409,7 +411,7 @@ pub async fn chat_completions(
         created: now(),
         model: state.model_name.clone(),
         choices: out,
-        usage: Usage::new(prompt_tokens, completion_tokens),
+        usage: usage.unwrap_or_default(),
         prompt_logprobs,
     })
     .into_response())
@@ -435,7 +437,7 @@ async fn stream_choice(
     sink: ChunkSink,
     mut reply: ReplyStream,
     want_logprobs: bool,
-) -> Result<(usize, usize), ApiError> {
+) -> Result<Usage, ApiError> {
     let index = choice.index;
     let chunk = |delta: ChatDelta, lp: Option<ChatLogprobs>, finish: Option<&'static str>| {
         ChatChunkChoice {
@@ -478,7 +480,7 @@ async fn stream_choice(
             };
             sink.send_choice(chunk(ChatDelta::default(), None, Some(finish)))
                 .await?;
-            return Ok((o.num_prompt_tokens, o.num_output_tokens));
+            return Ok(Usage::of(&o));
         }
     }
     Err(ApiError::internal(

@@ -126,12 +126,16 @@ pub async fn completions(state: SharedState, req: CompletionRequest) -> Result<R
         async move { collect(state, c).await.map(|f| (prompt, f)) }
     }))
     .await;
-    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    let mut usage = Usage::default();
     let mut out = Vec::new();
     for (index, r) in finished.into_iter().enumerate() {
         let (prompt, f) = r?;
-        prompt_tokens += if index % n == 0 { f.prompt_tokens } else { 0 };
-        completion_tokens += f.completion_tokens;
+        usage = match index {
+            0 => f.usage.clone(),
+            // Each prompt counted once, by its first choice.
+            i if i % n == 0 => usage.and(&f.usage).with_prompt(&f.usage),
+            _ => usage.and(&f.usage),
+        };
         let prompt_text = if req.echo {
             state.tokenizer.decode(&prompt, false)?
         } else {
@@ -165,7 +169,7 @@ pub async fn completions(state: SharedState, req: CompletionRequest) -> Result<R
                 .map(|_| prompt_logprobs_json(&state, f.prompt_logprobs.as_deref().unwrap_or(&[]))),
         });
     }
-    let usage = serde_json::to_value(Usage::new(prompt_tokens, completion_tokens)).unwrap();
+    let usage = serde_json::to_value(usage).unwrap();
     Ok(Json(Completion {
         id: random_id("cmpl"),
         object: "text_completion",
@@ -183,7 +187,7 @@ async fn stream_choice(
     sink: ChunkSink,
     echo: bool,
     want_logprobs: bool,
-) -> Result<(usize, usize), ApiError> {
+) -> Result<Usage, ApiError> {
     let index = choice.index;
     let mut offset = 0;
     if echo {
@@ -206,6 +210,7 @@ async fn stream_choice(
         });
         offset += o.text.chars().count();
         let finish = o.finish_reason.map(crate::generation::finish_reason);
+        let usage = Usage::of(&o);
         if !o.text.is_empty() || finish.is_some() || logprobs.is_some() {
             sink.send_choice(CompletionChoice {
                 index,
@@ -217,7 +222,7 @@ async fn stream_choice(
             .await?;
         }
         if finish.is_some() {
-            return Ok((o.num_prompt_tokens, o.num_output_tokens));
+            return Ok(usage);
         }
     }
     Err(ApiError::internal(

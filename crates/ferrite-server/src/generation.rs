@@ -3,7 +3,7 @@
 
 use crate::error::ApiError;
 use crate::metrics::RequestTimes;
-use crate::protocol::CommonParams;
+use crate::protocol::{CommonParams, Usage};
 use crate::state::AppState;
 use ferrite_core::constraint::Constraint;
 use ferrite_core::engine::RequestStream;
@@ -25,6 +25,7 @@ pub fn finish_reason(r: FinishReason) -> &'static str {
 /// token ids without special tokens (for `bad_words`).
 pub fn sampling_params(
     c: &CommonParams,
+    d: &SamplingParams,
     vocab_size: usize,
     encode: &dyn Fn(&str) -> Vec<u32>,
     max_tokens: Option<i64>,
@@ -50,7 +51,10 @@ pub fn sampling_params(
         ))
         .with_param("stop_token_ids"));
     }
-    let d = SamplingParams::default();
+    let max_tokens = match (max_tokens, d.max_tokens) {
+        (Some(asked), Some(cap)) => Some(asked.min(cap)),
+        (asked, cap) => asked.or(cap),
+    };
     let p = SamplingParams {
         temperature: c.temperature.unwrap_or(d.temperature),
         top_k: c.top_k.unwrap_or(d.top_k),
@@ -88,7 +92,15 @@ pub fn model_sampling_params(
 ) -> Result<SamplingParams, ApiError> {
     let vocab = state.tokenizer.tokenizer.get_vocab_size(true);
     let encode = |t: &str| state.tokenizer.encode(t, false).unwrap_or_default();
-    sampling_params(c, vocab, &encode, max_tokens, logprobs, prompt_logprobs)
+    sampling_params(
+        c,
+        &state.sampling_defaults,
+        vocab,
+        &encode,
+        max_tokens,
+        logprobs,
+        prompt_logprobs,
+    )
 }
 
 /// vLLM's `bad_words`: each word as its tokens alone and, when that tokenizes differently
@@ -372,22 +384,20 @@ pub struct Finished {
     pub finish_reason: &'static str,
     /// The stop string that ended the choice, if one did.
     pub stop_str: Option<String>,
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
+    pub usage: Usage,
 }
 
 pub async fn collect(state: &AppState, mut c: Choice) -> Result<Finished, ApiError> {
     let mut f = Finished::default();
     while let Some(o) = c.next(state).await {
         let o = o?;
+        f.usage = Usage::of(&o);
         f.text += &o.text;
         f.token_ids.extend(&o.token_ids);
         f.logprobs.extend(o.logprobs);
         if o.prompt_logprobs.is_some() {
             f.prompt_logprobs = o.prompt_logprobs;
         }
-        f.prompt_tokens = o.num_prompt_tokens;
-        f.completion_tokens = o.num_output_tokens;
         if let Some(r) = o.finish_reason {
             f.finish_reason = finish_reason(r);
             f.stop_str = o.stop_str;

@@ -7,7 +7,7 @@
 use crate::chat::{self, ReplyEvent, Started};
 use crate::error::ApiError;
 use crate::generation::collect;
-use crate::protocol::{random_id, ChatCompletionRequest};
+use crate::protocol::{random_id, ChatCompletionRequest, Usage};
 use crate::state::SharedState;
 use crate::tools::ToolEvent;
 use axum::http::StatusCode;
@@ -35,6 +35,9 @@ pub struct MessagesRequest {
     pub stream: bool,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
+    /// `{"type": "enabled" | "adaptive" | "disabled"}`: disabled turns a thinking model's
+    /// thinking off; the others leave it as the model does by default.
+    pub thinking: Option<Value>,
 }
 
 /// Anthropic's error body and status for an error of the chat pipeline.
@@ -65,7 +68,8 @@ fn text_of(v: &Value, what: &str) -> Result<String, ApiError> {
             .map(|b| match b.get("type").and_then(Value::as_str) {
                 Some("text") => Ok(b.get("text").and_then(Value::as_str).unwrap_or_default()),
                 t => Err(bad(format!(
-                    "{what}: blocks of type {t:?} are not supported (text only)"
+                    "{what}: blocks of type `{}` are not supported (text only)",
+                    t.unwrap_or("(none)")
                 ))),
             })
             .collect::<Result<Vec<_>, _>>()
@@ -77,14 +81,7 @@ fn text_of(v: &Value, what: &str) -> Result<String, ApiError> {
 
 /// One Anthropic message as chat messages: tool results become `tool` turns, `tool_use`
 /// blocks the assistant's `tool_calls`.
-fn chat_messages(m: &Value, out: &mut Vec<Value>) -> Result<(), ApiError> {
-    let role = m.get("role").and_then(Value::as_str);
-    if !matches!(role, Some("user" | "assistant")) {
-        return Err(bad(format!(
-            "messages: role must be user or assistant, got {role:?}"
-        )));
-    }
-    let role = role.unwrap();
+fn chat_messages(m: &Value, role: &str, out: &mut Vec<Value>) -> Result<(), ApiError> {
     let blocks = match m.get("content") {
         Some(Value::String(s)) => {
             out.push(json!({"role": role, "content": s}));
@@ -126,7 +123,8 @@ fn chat_messages(m: &Value, out: &mut Vec<Value>) -> Result<(), ApiError> {
             }
             t => {
                 return Err(bad(format!(
-                    "messages: {role} content blocks of type {t:?} are not supported"
+                    "messages: {role} content blocks of type `{}` are not supported",
+                    t.unwrap_or("(none)")
                 )))
             }
         }
@@ -144,37 +142,59 @@ fn to_chat(req: &MessagesRequest) -> Result<ChatCompletionRequest, ApiError> {
     let max_tokens = req
         .max_tokens
         .ok_or_else(|| bad("`max_tokens` is required").with_param("max_tokens"))?;
-    let mut messages = Vec::new();
-    if let Some(system) = &req.system {
-        messages.push(json!({"role": "system", "content": text_of(system, "system")?}));
+    // System text from `system` and from system-role messages, in order (Claude Code sends
+    // environment notes as a system message after the user's turn).
+    let mut system = Vec::new();
+    if let Some(s) = &req.system {
+        system.push(text_of(s, "system")?);
     }
+    let mut turns = Vec::new();
     for m in &req.messages {
-        chat_messages(m, &mut messages)?;
+        match m.get("role").and_then(Value::as_str) {
+            Some("system") => system.push(text_of(
+                m.get("content").unwrap_or(&Value::Null),
+                "messages: a system message's content",
+            )?),
+            Some(role @ ("user" | "assistant")) => chat_messages(m, role, &mut turns)?,
+            Some(role) => {
+                return Err(bad(format!(
+                    "messages: role must be user, assistant or system, got `{role}`"
+                )))
+            }
+            None => return Err(bad("messages: every message needs a `role`")),
+        }
     }
-    let tools: Option<Vec<Value>> = req
+    let system: Vec<String> = system
+        .iter()
+        .map(|s| without_billing_header(s))
+        .filter(|s| !s.is_empty())
+        .collect();
+    let mut messages = Vec::new();
+    if !system.is_empty() {
+        messages.push(json!({"role": "system", "content": system.join("\n\n")}));
+    }
+    messages.extend(turns);
+    let tools = req
         .tools
+        .as_deref()
+        .map(chat_tools)
+        .transpose()?
+        .filter(|t| !t.is_empty());
+    let template_kwargs = match req
+        .thinking
         .as_ref()
-        .map(|tools| {
-            tools
-                .iter()
-                .map(|t| {
-                    let name = t.get("name").and_then(Value::as_str);
-                    let schema = t.get("input_schema");
-                    match (name, schema) {
-                        (Some(name), Some(schema)) => Ok(json!({"type": "function", "function": {
-                            "name": name,
-                            "description": t.get("description").cloned().unwrap_or(json!("")),
-                            "parameters": schema,
-                        }})),
-                        _ => Err(bad(format!(
-                            "tools: only custom tools with a name and an input_schema are supported, got {}",
-                            t.get("type").or(t.get("name")).unwrap_or(&Value::Null)
-                        ))),
-                    }
-                })
-                .collect()
-        })
-        .transpose()?;
+        .map(|t| t.get("type").and_then(Value::as_str))
+    {
+        None | Some(Some("enabled" | "adaptive")) => None,
+        Some(Some("disabled")) => Some(json!({"enable_thinking": false})),
+        Some(t) => {
+            return Err(bad(format!(
+                "thinking.type must be enabled, adaptive or disabled, got {}",
+                t.map_or("nothing".into(), |t| format!("`{t}`"))
+            ))
+            .with_param("thinking"))
+        }
+    };
     let mut parallel = None;
     let tool_choice = match &req.tool_choice {
         None => None,
@@ -202,8 +222,52 @@ fn to_chat(req: &MessagesRequest) -> Result<ChatCompletionRequest, ApiError> {
         "tools": tools,
         "tool_choice": tool_choice,
         "parallel_tool_calls": parallel,
+        "chat_template_kwargs": template_kwargs,
     });
     serde_json::from_value(chat).map_err(|e| bad(format!("invalid request: {e}")))
+}
+
+/// System text without Claude Code's `x-anthropic-billing-header: ...` line: Anthropic's API
+/// consumes it (it is no text for the model), and its per-request values at the very start
+/// of the prompt would defeat the prefix cache.
+fn without_billing_header(text: &str) -> String {
+    if !text.contains(BILLING_HEADER) {
+        return text.to_string();
+    }
+    text.lines()
+        .filter(|l| !l.trim_start().starts_with(BILLING_HEADER))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+const BILLING_HEADER: &str = "x-anthropic-billing-header:";
+
+/// Anthropic's tools as chat tools. Tools the server would run (web search, code execution:
+/// a `type` and no `input_schema`) are left out with a log line, as the model cannot call them
+/// here.
+fn chat_tools(tools: &[Value]) -> Result<Vec<Value>, ApiError> {
+    let mut out = Vec::new();
+    for t in tools {
+        let name = t.get("name").and_then(Value::as_str);
+        let kind = t.get("type").and_then(Value::as_str).unwrap_or("custom");
+        match (name, t.get("input_schema")) {
+            (Some(name), Some(schema)) => out.push(json!({"type": "function", "function": {
+                "name": name,
+                "description": t.get("description").cloned().unwrap_or(json!("")),
+                "parameters": schema,
+            }})),
+            _ if kind != "custom" => {
+                tracing::info!("tools: `{kind}` is a server tool ferrite does not run; left out")
+            }
+            _ => {
+                return Err(
+                    bad("tools: a custom tool needs a `name` and an `input_schema`")
+                        .with_param("tools"),
+                )
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Anthropic's `stop_reason` and `stop_sequence`.
@@ -220,8 +284,11 @@ fn stop_reason(
     }
 }
 
-fn usage(input: usize, output: usize) -> Value {
-    json!({"input_tokens": input, "output_tokens": output})
+/// Anthropic's usage: `input_tokens` are the prompt tokens the prefix cache did not serve.
+fn usage(u: &Usage) -> Value {
+    let cached = u.prompt_tokens_details.cached_tokens;
+    json!({"input_tokens": u.prompt_tokens - cached, "cache_read_input_tokens": cached,
+           "cache_creation_input_tokens": 0, "output_tokens": u.completion_tokens})
 }
 
 pub async fn messages(state: SharedState, req: MessagesRequest) -> Response {
@@ -266,7 +333,7 @@ async fn run(state: SharedState, req: MessagesRequest) -> Result<Response, ApiEr
         "content": blocks,
         "stop_reason": reason,
         "stop_sequence": sequence,
-        "usage": usage(f.prompt_tokens, f.completion_tokens),
+        "usage": usage(&f.usage),
     }))
     .into_response())
 }
@@ -377,7 +444,7 @@ fn stream_reply(
                 "message_start",
                 json!({"type": "message_start", "message": {
                     "id": id, "type": "message", "role": "assistant", "model": state.model_name,
-                    "content": [], "stop_reason": null, "stop_sequence": null, "usage": usage(0, 0),
+                    "content": [], "stop_reason": null, "stop_sequence": null, "usage": usage(&Usage::default()),
                 }}),
             )
             .await?;
@@ -396,7 +463,7 @@ fn stream_reply(
                         "message_delta",
                         json!({"type": "message_delta",
                         "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                        "usage": usage(o.num_prompt_tokens, o.num_output_tokens)}),
+                        "usage": usage(&Usage::of(&o))}),
                     )
                     .await?;
                     return ev

@@ -1,6 +1,7 @@
 //! OpenAI request and response types. Responses are structs (not `json!`) so fields go out in
 //! OpenAI's order; requests accept unknown fields, as OpenAI's SDKs add new ones freely.
 
+use ferrite_core::output::RequestOutput;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -120,19 +121,54 @@ pub struct CompletionRequest {
     pub prompt_logprobs: Option<i64>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct Usage {
     pub prompt_tokens: usize,
     pub total_tokens: usize,
     pub completion_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// OpenAI's breakdown of the prompt: the tokens the prefix cache served.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
 }
 
 impl Usage {
-    pub fn new(prompt: usize, completion: usize) -> Self {
+    /// A request's counts, from its last output.
+    pub fn of(o: &RequestOutput) -> Self {
+        Self {
+            prompt_tokens: o.num_prompt_tokens,
+            total_tokens: o.num_prompt_tokens + o.num_output_tokens,
+            completion_tokens: o.num_output_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: o.num_cached_tokens,
+            },
+        }
+    }
+
+    /// The choices of one request: one prompt (the first choice's), every completion.
+    pub fn and(self, other: &Usage) -> Self {
+        let completion = self.completion_tokens + other.completion_tokens;
+        Self {
+            total_tokens: self.prompt_tokens + completion,
+            completion_tokens: completion,
+            ..self
+        }
+    }
+
+    /// Another prompt's tokens added (completions with a list of prompts).
+    pub fn with_prompt(self, other: &Usage) -> Self {
+        let prompt = self.prompt_tokens + other.prompt_tokens;
         Self {
             prompt_tokens: prompt,
-            total_tokens: prompt + completion,
-            completion_tokens: completion,
+            total_tokens: prompt + self.completion_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: self.prompt_tokens_details.cached_tokens
+                    + other.prompt_tokens_details.cached_tokens,
+            },
+            ..self
         }
     }
 }

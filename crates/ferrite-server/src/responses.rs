@@ -8,7 +8,8 @@
 use crate::chat::{self, ReplyEvent, Started};
 use crate::error::ApiError;
 use crate::generation::{collect, Choice};
-use crate::protocol::{now, random_id, ChatCompletionRequest};
+use crate::protocol::{now, random_id, ChatCompletionRequest, Usage};
+use crate::responses_tools::{chat_tools, flat_name, namespaces, split_name};
 use crate::state::SharedState;
 use crate::tools::ToolEvent;
 use axum::response::sse::{Event, Sse};
@@ -117,11 +118,20 @@ fn input_messages(input: &Value, out: &mut Vec<Value>) -> Result<(), ApiError> {
             "message" => {
                 let role = item.get("role").and_then(Value::as_str).unwrap_or("user");
                 let content = text_of(item.get("content").unwrap_or(&Value::Null))?;
-                out.push(json!({"role": role, "content": content}));
+                match (role, out.last_mut()) {
+                    // Consecutive user messages are one turn (Codex sends its environment
+                    // and the prompt apart): templates that alternate roles refuse two.
+                    ("user", Some(last)) if last["role"] == "user" => {
+                        let joined =
+                            format!("{}\n\n{content}", last["content"].as_str().unwrap_or(""));
+                        last["content"] = json!(joined);
+                    }
+                    _ => out.push(json!({"role": role, "content": content})),
+                }
             }
             "function_call" => {
                 let call = json!({"id": item.get("call_id"), "type": "function", "function": {
-                    "name": item.get("name"), "arguments": item.get("arguments").and_then(Value::as_str).unwrap_or("{}"),
+                    "name": flat_name(item), "arguments": item.get("arguments").and_then(Value::as_str).unwrap_or("{}"),
                 }});
                 match out.last_mut() {
                     Some(m) if m["role"] == "assistant" && m["tool_calls"].is_array() => {
@@ -166,27 +176,28 @@ fn to_chat(
         None => Vec::new(),
     };
     input_messages(&req.input, &mut conversation)?;
-    let mut messages = Vec::new();
-    if let Some(i) = &req.instructions {
-        messages.push(json!({"role": "system", "content": i}));
+    // Instructions, then system and developer messages, in order, are the system text.
+    let mut system: Vec<String> = req.instructions.iter().cloned().collect();
+    let mut turns = Vec::new();
+    for m in &conversation {
+        match m["role"].as_str() {
+            Some("system" | "developer") => {
+                system.push(m["content"].as_str().unwrap_or_default().to_string())
+            }
+            _ => turns.push(m.clone()),
+        }
     }
-    messages.extend(conversation.iter().cloned());
-    let tools: Option<Vec<Value>> = req
+    let mut messages = Vec::new();
+    if !system.is_empty() {
+        messages.push(json!({"role": "system", "content": system.join("\n\n")}));
+    }
+    messages.extend(turns);
+    let tools = req
         .tools
-        .as_ref()
-        .map(|tools| {
-            tools
-                .iter()
-                .map(|t| match t.get("type").and_then(Value::as_str) {
-                    Some("function") => Ok(json!({"type": "function", "function": {
-                        "name": t.get("name"), "description": t.get("description").cloned().unwrap_or(json!("")),
-                        "parameters": t.get("parameters").cloned().unwrap_or(json!({"type": "object"})),
-                    }})),
-                    other => Err(bad(format!("tools: only function tools are supported, got {other:?}")).with_param("tools")),
-                })
-                .collect()
-        })
-        .transpose()?;
+        .as_deref()
+        .map(chat_tools)
+        .transpose()?
+        .filter(|t| !t.is_empty());
     let tool_choice = req.tool_choice.as_ref().map(|c| match c.get("name") {
         Some(name) => json!({"type": "function", "function": {"name": name}}),
         None => c.clone(),
@@ -230,7 +241,9 @@ enum Item {
     Call {
         id: String,
         call_id: String,
+        /// As the model called it: a namespace's functions by their flat names.
         name: String,
+        namespace: Option<String>,
         arguments: String,
     },
 }
@@ -256,10 +269,19 @@ impl Item {
                 id,
                 call_id,
                 name,
+                namespace,
                 arguments,
-            } => json!({"type": "function_call", "id": id,
+            } => {
+                let mut call = json!({"type": "function_call", "id": id,
                 "call_id": call_id, "name": name, "arguments": if done { arguments.as_str() } else { "" },
-                "status": status}),
+                "status": status});
+                if let Some(ns) = namespace {
+                    let ns = std::slice::from_ref(ns);
+                    call["name"] = json!(split_name(name, ns).1);
+                    call["namespace"] = json!(ns[0]);
+                }
+                call
+            }
         }
     }
 }
@@ -269,7 +291,7 @@ fn output_text(text: &str) -> Value {
 }
 
 /// Folds reply events into items, in order; returns the index of an item each event opened.
-fn fold(items: &mut Vec<Item>, e: &ReplyEvent) -> Option<usize> {
+fn fold(items: &mut Vec<Item>, e: &ReplyEvent, namespaces: &[String]) -> Option<usize> {
     let opened = items.len();
     match (e, items.last_mut()) {
         (ReplyEvent::Reasoning(r), Some(Item::Reasoning { text, .. })) => text.push_str(r),
@@ -288,6 +310,7 @@ fn fold(items: &mut Vec<Item>, e: &ReplyEvent) -> Option<usize> {
             id: random_id("fc"),
             call_id: id.clone(),
             name: name.clone(),
+            namespace: split_name(name, namespaces).0.map(str::to_string),
             arguments: String::new(),
         }),
         (ReplyEvent::Tool(ToolEvent::Args { text, .. }), Some(Item::Call { arguments, .. })) => {
@@ -305,11 +328,11 @@ fn response(
     id: &str,
     created: u64,
     items: &[Item],
-    done: Option<(&str, usize, usize)>,
+    done: Option<(&str, &Usage)>,
 ) -> Value {
     let (status, incomplete, usage) = match done {
         None => ("in_progress", Value::Null, Value::Null),
-        Some((finish, input, output)) => (
+        Some((finish, u)) => (
             if finish == "length" {
                 "incomplete"
             } else {
@@ -320,9 +343,10 @@ fn response(
             } else {
                 Value::Null
             },
-            json!({"input_tokens": input, "input_tokens_details": {"cached_tokens": 0},
-                   "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
-                   "total_tokens": input + output}),
+            json!({"input_tokens": u.prompt_tokens,
+                   "input_tokens_details": {"cached_tokens": u.prompt_tokens_details.cached_tokens},
+                   "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                   "total_tokens": u.total_tokens}),
         ),
     };
     json!({
@@ -387,11 +411,12 @@ pub async fn responses(state: SharedState, req: ResponsesRequest) -> Result<Resp
     let f = collect(&state, choice).await?;
     let mut reply = started.stream(&state);
     let mut items = Vec::new();
+    let namespaces = namespaces(req.tools.as_deref());
     for e in reply.push(&f.text, true) {
-        fold(&mut items, &e);
+        fold(&mut items, &e, &namespaces);
     }
     keep(&state, &req, &id, conversation, &items);
-    let done = Some((f.finish_reason, f.prompt_tokens, f.completion_tokens));
+    let done = Some((f.finish_reason, &f.usage));
     Ok(Json(response(&state, &req, &id, created, &items, done)).into_response())
 }
 
@@ -425,10 +450,11 @@ fn stream(
             send(json!({"type": "response.in_progress", "response": r})).await?;
             let mut reply = started.stream(&state);
             let mut items: Vec<Item> = Vec::new();
+            let namespaces = namespaces(req.tools.as_deref());
             while let Some(o) = choice.next(&state).await {
                 let o = o?;
                 for e in reply.push(&o.text, o.finish_reason.is_some()) {
-                    if let Some(i) = fold(&mut items, &e) {
+                    if let Some(i) = fold(&mut items, &e, &namespaces) {
                         if i > 0 {
                             for ev in done_events(&items[i - 1], i - 1) {
                                 send(ev).await?;
@@ -460,11 +486,8 @@ fn stream(
                         }
                     }
                     keep(&state, &req, &id, conversation, &items);
-                    let done = Some((
-                        crate::generation::finish_reason(r),
-                        o.num_prompt_tokens,
-                        o.num_output_tokens,
-                    ));
+                    let usage = Usage::of(&o);
+                    let done = Some((crate::generation::finish_reason(r), &usage));
                     let r = response(&state, &req, &id, created, &items, done);
                     let kind = if r["status"] == "incomplete" {
                         "response.incomplete"

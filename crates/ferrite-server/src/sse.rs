@@ -63,7 +63,7 @@ pub fn sse_response<F, Fut>(
 ) -> Response
 where
     F: Fn(SharedState, Choice, ChunkSink) -> Fut + Send + 'static,
-    Fut: Future<Output = Result<(usize, usize), ApiError>> + Send + 'static,
+    Fut: Future<Output = Result<Usage, ApiError>> + Send + 'static,
 {
     let (tx, rx) = mpsc::channel::<String>(64);
     let sink = ChunkSink {
@@ -76,13 +76,14 @@ where
             .into_iter()
             .map(|c| per_choice(state.clone(), c, sink.clone()));
         let results = futures_util::future::join_all(runs).await;
-        let mut prompt = 0;
-        let mut completion = 0;
+        let mut usage: Option<Usage> = None;
         for r in results {
             match r {
-                Ok((p, c)) => {
-                    prompt = p;
-                    completion += c;
+                Ok(u) => {
+                    usage = Some(match usage {
+                        None => u,
+                        Some(all) => all.and(&u),
+                    })
                 }
                 Err(e) => {
                     let _ = tx.send(e.body().to_string()).await;
@@ -92,7 +93,7 @@ where
             }
         }
         if include_usage {
-            let usage = serde_json::to_value(Usage::new(prompt, completion)).unwrap();
+            let usage = serde_json::to_value(usage.unwrap_or_default()).unwrap();
             let _ = tx.send(wrap(vec![], Some(usage)).to_string()).await;
         }
         let _ = tx.send("[DONE]".into()).await;

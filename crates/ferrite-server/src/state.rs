@@ -21,6 +21,8 @@ pub struct AppState {
     pub tool_parser: Option<ToolParser>,
     pub reasoning_parser: Option<ReasoningParser>,
     pub enable_auto_tool_choice: bool,
+    /// Sampling defaults (`--override-generation-config`); `max_tokens` caps every request.
+    pub sampling_defaults: ferrite_core::sampling::SamplingParams,
     /// Structured-output compiler for this vocabulary, or why there is none.
     pub grammars: Result<ferrite_grammar::SharedGrammars, String>,
     /// Set on shutdown: /health answers 503 and new requests are refused.

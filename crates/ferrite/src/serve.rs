@@ -84,6 +84,11 @@ pub struct ServeArgs {
     /// `vllm` (the default) uses vLLM's sampling defaults; GGUF files carry no generation config.
     #[arg(long, default_value = "vllm")]
     pub generation_config: String,
+    /// Server-wide sampling defaults as JSON, vLLM's keys: `temperature`, `top_p`, `top_k`,
+    /// `min_p`, `repetition_penalty` (a request's own value wins) and `max_new_tokens` (caps
+    /// every request's `max_tokens`).
+    #[arg(long, value_name = "JSON")]
+    pub override_generation_config: Option<String>,
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
@@ -111,6 +116,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if args.generation_config != "vllm" && args.generation_config != "auto" {
         bail!("--generation-config: only `vllm` and `auto` are supported for GGUF models");
     }
+    let sampling_defaults = match &args.override_generation_config {
+        Some(json) => {
+            ferrite_server::generation_config::sampling_defaults(json).map_err(|e| anyhow!(e))?
+        }
+        None => Default::default(),
+    };
     let cors = ferrite_server::cors(&ferrite_server::Cors {
         origins: ferrite_server::flag_list(&args.allowed_origins),
         methods: ferrite_server::flag_list(&args.allowed_methods),
@@ -176,6 +187,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         tool_parser,
         reasoning_parser,
         enable_auto_tool_choice: args.enable_auto_tool_choice,
+        sampling_defaults,
         grammars,
         draining: AtomicBool::new(false),
         max_queued_requests: args.max_queued_requests,

@@ -23,6 +23,8 @@ struct RequestState {
     first_output_sent: bool,
     arrival: Instant,
     queue_time: Option<f64>,
+    /// Where its first step started: the prompt tokens the prefix cache served.
+    num_cached_tokens: usize,
 }
 
 /// The synchronous core: owns the scheduler and the executor. Public so tests and
@@ -72,6 +74,7 @@ impl<E: Executor> EngineCore<E> {
                 first_output_sent: false,
                 arrival: Instant::now(),
                 queue_time: None,
+                num_cached_tokens: 0,
             },
         );
         self.stats.lock().unwrap().prompt_tokens_total += req.num_prompt_tokens() as u64;
@@ -109,8 +112,10 @@ impl<E: Executor> EngineCore<E> {
         let mut prompt_tokens = 0;
         for r in &output.requests {
             if let Some(st) = self.states.get_mut(&r.req_id) {
-                st.queue_time
-                    .get_or_insert_with(|| st.arrival.elapsed().as_secs_f64());
+                if st.queue_time.is_none() {
+                    st.queue_time = Some(st.arrival.elapsed().as_secs_f64());
+                    st.num_cached_tokens = r.start_pos;
+                }
                 prompt_tokens += r
                     .seq_len()
                     .min(st.num_prompt_tokens)
@@ -255,6 +260,7 @@ impl<E: Executor> EngineCore<E> {
                 stop_str: matched,
                 num_prompt_tokens: st.num_prompt_tokens,
                 num_output_tokens: st.num_output_tokens,
+                num_cached_tokens: st.num_cached_tokens,
                 queue_time: if st.first_output_sent {
                     None
                 } else {
@@ -281,6 +287,7 @@ impl<E: Executor> EngineCore<E> {
         let _ = st.sink.send(Ok(RequestOutput {
             finish_reason: Some(FinishReason::Stop),
             num_prompt_tokens: st.num_prompt_tokens,
+            num_cached_tokens: st.num_cached_tokens,
             queue_time: st.queue_time,
             embedding: Some(embedding),
             ..RequestOutput::default()
