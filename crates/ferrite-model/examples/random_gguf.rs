@@ -10,7 +10,6 @@ use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
-use ferrite_model::config::ModelConfig;
 use half::f16;
 use rand::{Rng, SeedableRng};
 use std::fs::File;
@@ -86,7 +85,7 @@ fn main() -> Result<()> {
         Value::Array(tokens) => tokens.len(),
         _ => bail!("{tokenizer}: no tokenizer.ggml.tokens"),
     };
-    let c = ModelConfig::from_hf_config(std::path::Path::new(config))?;
+    let c = ferrite_model::checkpoint::read_config(std::path::Path::new(config))?;
     let (h, layers) = (c.hidden_size, c.num_layers);
     let u32v = |v: usize| Value::U32(v as u32);
     let own = [

@@ -2,8 +2,8 @@
 //! long prefill chunks) timed on the loaded model, its KV pool fresh (the blocks written here
 //! hold nothing yet).
 
-use crate::runner::StepModel;
 use crate::step::PackedStep;
+use crate::step::StepModel;
 use anyhow::Result;
 use ferrite_core::step_cost::{StepCost, StepShape};
 use std::time::Instant;

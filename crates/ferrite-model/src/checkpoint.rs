@@ -2,8 +2,8 @@
 //! Hugging Face folder (`config.json`, `*.safetensors`, `tokenizer.json`, ...).
 
 use crate::config::ModelConfig;
-use crate::engine_args::LoadFormat;
 use crate::models;
+use crate::settings::LoadFormat;
 use crate::tokenizer::ModelTokenizer;
 use crate::weights::config_source::ConfigSource;
 use crate::weights::gguf::GgufFile;

@@ -1,7 +1,6 @@
 //! The hyper-parameters the engine and the families share, read through [`ConfigSource`].
 
 use crate::weights::config_source::ConfigSource;
-use crate::weights::gguf::GgufFile;
 use anyhow::{bail, Result};
 
 /// How rotary embedding pairs dimensions.
@@ -61,15 +60,6 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
-    pub fn from_gguf(g: &GgufFile) -> Result<Self> {
-        crate::models::config(&ConfigSource::from_gguf(g)?)
-    }
-
-    /// From a Hugging Face `config.json`.
-    pub fn from_hf_config(path: &std::path::Path) -> Result<Self> {
-        crate::models::config(&ConfigSource::from_hf(path)?)
-    }
-
     /// The fields every decoder shares, under their `config.json` names. Hugging Face
     /// checkpoints keep Q/K unpermuted, so their rotary pairs are halves (NeoX style);
     /// llama.cpp's converter permutes Llama's for adjacent pairs.
@@ -209,7 +199,7 @@ mod tests {
             json.len() * 31 + json.as_bytes()[20] as usize
         ));
         std::fs::write(&path, json).unwrap();
-        let c = ModelConfig::from_hf_config(&path);
+        let c = crate::checkpoint::read_config(&path);
         std::fs::remove_file(&path).unwrap();
         c
     }

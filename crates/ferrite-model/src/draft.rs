@@ -5,30 +5,15 @@
 //! token one decode step over all proposing requests.
 
 use crate::backend::Backend;
-use crate::engine_args::EngineArgs;
-use crate::memory::DraftShare;
 use crate::models::Decoder;
-use crate::runner::StepModel;
 use crate::step::PackedStep;
+use crate::step::StepModel;
 use crate::tokenizer::ModelTokenizer;
 use anyhow::{bail, Result};
 use ferrite_core::output::SampledToken;
 use ferrite_core::request::RequestId;
 use ferrite_core::scheduler::{ScheduledRequest, SchedulerOutput};
-use ferrite_core::spec_decode::{Proposer, Speculation};
 use std::collections::HashMap;
-use std::path::Path;
-
-/// The draft model `--speculative-config` names, if it names one.
-pub fn draft_model_path(args: &EngineArgs) -> Option<&Path> {
-    match &args.speculation {
-        Some(Speculation {
-            proposer: Proposer::DraftModel { model },
-            ..
-        }) => Some(model),
-        _ => None,
-    }
-}
 
 /// Refuses a draft model whose tokens are not the target's, or that cannot share its blocks.
 pub fn check_pair<B: Backend>(
@@ -66,14 +51,6 @@ pub fn check_pair<B: Backend>(
 /// The target's first KV group that keeps every block.
 fn full_group<B: Backend>(target: &Decoder<B>) -> Option<usize> {
     target.layout.groups.iter().position(Option::is_none)
-}
-
-/// The draft model's weights, and its K/V in each of the target's blocks.
-pub fn share<B: Backend>(args: &EngineArgs, draft: &Decoder<B>) -> DraftShare {
-    DraftShare {
-        weight_bytes: draft.weight_bytes() as u64,
-        bytes_per_block: args.kv_block_bytes(&draft.config, draft.layout.slots),
-    }
 }
 
 pub struct DraftModel {

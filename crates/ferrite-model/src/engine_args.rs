@@ -1,43 +1,21 @@
 //! Engine settings (named after vLLM's flags) and the memory plan they imply.
 
+use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::kv_dtype::KvCacheDtype;
 use crate::memory::{self, DraftShare, MemoryPlan, PlanInputs};
+use crate::models::Decoder;
 use crate::pooling::Pooling;
 use crate::runner::ModelRunner;
+pub use crate::settings::{DeviceKind, LoadFormat, RunnerKind, WeightFormat};
 use crate::tokenizer::ModelTokenizer;
 use crate::{checkpoint, models};
 use anyhow::{bail, Result};
 use ferrite_core::kv_layout::KvLayout;
 use ferrite_core::prefix_hash::HashAlgo;
 use ferrite_core::scheduler::{SchedulerConfig, StepTarget};
-use ferrite_core::spec_decode::Speculation;
+use ferrite_core::spec_decode::{Proposer, Speculation};
 use std::path::PathBuf;
-
-/// How weights are kept in memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum WeightFormat {
-    /// On the CPU, `Native` whatever the model's size: the path the benchmarks and the oracle
-    /// tests run (teacher-forced against transformers: top-1 agreement 98% on SmolLM2, above
-    /// llama.cpp's 96.4% on the same GGUF, and 7x faster to decode than `F32`).
-    #[default]
-    Auto,
-    /// Quantized weights repacked for the int8 kernels (activations quantized per block of
-    /// 32, to 8 bits or, for the inputs rounding shows in, 16); float weights as f32.
-    Native,
-    /// Everything dequantized to f32 at load: exact weights and activations, 4-8x the memory.
-    F32,
-}
-
-impl WeightFormat {
-    /// `Auto` as the CPU backend resolves it.
-    pub fn resolve_cpu(self) -> Self {
-        match self {
-            WeightFormat::Auto => WeightFormat::Native,
-            f => f,
-        }
-    }
-}
 
 /// Engine settings, named after vLLM's flags.
 #[derive(Clone, Debug)]
@@ -88,75 +66,6 @@ pub const DEFAULT_STEP_TARGET: StepTarget = StepTarget::Relative {
     factor: 2.0,
     floor_secs: 0.020,
 };
-
-/// `--runner`: generation, or pooling (embeddings, scores).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RunnerKind {
-    /// Pooling for encoders and for checkpoints described as sentence-transformers
-    /// embedding models (`modules.json` with a Pooling module); generation otherwise.
-    Auto,
-    Generate,
-    Pooling,
-}
-
-impl std::str::FromStr for RunnerKind {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "generate" => Ok(Self::Generate),
-            "pooling" => Ok(Self::Pooling),
-            _ => Err(format!("unknown runner `{s}` (auto, generate, pooling)")),
-        }
-    }
-}
-
-/// Where the model runs (`--device`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DeviceKind {
-    Cpu,
-    /// A CUDA GPU by ordinal.
-    Cuda(usize),
-}
-
-impl std::str::FromStr for DeviceKind {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "cpu" => Ok(Self::Cpu),
-            "cuda" => Ok(Self::Cuda(0)),
-            _ => s
-                .strip_prefix("cuda:")
-                .and_then(|n| n.parse().ok())
-                .map(Self::Cuda)
-                .ok_or_else(|| format!("unknown device `{s}` (cpu, cuda, cuda:N)")),
-        }
-    }
-}
-
-/// How weights are obtained (`--load-format`, as in vLLM).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LoadFormat {
-    /// From the model file.
-    Auto,
-    /// Random weights of the model's config, drawn on the device (benchmarks of large
-    /// shapes on hosts without the checkpoint).
-    Dummy,
-}
-
-impl std::str::FromStr for LoadFormat {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "dummy" => Ok(Self::Dummy),
-            _ => Err(format!("unknown load format `{s}` (auto, dummy)")),
-        }
-    }
-}
 
 /// On the CPU the "device" is the whole machine's RAM, shared with everything else.
 pub const DEFAULT_CPU_MEMORY_UTILIZATION: f64 = 0.25;
@@ -398,4 +307,25 @@ pub struct LoadedEngine {
     pub config: ModelConfig,
     /// An embedding model's pooling (`None`: the model generates).
     pub pooling: Option<Pooling>,
+}
+
+impl EngineArgs {
+    /// The draft model `--speculative-config` names, if it names one.
+    pub fn draft_model_path(&self) -> Option<&std::path::Path> {
+        match &self.speculation {
+            Some(Speculation {
+                proposer: Proposer::DraftModel { model },
+                ..
+            }) => Some(model),
+            _ => None,
+        }
+    }
+
+    /// The draft model's weights, and its K/V in each of the target's blocks.
+    pub fn draft_share<B: Backend>(&self, draft: &Decoder<B>) -> DraftShare {
+        DraftShare {
+            weight_bytes: draft.weight_bytes() as u64,
+            bytes_per_block: self.kv_block_bytes(&draft.config, draft.layout.slots),
+        }
+    }
 }

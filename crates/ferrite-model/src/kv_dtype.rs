@@ -2,7 +2,7 @@
 //! per token and KV head (`amax / 127` for int8, `amax / 448` for fp8 e4m3), written with
 //! the token, so a block never needs re-quantizing as it fills.
 
-use crate::engine_args::DeviceKind;
+use crate::settings::DeviceKind;
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KvCacheDtype {

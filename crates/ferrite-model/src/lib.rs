@@ -18,6 +18,7 @@ pub mod pooling;
 pub mod rope;
 pub mod runner;
 pub mod sampler;
+pub mod settings;
 pub mod step;
 pub mod weights;
 

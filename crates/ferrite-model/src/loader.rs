@@ -11,9 +11,9 @@ use crate::memory::{self, MemoryPlan};
 use crate::models::{self, Decoder};
 use crate::parallel;
 use crate::pooling::Pooling;
-use crate::runner::{ModelRunner, StepModel};
 use crate::step::PackedStep;
 use crate::weights::footprint::cpu_weight_bytes;
+use crate::{runner::ModelRunner, step::StepModel};
 use anyhow::{bail, Result};
 use ferrite_core::scheduler::{StepTarget, StepTime};
 use ferrite_core::step_cost::StepCost;
@@ -169,7 +169,7 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
         calibrate,
     )?;
     // A draft model shares the target's blocks (its own pages of each) and the budget.
-    let mut draft = match crate::draft::draft_model_path(args) {
+    let mut draft = match args.draft_model_path() {
         Some(path) => {
             let (src, mut weights) = open_weights(path, args.load_format)?;
             let backend = model.backend.sharing_threads(args.weight_format);
@@ -186,7 +186,7 @@ fn load_cpu(args: &EngineArgs, progress: &mut dyn FnMut(usize, usize)) -> Result
         weights: model.weight_bytes() as u64,
         activations: activation_bytes + draft.as_ref().map_or(0, |d| d.1),
         state_per_slot: model.state_bytes_per_slot() as u64,
-        draft: draft.as_ref().map(|(d, _)| crate::draft::share(args, d)),
+        draft: draft.as_ref().map(|(d, _)| args.draft_share(d)),
         kv_slots: split.then(|| model.kv_slots()),
     };
     let (plan, mut scheduler) = args.plan(
@@ -294,7 +294,8 @@ pub fn plan_from_header(args: &EngineArgs, device_bytes: u64) -> Result<(MemoryP
         weights: cpu_weight_bytes(&weights, args.weight_format) as u64,
         activations: memory::activation_estimate(&config, tokens),
         state_per_slot: models::state_bytes(&models::state_layers(&src)?) as u64,
-        draft: crate::draft::draft_model_path(args)
+        draft: args
+            .draft_model_path()
             .map(|path| {
                 let (src, weights) = open_weights(path, args.load_format)?;
                 let c = models::config(&src)?;

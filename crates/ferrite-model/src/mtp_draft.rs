@@ -7,9 +7,9 @@
 //! over its own hidden state, one row per proposing request (as vLLM chains it).
 
 use crate::draft::{draft_on, Proposing};
-use crate::runner::StepModel;
 use crate::sampler::argmax;
 use crate::step::PackedStep;
+use crate::step::StepModel;
 use anyhow::Result;
 use ferrite_core::output::SampledToken;
 use ferrite_core::request::RequestId;

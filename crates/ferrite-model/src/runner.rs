@@ -3,8 +3,8 @@
 
 use crate::draft::DraftModel;
 use crate::pooling::Pooling;
-use crate::sampler::{argmax, log_sum_exp, logprob_and_rank, top_k_logprobs, Sampler};
-use crate::step::{PackedStep, NO_SLOT};
+use crate::sampler::{log_sum_exp, logprob_and_rank, top_k_logprobs, Sampler};
+use crate::step::{DeviceDraws, Masks, PackedStep, RowDraw, StepModel, NO_SLOT};
 use anyhow::Result;
 use ferrite_core::constraint::Constraint;
 use ferrite_core::engine::{ExecError, Executor};
@@ -12,72 +12,6 @@ use ferrite_core::output::{SampledToken, StepOutput, TokenLogprob};
 use ferrite_core::scheduler::{SampleSpec, SchedulerOutput};
 use rayon::prelude::*;
 use std::collections::HashMap;
-
-/// A model with its KV cache on some device: what the runner drives each step.
-pub trait StepModel: Send {
-    /// Runs the packed step; returns `[logits_indices.len(), vocab]` logits on the host.
-    fn forward(&mut self, step: &PackedStep) -> Result<&mut [f32]>;
-
-    /// Runs the step and returns the argmax of each logits row. A device overrides this to
-    /// send token ids to the host instead of whole logits rows.
-    fn forward_argmax(&mut self, step: &PackedStep) -> Result<Vec<u32>> {
-        let vocab = self.vocab_size();
-        Ok(self.forward(step)?.chunks(vocab).map(argmax).collect())
-    }
-
-    /// Whether [`StepModel::forward_draw`] works: the device samples in place.
-    fn draws_on_device(&self) -> bool {
-        false
-    }
-
-    /// Runs the step and draws each logits row's token on the device.
-    fn forward_draw(&mut self, _step: &PackedStep, _draws: DeviceDraws) -> Result<Vec<u32>> {
-        anyhow::bail!("this backend samples on the host")
-    }
-
-    /// The model's multi-token-prediction head over `step` (see `Decoder::forward_mtp`).
-    fn forward_mtp(&mut self, _step: &PackedStep, _chained: bool) -> Result<&mut [f32]> {
-        anyhow::bail!("this model has no multi-token-prediction head")
-    }
-
-    fn vocab_size(&self) -> usize;
-
-    /// Backend, threads and weight format, for the start-up log line.
-    fn describe(&self) -> String;
-}
-
-/// The tokens of a step drawn on the device: how each row draws, and the grammar masks
-/// (`None`: no row has a grammar).
-#[derive(Clone, Copy)]
-pub struct DeviceDraws<'a> {
-    pub rows: &'a [RowDraw],
-    pub masks: Option<Masks<'a>>,
-}
-
-/// A step's grammar masks: which rows have one, and how to write them.
-#[derive(Clone, Copy)]
-pub struct Masks<'a> {
-    pub rows: &'a [bool],
-    /// Writes each masked row's mask into `out` (`[rows, words]` u32, bit `t % 32` of word
-    /// `t / 32`); a device calls it while its forward pass runs.
-    pub fill: &'a (dyn Fn(&mut [u32], usize) + Sync),
-}
-
-/// How one logits row becomes a token on the device.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum RowDraw {
-    Greedy,
-    /// From softmax(logits / temperature) cut as the CPU sampler cuts it (top-k, top-p,
-    /// min-p; `top_k` 0 and `top_p` 1 are off); `key` fixes the row's noise (from the
-    /// request's seed and token index, or from the engine's RNG).
-    Sample {
-        temperature: f32,
-        top_k: u32,
-        top_p: f32,
-        min_p: f32,
-        key: u64,
-    },
-}
 
 /// `f`'s value, or the message of its panic: a row's failure stays that row's.
 fn catch<T>(f: impl FnOnce() -> T) -> Result<T, String> {

@@ -7,8 +7,8 @@ use ferrite_model::backend::Backend;
 use ferrite_model::loader::load_cpu_decoder;
 use ferrite_model::loader::{LoadFormat, WeightFormat};
 use ferrite_model::models::Decoder;
-use ferrite_model::runner::StepModel;
 use ferrite_model::step::PackedStep;
+use ferrite_model::step::StepModel;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

@@ -18,14 +18,14 @@ use ferrite_model::backend::cuda::linear::Linear;
 use ferrite_model::backend::cuda::{CudaBackend, KvPages};
 use ferrite_model::backend::{Activation, GdnSpec};
 use ferrite_model::checkpoint::open_weights;
-use ferrite_model::config::{ModelConfig, RopeStyle};
+use ferrite_model::config::RopeStyle;
 use ferrite_model::kv_dtype::KvCacheDtype;
 use ferrite_model::loader::{load_cpu_decoder, LoadFormat, WeightFormat};
 use ferrite_model::models::{self, Decoder};
 use ferrite_model::rope::{RopeSpec, RopeTable};
-use ferrite_model::runner::{RowDraw, StepModel};
 use ferrite_model::sampler::argmax;
 use ferrite_model::step::{PackedStep, NO_SLOT};
+use ferrite_model::step::{RowDraw, StepModel};
 use ferrite_model::tokenizer::ModelTokenizer;
 use ferrite_model::weights::gguf::GgufFile;
 use rand::rngs::StdRng;
@@ -1224,7 +1224,7 @@ fn safetensors_checkpoint_matches_gguf() {
     let path = test_model();
     let cpu = Device::Cpu;
     let mut g = GgufFile::open(std::path::Path::new(&path)).unwrap();
-    let config = ModelConfig::from_gguf(&g).unwrap();
+    let config = ferrite_model::checkpoint::read_config(std::path::Path::new(&path)).unwrap();
     let dir = std::env::temp_dir().join(format!("ferrite-hf-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut tensors = std::collections::HashMap::new();
@@ -1300,7 +1300,7 @@ fn safetensors_checkpoint_matches_gguf() {
         ),
     )
     .unwrap();
-    let hf = ModelConfig::from_hf_config(&dir.join("config.json")).unwrap();
+    let hf = ferrite_model::checkpoint::read_config(&dir.join("config.json")).unwrap();
     assert_eq!(hf.rope_style, RopeStyle::Neox);
     let (bs, blocks, max_pos) = (16, 40, 512);
     let build = |path: &std::path::Path| {

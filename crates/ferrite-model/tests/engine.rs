@@ -8,9 +8,9 @@ use ferrite_core::engine::{EngineError, EngineHandle};
 use ferrite_core::request::FinishReason;
 use ferrite_core::sampling::SamplingParams;
 use ferrite_model::loader::WeightFormat;
-use ferrite_model::runner::StepModel;
 use ferrite_model::sampler::{log_sum_exp, top_k_logprobs};
 use ferrite_model::step::PackedStep;
+use ferrite_model::step::StepModel;
 
 fn greedy(max_tokens: i64) -> SamplingParams {
     SamplingParams {

@@ -9,8 +9,8 @@ mod common;
 
 use common::*;
 use ferrite_model::loader::{load_cpu_decoder, LoadFormat, WeightFormat};
-use ferrite_model::runner::StepModel;
 use ferrite_model::step::PackedStep;
+use ferrite_model::step::StepModel;
 
 /// Logits within `1e-3` of transformers (f16 K/V) from the safetensors folder, and from the
 /// GGUF of the same weights where there is one.

@@ -11,7 +11,7 @@ use ferrite_core::scheduler::{ScheduledRequest, SchedulerOutput};
 use ferrite_core::spec_decode::MtpRun;
 use ferrite_model::loader::{load_cpu_decoder_with_mtp, WeightFormat};
 use ferrite_model::mtp_draft::propose;
-use ferrite_model::runner::StepModel;
+use ferrite_model::step::StepModel;
 use ferrite_model::step::{PackedStep, NO_SLOT};
 use std::collections::HashMap;
 

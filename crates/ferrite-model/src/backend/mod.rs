@@ -10,7 +10,7 @@ pub mod cuda;
 use crate::kv_dtype::KvCacheDtype;
 use crate::parallel::{Group, PipelineStage, TensorParallel};
 use crate::rope::RopeSpec;
-use crate::runner::DeviceDraws;
+use crate::step::DeviceDraws;
 use crate::step::PackedStep;
 use anyhow::{bail, Result};
 use candle_core::quantized::{GgmlDType, QTensor};

@@ -4,7 +4,7 @@
 
 use super::WeightSource;
 use crate::backend::cpu::linear::matrix_bytes;
-use crate::engine_args::WeightFormat;
+use crate::settings::WeightFormat;
 use candle_core::quantized::GgmlDType;
 
 /// A stored tensor as the loader would see it: name, dims (`[rows, cols]`, experts first

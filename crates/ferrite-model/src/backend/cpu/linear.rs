@@ -7,7 +7,7 @@ use super::quant::activations::QuantizedActs;
 use super::quant::packed::{Codes, Layout, PackedWeight};
 use super::quant::{matmul, Isa};
 use crate::backend::Rounding;
-use crate::engine_args::WeightFormat;
+use crate::settings::WeightFormat;
 use anyhow::{anyhow, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};

@@ -17,9 +17,9 @@ use super::{
     AttentionSpec, Backend, Epilogue, GdnParams, GdnSpec, LinearIn, MoeBytes, MoeMatrices, MoeSpec,
     Pointwise, QkvPrep, Rounding, Stack, Step,
 };
-use crate::engine_args::{DeviceKind, WeightFormat};
 use crate::kv_dtype::KvCacheDtype;
 use crate::rope::{RopeSpec, RopeTable};
+use crate::settings::{DeviceKind, WeightFormat};
 use anyhow::{bail, Result};
 use attention::{paged_attention, AttentionMeta, AttentionParams};
 use candle_core::quantized::ggml_file::qtensor_from_ggml;
@@ -263,7 +263,7 @@ impl Backend for CpuBackend {
     fn step(
         &mut self,
         host: &crate::step::PackedStep,
-        draws: Option<crate::runner::DeviceDraws>,
+        draws: Option<crate::step::DeviceDraws>,
         forward: super::Forward<Self>,
     ) -> Result<()> {
         if draws.is_some() {

@@ -7,7 +7,7 @@ use super::linear::{project, Linear, LinearInput};
 use super::ops::{add_in_place, gated_mul, rms_norm};
 use super::{CpuBackend, Mat};
 use crate::backend::{Activation, ExpertMatrices, MoeBytes, MoeMatrices, MoeSpec, Rounding};
-use crate::engine_args::WeightFormat;
+use crate::settings::WeightFormat;
 use anyhow::{bail, Result};
 
 pub struct Expert {

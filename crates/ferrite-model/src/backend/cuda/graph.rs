@@ -13,7 +13,7 @@ use super::inputs::{u32s, GroupInputs, StepInputs};
 use super::kernels::attention::attention_tiles;
 use super::kernels::sample::{draw_params, mask_words};
 use super::kernels::{ptr, Arena, Kernels};
-use crate::runner::{DeviceDraws, RowDraw};
+use crate::step::{DeviceDraws, RowDraw};
 use crate::step::{KvTables, PackedStep};
 use anyhow::{ensure, Context, Result};
 use candle_core::cuda::cudarc::cublas::sys::{cublasSetWorkspace_v2, cublasStatus_t};

@@ -6,12 +6,13 @@ use super::{cuda, open_device, CudaBackend};
 use crate::backend::Backend;
 use crate::checkpoint::{open_tokenizer, open_weights, read_config};
 use crate::config::ModelConfig;
-use crate::engine_args::{EngineArgs, LoadedEngine, ModelBytes, WeightFormat};
+use crate::engine_args::{EngineArgs, LoadedEngine, ModelBytes};
 use crate::models::{self, Decoder};
 use crate::parallel::{self, Group};
-use crate::runner::{ModelRunner, StepModel};
+use crate::settings::WeightFormat;
 use crate::step::PackedStep;
 use crate::weights::WeightSource;
+use crate::{runner::ModelRunner, step::StepModel};
 use anyhow::{bail, Result};
 use candle_core::cuda::cudarc::driver::CudaContext;
 use ferrite_core::step_cost::StepCost;
@@ -133,7 +134,7 @@ pub fn load(
     }
     // A draft model shares the target's blocks (its own pages of each) and the budget; its
     // steps run eagerly, on the same stream.
-    let draft = match crate::draft::draft_model_path(args) {
+    let draft = match args.draft_model_path() {
         Some(path) => {
             let (src, mut weights) = open_weights(path, args.load_format)?;
             let backend = CudaBackend::new(device, quantized, format!("{name}, eager"))?;
@@ -150,7 +151,7 @@ pub fn load(
         weights: model.weight_bytes() as u64,
         activations: activation_bytes + draft.as_ref().map_or(0, |d| d.1),
         state_per_slot: model.state_bytes_per_slot() as u64,
-        draft: draft.as_ref().map(|(d, _)| crate::draft::share(args, d)),
+        draft: draft.as_ref().map(|(d, _)| args.draft_share(d)),
         kv_slots: split.then(|| model.kv_slots()),
     };
     let (plan, scheduler) = args.plan(&rank_config, max_model_len, total, bytes)?;

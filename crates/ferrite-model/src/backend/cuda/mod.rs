@@ -18,11 +18,11 @@ use super::{
     MoeSpec, Pointwise, QkvPrep, Rounding, Stack, Step,
 };
 use crate::config::RopeStyle;
-use crate::engine_args::DeviceKind;
 use crate::kv_dtype::KvCacheDtype;
 use crate::parallel::Group;
 use crate::rope::{RopeSpec, RopeTable};
-use crate::runner::DeviceDraws;
+use crate::settings::DeviceKind;
+use crate::step::DeviceDraws;
 use crate::step::PackedStep;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::quantized::QTensor;

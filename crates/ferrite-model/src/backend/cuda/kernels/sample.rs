@@ -1,7 +1,7 @@
 //! Drawing each row's token on the device.
 
 use super::{cfg, ptr, Arg, Kernels};
-use crate::runner::RowDraw;
+use crate::step::RowDraw;
 use anyhow::{ensure, Result};
 use candle_core::{DType, Tensor};
 
