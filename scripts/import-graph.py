@@ -11,7 +11,7 @@ import re
 import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-PATH = re.compile(r"\b(crate|super|self)((?:::\w+)+)")
+PATH = re.compile(r"\b(crate|super|self)((?:::\w+)+(?:::\*)?|::\*)")
 GROUP = re.compile(r"\b(crate|super|self)((?:::\w+)*)::\{([^;]*?)\};", re.S)
 COMMENT = re.compile(r"//[^\n]*")
 
@@ -39,6 +39,18 @@ def expand_groups(text):
     return GROUP.sub(one, text)
 
 
+def inline_modules(text):
+    """(name, start, end) of each inline `mod name { ... }` block, outermost first."""
+    spans = []
+    for m in re.finditer(r"\bmod (\w+)\s*\{", text):
+        depth, i = 1, m.end()
+        while depth and i < len(text):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        spans.append((m.group(1), m.start(), i))
+    return spans
+
+
 def resolve(mods, base, kind, rest):
     """The module a path names: the longest known module prefix."""
     if kind == "crate":
@@ -63,8 +75,12 @@ def graph(src):
         text = expand_groups(COMMENT.sub("", open(path).read()))
         # Tests inside a file are the file's own; their imports do not shape the layers.
         text = text.split("#[cfg(test)]")[0]
-        for kind, rest in PATH.findall(text):
-            target = resolve(mods, m, kind, rest.strip(":").split("::"))
+        spans = inline_modules(text)
+        for hit in PATH.finditer(text):
+            kind, rest = hit.group(1), hit.group(2)
+            # Inside an inline `mod x { ... }`, paths are relative to that module.
+            base = m + tuple(name for name, a, b in spans if a <= hit.start() < b)
+            target = resolve(mods, base, kind, rest.strip(":").split("::"))
             if target is not None and target != m:
                 edges[m].add(target)
         # A module's own submodules used by name (`cpu::ops::f`, `use ops::X`).

@@ -75,6 +75,11 @@ def test_named_tool_and_bad_requests(claude):
                                tool_choice={"type": "tool", "name": "get_weather"},
                                messages=[{"role": "user", "content": "Hi"}])
     assert [b.name for b in m.content if b.type == "tool_use"] == ["get_weather"]
+    # A forced call cut by max_tokens is reported as cut, not as a finished call.
+    cut = claude.messages.create(model=MODEL, max_tokens=6, tools=[WEATHER],
+                                 tool_choice={"type": "tool", "name": "get_weather"},
+                                 messages=[{"role": "user", "content": "Hi"}])
+    assert cut.stop_reason == "max_tokens", cut
     # The SDK will not send a request without max_tokens: raw HTTP, Anthropic's error shape.
     r = requests.post(str(claude.base_url).rstrip("/") + "/v1/messages",
                       json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})

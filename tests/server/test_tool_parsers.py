@@ -67,3 +67,15 @@ def test_streamed_call_matches_the_whole_response(parser_client):
     validate(whole[0].function.name, whole[0].function.arguments)
     if parser != "pythonic":  # pythonic arguments go out whole, at the call's ")"
         assert fragments >= 2, (parser, calls)
+
+
+def test_a_forced_call_cut_by_max_tokens_reports_length(parser_client):
+    """The call is unfinished: the finish reason says the reply was cut, whole and streamed
+    (vLLM reports `length` too), never `tool_calls`."""
+    parser, client = parser_client
+    kw = dict(model=MODEL, messages=ask("What is the weather in Paris?"), tools=TOOLS, temperature=0,
+              max_tokens=6, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert client.chat.completions.create(**kw).choices[0].finish_reason == "length", parser
+    finish = [c.choices[0].finish_reason for c in client.chat.completions.create(stream=True, **kw)
+              if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"], (parser, finish)

@@ -1,7 +1,7 @@
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use ferrite_model::backend::cpu::quant::activations::QuantizedActs;
-use ferrite_model::backend::cpu::quant::packed::{Layout, PackedWeight};
+use ferrite_model::backend::cpu::quant::packed::PackedWeight;
 use ferrite_model::backend::cpu::quant::{matmul, Isa};
 use ferrite_model::backend::Rounding;
 use std::time::Instant;
@@ -54,7 +54,7 @@ fn main() {
             .iter()
             .flat_map(|r| isas.iter().map(move |i| (*r, i)))
         {
-            let w = w.clone().into_layout(Layout::of(isa));
+            let w = w.clone().into_layout(isa.layout());
             pool.install(|| {
                 for _ in 0..3 {
                     a.quantize(&a_f, t, k, rounding);

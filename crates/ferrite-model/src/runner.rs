@@ -9,9 +9,9 @@ use anyhow::Result;
 use ferrite_core::constraint::Constraint;
 use ferrite_core::engine::{ExecError, Executor};
 use ferrite_core::output::{SampledToken, StepOutput, TokenLogprob};
-use ferrite_core::scheduler::{SampleSpec, SchedulerOutput};
+use ferrite_core::scheduler::{SampleSpec, ScheduledRequest, SchedulerOutput};
 use rayon::prelude::*;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// `f`'s value, or the message of its panic: a row's failure stays that row's.
 fn catch<T>(f: impl FnOnce() -> T) -> Result<T, String> {
@@ -235,6 +235,8 @@ impl Executor for ModelRunner {
 
 impl ModelRunner {
     /// The target's step: the packed forward pass, its drafts verified and its rows sampled.
+    /// Rows the device can draw come back as tokens (argmax or drawn there); the rest are
+    /// sampled on the host from their logits.
     fn run_step(
         &mut self,
         out: &SchedulerOutput,
@@ -245,100 +247,78 @@ impl ModelRunner {
         if step.pooling {
             return Ok(self.pool(step, pools, out)?);
         }
-        let mut result = StepOutput::default();
-        let specs: Option<Vec<&SampleSpec>> = uses
-            .iter()
-            .map(|u| match u {
-                RowUse::Sample(i, _) => out.requests[*i].sample.as_ref(),
-                RowUse::PromptLogprob(..) => None,
-            })
-            .collect();
-        // A draft drawn from a distribution is verified against that distribution, on the host.
-        let drafts_sampled = out.requests.iter().any(|r| {
-            !r.draft.is_empty() && r.sample.as_ref().is_some_and(|s| !s.params.is_greedy())
-        });
-        if let Some(specs) = specs.filter(|s| s.iter().all(|s| drawable(s)) && !drafts_sampled) {
+        if let Some(specs) = device_specs(out, &uses) {
             let constrained = specs.iter().any(|s| s.constraint.is_some());
-            let tokens = if specs.iter().all(|s| s.params.is_greedy()) && !constrained {
-                Some((self.model.forward_argmax(step)?, HashMap::new()))
-            } else if self.model.draws_on_device() {
-                let draws: Vec<RowDraw> = specs.iter().map(|s| self.draw(s)).collect();
-                // A grammar that fails fails its row only: drawn unmasked, then dropped.
-                let failed = std::sync::Mutex::new(HashMap::new());
-                let mask = |row: usize, dst: &mut [u32], s: &SampleSpec| {
-                    let Some(c) = &s.constraint else {
-                        return;
-                    };
-                    match catch(|| c.allowed()) {
-                        Ok(m) => {
-                            let n = m.len().min(dst.len());
-                            dst[..n].copy_from_slice(&m[..n]);
-                            dst[n..].fill(0);
-                        }
-                        Err(e) => {
-                            dst.fill(u32::MAX);
-                            failed.lock().unwrap().insert(row, e);
-                        }
-                    }
-                };
-                let masked: Vec<bool> = specs.iter().map(|s| s.constraint.is_some()).collect();
-                // A few rows are masked here: waking the pool's threads costs about a mask.
-                let few = masked.iter().filter(|&&m| m).count() < 4;
-                let fill = |out: &mut [u32], words: usize| {
-                    if few {
-                        let rows = out.chunks_mut(words).zip(&specs).enumerate();
-                        rows.for_each(|(row, (dst, s))| mask(row, dst, s));
-                    } else {
-                        let rows = out.par_chunks_mut(words).zip(&specs).enumerate();
-                        rows.for_each(|(row, (dst, s))| mask(row, dst, s));
-                    }
-                };
-                let d = DeviceDraws {
-                    rows: &draws,
-                    masks: constrained.then_some(Masks {
-                        rows: &masked,
-                        fill: &fill,
-                    }),
-                };
-                let tokens = self.model.forward_draw(step, d)?;
-                Some((tokens, failed.into_inner().unwrap()))
-            } else {
-                None
-            };
-            if let Some((tokens, failed)) = tokens {
-                for (row, (token_id, u)) in tokens.into_iter().zip(uses).enumerate() {
-                    let RowUse::Sample(i, j) = u else {
-                        unreachable!("only sampled rows are drawn")
-                    };
-                    let r = &out.requests[i];
-                    if let Some(e) = failed.get(&row) {
-                        result.failed.insert(r.req_id, e.clone());
-                        continue;
-                    }
-                    let drawn = result.sampled.entry(r.req_id).or_default();
-                    // Greedy drafts hold while they are the argmax: the first that is not
-                    // ends the window with the argmax instead.
-                    if drawn.len() < j
-                        || drawn
-                            .get(j.wrapping_sub(1))
-                            .is_some_and(|t| t.token_id != r.draft[j - 1])
-                    {
-                        continue;
-                    }
-                    if let Some(c) = &specs[row].constraint {
-                        c.commit(token_id);
-                    }
-                    drawn.push(SampledToken {
-                        token_id,
-                        logprobs: None,
-                    });
-                }
-                return Ok(result);
+            if specs.iter().all(|s| s.params.is_greedy()) && !constrained {
+                let tokens = self.model.forward_argmax(step)?;
+                return Ok(accept_drawn(out, &specs, uses, tokens, HashMap::new()));
+            }
+            if self.model.draws_on_device() {
+                let (tokens, failed) = self.forward_draw(step, &specs)?;
+                return Ok(accept_drawn(out, &specs, uses, tokens, failed));
             }
         }
+        self.sample_on_host(out, step, uses)
+    }
+
+    /// Runs the step drawing every row on the device, grammar masks filled while it runs.
+    /// Returns the tokens and the rows whose grammar failed (drawn unmasked, then dropped).
+    fn forward_draw(
+        &mut self,
+        step: &PackedStep,
+        specs: &[&SampleSpec],
+    ) -> Result<(Vec<u32>, HashMap<usize, String>)> {
+        let draws: Vec<RowDraw> = specs.iter().map(|s| self.draw(s)).collect();
+        let failed = std::sync::Mutex::new(HashMap::new());
+        let mask = |row: usize, dst: &mut [u32], s: &SampleSpec| {
+            let Some(c) = &s.constraint else {
+                return;
+            };
+            match catch(|| c.allowed()) {
+                Ok(m) => {
+                    let n = m.len().min(dst.len());
+                    dst[..n].copy_from_slice(&m[..n]);
+                    dst[n..].fill(0);
+                }
+                Err(e) => {
+                    dst.fill(u32::MAX);
+                    failed.lock().unwrap().insert(row, e);
+                }
+            }
+        };
+        let masked: Vec<bool> = specs.iter().map(|s| s.constraint.is_some()).collect();
+        // A few rows are masked here: waking the pool's threads costs about a mask.
+        let few = masked.iter().filter(|&&m| m).count() < 4;
+        let fill = |out: &mut [u32], words: usize| {
+            if few {
+                let rows = out.chunks_mut(words).zip(specs).enumerate();
+                rows.for_each(|(row, (dst, s))| mask(row, dst, s));
+            } else {
+                let rows = out.par_chunks_mut(words).zip(specs).enumerate();
+                rows.for_each(|(row, (dst, s))| mask(row, dst, s));
+            }
+        };
+        let d = DeviceDraws {
+            rows: &draws,
+            masks: masked.contains(&true).then_some(Masks {
+                rows: &masked,
+                fill: &fill,
+            }),
+        };
+        let tokens = self.model.forward_draw(step, d)?;
+        Ok((tokens, failed.into_inner().unwrap()))
+    }
+
+    /// The host path: every row's logits (grammar masks computed on another thread while
+    /// the step runs: each depends only on the tokens committed before it), then each row
+    /// sampled, its draft verified, or its prompt logprob taken.
+    fn sample_on_host(
+        &mut self,
+        out: &SchedulerOutput,
+        step: &PackedStep,
+        uses: Vec<RowUse>,
+    ) -> Result<StepOutput, ExecError> {
         let vocab = self.model.vocab_size();
-        // Grammar masks are computed on another thread while the model step runs: each
-        // depends only on the tokens committed before this step.
         let constrained: Vec<(usize, Constraint)> = uses
             .iter()
             .enumerate()
@@ -369,51 +349,28 @@ impl ModelRunner {
             (logits, masks)
         });
         let logits = logits?;
+        let mut result = StepOutput::default();
         // Requests whose draft window ended at a rejected draft.
-        let mut ended = std::collections::HashSet::new();
+        let mut ended = HashSet::new();
         for (n, (row, u)) in logits.chunks_mut(vocab).zip(uses).enumerate() {
             match u {
-                RowUse::Sample(i, j) => {
-                    let r = &out.requests[i];
-                    let spec = r.sample.as_ref().expect("sampled row has a spec");
-                    let sampler = &mut self.sampler;
-                    if !r.draft.is_empty() {
-                        // Rows after a rejected draft are not looked at.
-                        if !result.failed.contains_key(&r.req_id) && !ended.contains(&i) {
-                            let spec = SampleSpec {
-                                output_index: spec.output_index + j,
-                                ..spec.clone()
-                            };
-                            let drawn = match r.draft.get(j) {
-                                Some(&d) => catch(|| sampler.verify(row, &spec, d)).map(|v| {
-                                    if v.is_err() {
-                                        ended.insert(i);
-                                    }
-                                    v.map_or_else(|t| t, |()| d)
-                                }),
-                                None => catch(|| sampler.sample(row, &spec, None).token_id),
-                            };
-                            match drawn {
-                                Ok(token_id) => {
-                                    result.sampled.entry(r.req_id).or_default().push(
-                                        SampledToken {
-                                            token_id,
-                                            logprobs: None,
-                                        },
-                                    );
-                                }
-                                Err(e) => {
-                                    result.sampled.remove(&r.req_id);
-                                    result.failed.insert(r.req_id, e);
-                                }
-                            }
-                        }
+                RowUse::Sample(i, j) if !out.requests[i].draft.is_empty() => {
+                    // Rows after a rejected draft are not looked at.
+                    if ended.contains(&i) {
                         continue;
                     }
+                    let r = &out.requests[i];
+                    if !verify_row(&mut self.sampler, r, row, j, &mut result) {
+                        ended.insert(i);
+                    }
+                }
+                RowUse::Sample(i, _) => {
+                    let r = &out.requests[i];
+                    let spec = r.sample.as_ref().expect("sampled row has a spec");
                     let drawn = match masks.get(&n) {
                         Some(Err(e)) => Err(e.clone()),
-                        Some(Ok(mask)) => catch(|| sampler.sample(row, spec, Some(mask))),
-                        None => catch(|| sampler.sample(row, spec, None)),
+                        Some(Ok(mask)) => catch(|| self.sampler.sample(row, spec, Some(mask))),
+                        None => catch(|| self.sampler.sample(row, spec, None)),
                     };
                     let drawn = drawn.and_then(|sampled| {
                         if let Some(c) = &spec.constraint {
@@ -447,5 +404,106 @@ impl ModelRunner {
             }
         }
         Ok(result)
+    }
+}
+
+/// Each row's sampling spec when every row samples a token the device can draw. A draft
+/// drawn from a distribution is verified against that distribution, on the host.
+fn device_specs<'a>(out: &'a SchedulerOutput, uses: &[RowUse]) -> Option<Vec<&'a SampleSpec>> {
+    let drafts_sampled = out
+        .requests
+        .iter()
+        .any(|r| !r.draft.is_empty() && r.sample.as_ref().is_some_and(|s| !s.params.is_greedy()));
+    if drafts_sampled {
+        return None;
+    }
+    let specs: Vec<&SampleSpec> = uses
+        .iter()
+        .map(|u| match u {
+            RowUse::Sample(i, _) => out.requests[*i].sample.as_ref(),
+            RowUse::PromptLogprob(..) => None,
+        })
+        .collect::<Option<_>>()?;
+    specs.iter().all(|s| drawable(s)).then_some(specs)
+}
+
+/// The step's result from tokens the device drew: a greedy draft holds while it is the
+/// argmax, and the first that is not ends its window with the argmax instead.
+fn accept_drawn(
+    out: &SchedulerOutput,
+    specs: &[&SampleSpec],
+    uses: Vec<RowUse>,
+    tokens: Vec<u32>,
+    failed: HashMap<usize, String>,
+) -> StepOutput {
+    let mut result = StepOutput::default();
+    for (row, (token_id, u)) in tokens.into_iter().zip(uses).enumerate() {
+        let RowUse::Sample(i, j) = u else {
+            unreachable!("only sampled rows are drawn")
+        };
+        let r = &out.requests[i];
+        if let Some(e) = failed.get(&row) {
+            result.failed.insert(r.req_id, e.clone());
+            continue;
+        }
+        let drawn = result.sampled.entry(r.req_id).or_default();
+        if drawn.len() < j
+            || drawn
+                .get(j.wrapping_sub(1))
+                .is_some_and(|t| t.token_id != r.draft[j - 1])
+        {
+            continue;
+        }
+        if let Some(c) = &specs[row].constraint {
+            c.commit(token_id);
+        }
+        drawn.push(SampledToken {
+            token_id,
+            logprobs: None,
+        });
+    }
+    result
+}
+
+/// Row `j` of `r`'s draft window on the host: its draft verified (or, past the drafts, a
+/// token sampled) into `result`. False once the window has ended here (a rejected draft, or
+/// a failure).
+fn verify_row(
+    sampler: &mut Sampler,
+    r: &ScheduledRequest,
+    row: &mut [f32],
+    j: usize,
+    result: &mut StepOutput,
+) -> bool {
+    if result.failed.contains_key(&r.req_id) {
+        return false;
+    }
+    let spec = r.sample.as_ref().expect("sampled row has a spec");
+    let spec = SampleSpec {
+        output_index: spec.output_index + j,
+        ..spec.clone()
+    };
+    let mut held = true;
+    let drawn = match r.draft.get(j) {
+        Some(&d) => catch(|| sampler.verify(row, &spec, d)).map(|v| {
+            held = v.is_ok();
+            v.map_or_else(|t| t, |()| d)
+        }),
+        None => catch(|| sampler.sample(row, &spec, None).token_id),
+    };
+    match drawn {
+        Ok(token_id) => {
+            let sampled = SampledToken {
+                token_id,
+                logprobs: None,
+            };
+            result.sampled.entry(r.req_id).or_default().push(sampled);
+            held
+        }
+        Err(e) => {
+            result.sampled.remove(&r.req_id);
+            result.failed.insert(r.req_id, e);
+            false
+        }
     }
 }

@@ -222,7 +222,7 @@ fn every_kernel_set_matches_the_reference_on_odd_shapes() {
                     a.quantize(&x, tokens, cols, *rounding);
                     let want = reference(&w, &a);
                     let mut y = vec![f32::NAN; tokens * rows];
-                    matmul(&w.clone().into_layout(Layout::of(isa)), &a, &mut y, isa);
+                    matmul(&w.clone().into_layout(isa.layout()), &a, &mut y, isa);
                     for t in 0..tokens {
                         for r in 0..rows {
                             let (got, exp) = (y[t * rows + r] as f64, want[t * rows + r]);
@@ -256,7 +256,7 @@ fn a_tokens_result_does_not_depend_on_its_neighbours() {
             .iter()
             .flat_map(|&r| Isa::available().into_iter().map(move |i| (r, i)))
         {
-            let w = w.clone().into_layout(Layout::of(isa));
+            let w = w.clone().into_layout(isa.layout());
             let mut all = QuantizedActs::default();
             all.quantize(&x, tokens, cols, rounding);
             let mut y = vec![0f32; tokens * rows];

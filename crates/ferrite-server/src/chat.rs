@@ -7,14 +7,16 @@ use crate::generation::{
 };
 use crate::prompt_work::{check_text_len, off_runtime};
 use crate::protocol::*;
-use crate::reasoning::{Piece, ReasoningParser, ReasoningStream};
+use crate::reasoning::ReasoningParser;
+use crate::reply::{ReplyEvent, ReplyStream};
 use crate::sse::{sse_response, ChunkSink, WrapChunk};
 use crate::state::{AppState, SharedState};
 use crate::structured;
-use crate::tools::{forced, CallStream, ToolEvent, ToolParser};
+use crate::tools::{forced, ToolEvent, ToolParser};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use ferrite_core::output::TokenLogprob;
+use ferrite_core::request::FinishReason;
 use ferrite_grammar::Reasoning;
 use minijinja::Value as JinjaValue;
 use serde_json::Value;
@@ -388,7 +390,8 @@ pub async fn chat_completions(
             prompt_logprobs = Some(prompt_logprobs_json(&state, lps));
         }
         let (reasoning, content, tool_calls) = started.reply(&state, &f.text);
-        let finish = if tool_calls.is_empty() {
+        // A reply cut by `max_tokens` says so, calls or not (its last call may be cut).
+        let finish = if tool_calls.is_empty() || f.finish_reason == "length" {
             f.finish_reason
         } else {
             "tool_calls"
@@ -473,7 +476,7 @@ async fn stream_choice(
             sink.send_choice(chunk(d, lp.take(), None)).await?;
         }
         if let Some(r) = o.finish_reason {
-            let finish = if called {
+            let finish = if called && r != FinishReason::Length {
                 "tool_calls"
             } else {
                 crate::generation::finish_reason(r)
@@ -486,61 +489,6 @@ async fn stream_choice(
     Err(ApiError::internal(
         "the engine ended the request without finishing it",
     ))
-}
-
-/// One streamed reply through the reasoning parser, then the tool-call parser.
-pub(crate) struct ReplyStream {
-    reasoning: Option<ReasoningStream>,
-    calls: Option<CallStream>,
-}
-
-pub(crate) enum ReplyEvent {
-    Reasoning(String),
-    Tool(ToolEvent),
-}
-
-impl ReplyStream {
-    pub fn new(
-        state: &AppState,
-        parser: Option<ToolParser>,
-        tools: &[Value],
-        constrained: bool,
-    ) -> Self {
-        Self {
-            reasoning: state
-                .reasoning_parser
-                .map(|r| ReasoningStream::new(r, constrained)),
-            calls: parser.map(|p| CallStream::new(p, tools)),
-        }
-    }
-
-    /// The events of the next text; `last`: the output ends with it.
-    pub fn push(&mut self, text: &str, last: bool) -> Vec<ReplyEvent> {
-        let pieces = match &mut self.reasoning {
-            Some(r) => {
-                let mut p = r.push(text);
-                if last {
-                    p.extend(r.finish());
-                }
-                p
-            }
-            None => vec![Piece::Content(text.to_string())],
-        };
-        let mut out = Vec::new();
-        for p in pieces {
-            match p {
-                Piece::Reasoning(r) => out.push(ReplyEvent::Reasoning(r)),
-                Piece::Content(c) => match &mut self.calls {
-                    Some(calls) => out.extend(calls.push(&c).into_iter().map(ReplyEvent::Tool)),
-                    None => out.push(ReplyEvent::Tool(ToolEvent::Content(c))),
-                },
-            }
-        }
-        if let (true, Some(calls)) = (last, &mut self.calls) {
-            out.extend(calls.finish().into_iter().map(ReplyEvent::Tool));
-        }
-        out
-    }
 }
 
 /// Events as deltas: a delta per run of reasoning or of content, a tool-calls delta per run

@@ -6,22 +6,13 @@
 use crate::error::ApiError;
 use crate::prompt_work::{check_text_len, off_runtime, MAX_CHOICES};
 use crate::protocol::{now, Prompt};
-use crate::state::{AppState, SharedState};
+use crate::state::{AppState, Embedder, SharedState};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::sync::atomic::Ordering;
-
-/// What the server knows of the embedding model it serves.
-#[derive(Clone, Debug)]
-pub struct Embedder {
-    /// Vectors are unit length (so are those cut to `dimensions`).
-    pub normalize: bool,
-    /// A cross-encoder: it scores pairs (`/v1/score`, `/v1/rerank`) and embeds nothing.
-    pub cross_encoder: bool,
-}
 
 /// A prompt's token ids, and their segments for a pair input.
 type Input = (Vec<u32>, Option<Vec<u32>>);

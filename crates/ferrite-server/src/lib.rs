@@ -3,6 +3,7 @@
 pub mod chat;
 pub mod completions;
 pub mod connection;
+pub mod conversations;
 pub mod embeddings;
 pub mod error;
 pub mod generation;
@@ -12,6 +13,7 @@ pub mod metrics;
 pub mod prompt_work;
 pub mod protocol;
 pub mod reasoning;
+pub mod reply;
 pub mod responses;
 pub mod responses_tools;
 pub mod sse;

@@ -4,10 +4,11 @@
 //! text and tool calls come back as `thinking`, `text` and `tool_use` blocks, whole or as
 //! Anthropic's stream of events. Errors are Anthropic's JSON.
 
-use crate::chat::{self, ReplyEvent, Started};
+use crate::chat::{self, Started};
 use crate::error::ApiError;
 use crate::generation::collect;
 use crate::protocol::{random_id, ChatCompletionRequest, Usage};
+use crate::reply::ReplyEvent;
 use crate::state::SharedState;
 use crate::tools::ToolEvent;
 use axum::http::StatusCode;
@@ -277,8 +278,9 @@ fn stop_reason(
     stop: Option<&str>,
 ) -> (&'static str, Value) {
     match (finish, stop) {
-        _ if called => ("tool_use", Value::Null),
+        // A reply cut by `max_tokens` says so, calls or not (its last call may be cut).
         (Some(FinishReason::Length), _) => ("max_tokens", Value::Null),
+        _ if called => ("tool_use", Value::Null),
         (_, Some(s)) => ("stop_sequence", json!(s)),
         _ => ("end_turn", Value::Null),
     }

@@ -3,12 +3,13 @@
 //! conversation of `previous_response_id` become a chat request; the reply comes back as
 //! `reasoning`, `message` and `function_call` output items, whole or as the Responses event
 //! stream. Conversations are kept in memory for the server's lifetime (the last
-//! [`KEPT_RESPONSES`]), so a client can continue one by id.
+//! [`crate::conversations::KEPT_RESPONSES`]), so a client can continue one by id.
 
-use crate::chat::{self, ReplyEvent, Started};
+use crate::chat::{self, Started};
 use crate::error::ApiError;
 use crate::generation::{collect, Choice};
 use crate::protocol::{now, random_id, ChatCompletionRequest, Usage};
+use crate::reply::ReplyEvent;
 use crate::responses_tools::{chat_tools, flat_name, namespaces, split_name};
 use crate::state::SharedState;
 use crate::tools::ToolEvent;
@@ -17,13 +18,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
-use std::sync::Mutex;
 use tokio::sync::mpsc;
-
-/// Responses whose conversations are kept for `previous_response_id`.
-pub const KEPT_RESPONSES: usize = 1024;
 
 #[derive(Debug, Deserialize)]
 pub struct ResponsesRequest {
@@ -41,36 +37,6 @@ pub struct ResponsesRequest {
     pub previous_response_id: Option<String>,
     pub store: Option<bool>,
     pub text: Option<Value>,
-}
-
-/// Each kept response's conversation, as chat messages, its reply included.
-#[derive(Default)]
-pub struct ResponseStore {
-    inner: Mutex<Kept>,
-}
-
-/// Conversations by response id, and the ids oldest first.
-#[derive(Default)]
-struct Kept {
-    by_id: HashMap<String, Vec<Value>>,
-    order: VecDeque<String>,
-}
-
-impl ResponseStore {
-    fn get(&self, id: &str) -> Option<Vec<Value>> {
-        self.inner.lock().unwrap().by_id.get(id).cloned()
-    }
-
-    fn put(&self, id: String, conversation: Vec<Value>) {
-        let mut k = self.inner.lock().unwrap();
-        if k.order.len() == KEPT_RESPONSES {
-            if let Some(old) = k.order.pop_front() {
-                k.by_id.remove(&old);
-            }
-        }
-        k.order.push_back(id.clone());
-        k.by_id.insert(id, conversation);
-    }
 }
 
 fn bad(message: impl Into<String>) -> ApiError {

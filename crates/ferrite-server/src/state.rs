@@ -1,8 +1,8 @@
 //! What every handler shares.
 
+use crate::conversations::ResponseStore;
 use crate::metrics::Metrics;
 use crate::reasoning::ReasoningParser;
-use crate::responses::ResponseStore;
 use crate::tools::ToolParser;
 use ferrite_core::engine::EngineHandle;
 use ferrite_tokenizer::chat_template::ChatTemplate;
@@ -37,7 +37,16 @@ pub struct AppState {
     /// Conversations of `/v1/responses`, for `previous_response_id`.
     pub responses: ResponseStore,
     /// Set when the model serves embeddings (and no text generation).
-    pub embedder: Option<crate::embeddings::Embedder>,
+    pub embedder: Option<Embedder>,
 }
 
 pub type SharedState = Arc<AppState>;
+
+/// What the server knows of the embedding model it serves.
+#[derive(Clone, Debug)]
+pub struct Embedder {
+    /// Vectors are unit length (so are those cut to `dimensions`).
+    pub normalize: bool,
+    /// A cross-encoder: it scores pairs (`/v1/score`, `/v1/rerank`) and embeds nothing.
+    pub cross_encoder: bool,
+}

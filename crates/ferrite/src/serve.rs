@@ -198,7 +198,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         embedder: started
             .pooling
             .as_ref()
-            .map(|p| ferrite_server::embeddings::Embedder {
+            .map(|p| ferrite_server::state::Embedder {
                 normalize: p.normalize,
                 cross_encoder: p.pairs,
             }),

@@ -1,7 +1,7 @@
 //! The synchronous engine core: scheduler and executor, each step's results turned into
 //! detokenized, stop-checked request outputs.
 
-use super::{EngineError, EngineStats, Executor, OutputSink, ITERATION_TOKEN_BUCKETS};
+use super::contract::{EngineError, EngineStats, Executor, OutputSink, ITERATION_TOKEN_BUCKETS};
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::output::{RequestOutput, StepOutput, TokenLogprob};
 use crate::request::{FinishReason, Request, RequestId};

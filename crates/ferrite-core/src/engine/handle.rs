@@ -1,8 +1,8 @@
 //! The engine thread and its clients: [`EngineHandle`] sends commands, [`RequestStream`]
 //! receives a request's outputs and aborts it when dropped.
 
+use super::contract::{Command, EngineError, EngineStats, Executor};
 use super::core::EngineCore;
-use super::{Command, EngineError, EngineStats, Executor};
 use crate::constraint::Constraint;
 use crate::output::RequestOutput;
 use crate::request::{Request, RequestId};

@@ -5,8 +5,8 @@
 //! pooling, never logits. A cross-encoder (`BertForSequenceClassification`, one label) adds
 //! the pooler (dense + tanh) and the classifier: its output is a pair's relevance logit.
 
+use super::family::{Buffers, Family};
 use super::layers::{matrix, norm, NormWeights};
-use super::{Buffers, Family};
 use crate::backend::{
     AttentionSpec, Backend, Epilogue, LinearIn, Pointwise, QkvPrep, Rounding, Stack, Step,
 };

@@ -3,8 +3,8 @@
 //! interleaved with global ones, each with its own rotary base; Gemma 2 soft-caps attention
 //! scores and final logits, Gemma 3 normalizes Q and K per head instead.
 
+use super::family::{Buffers, Family};
 use super::layers::{embedding, lm_head, norm, output, weight_bytes, Attention, Mlp, NormWeights};
-use super::{Buffers, Family};
 use crate::backend::{Activation, AttentionSpec, Backend, Epilogue, LinearIn, Step};
 use crate::config::{rope_scaling, ModelConfig, RopeScaling};
 use crate::rope::RopeSpec;

@@ -1,7 +1,7 @@
 //! The pieces the decoder families share: the attention block from its input to the output
 //! projection's input, the gated MLP's weights, norms, and the weights' byte count.
 
-use super::Scratch;
+use super::family::Scratch;
 use crate::backend::{AttentionSpec, Backend, Epilogue, LinearIn, QkvPrep, Rounding, Stack, Step};
 use crate::weights::shard::Take;
 use crate::weights::WeightSource;
@@ -387,4 +387,20 @@ pub fn output<B: Backend>(
         true => b.hidden(s, x, Some((norm, eps))),
         false => b.logits(s, x, norm, eps, head, softcap),
     }
+}
+
+/// The vocabulary as the embedding table counts it.
+pub(crate) fn embedding_rows(w: &WeightSource) -> Result<Option<usize>> {
+    Ok(match w {
+        WeightSource::Gguf { file, .. } => file
+            .content
+            .tensor_infos
+            .get("token_embd.weight")
+            .map(|t| t.shape.dims()[0]),
+        WeightSource::Safetensors { files, .. } => files
+            .get(&w.stored_name("model.embed_tokens.weight"))
+            .ok()
+            .map(|t| t.shape()[0]),
+        WeightSource::Dummy => None,
+    })
 }

@@ -3,11 +3,11 @@
 //! adds is found in its weights (biases, Q/K norms) and its config; Mixtral, Qwen2-MoE and
 //! Qwen3-MoE are the same blocks with experts in place of the MLP.
 
+use super::family::{Buffers, Family};
 use super::layers::{
     add_row_parallel, embed, embedding, lm_head, norm, output, Attention, NormWeights,
 };
 use super::moe::{Ffn, MoeConfig};
-use super::{Buffers, Family};
 use crate::backend::{AttentionSpec, Backend, LinearIn, MoeBytes, Step};
 use crate::config::{ModelConfig, RopeScaling};
 use crate::rope::RopeSpec;
@@ -65,7 +65,7 @@ impl<B: Backend> Llama<B> {
         };
         let h = c.hidden_size;
         let stage = b.pipeline_stage();
-        let vocab = super::embedding_rows(w)?.unwrap_or(c.vocab_size);
+        let vocab = super::layers::embedding_rows(w)?.unwrap_or(c.vocab_size);
         let embedding = match stage.is_first() {
             true => Some(embedding(b, w, vocab, h)?.0),
             false => None,

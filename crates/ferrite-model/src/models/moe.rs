@@ -2,8 +2,8 @@
 //! (Mixtral, Qwen2-MoE with its gated shared expert, Qwen3-MoE) with its weights found
 //! under whichever names the checkpoint uses.
 
+use super::family::Scratch;
 use super::layers::Mlp;
-use super::Scratch;
 use crate::backend::{
     Activation, Backend, Epilogue, ExpertMatrices, LinearIn, MoeBytes, MoeMatrices, MoeSpec,
 };

@@ -5,11 +5,11 @@
 //! whose output is gated by `sigmoid` of a second half of its Q projection, with partial
 //! rotary embedding. Norms are zero-centred (`x * (1 + w)`), as Gemma's.
 
+use super::family::{Buffers, Family};
 use super::layers::{
     embedding, lm_head, matrix, norm, output, weight_bytes, Attention, NormWeights,
 };
 use super::moe::{Ffn, MoeConfig};
-use super::{Buffers, Family};
 use crate::backend::{
     AttentionSpec, Backend, Epilogue, GdnParams, GdnSpec, LinearIn, MoeBytes, Rounding, Stack, Step,
 };

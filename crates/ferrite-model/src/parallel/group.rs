@@ -2,7 +2,8 @@
 //! every command), the others follow; each knows its pipeline stage and its place in the
 //! stage's tensor-parallel group.
 
-use super::{Communicator, PipelineStage, TensorParallel};
+use super::comm::Communicator;
+use super::shard::{PipelineStage, TensorParallel};
 use crate::step::PackedStep;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};

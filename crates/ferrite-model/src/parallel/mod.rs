@@ -4,16 +4,19 @@
 //! holds a [`Communicator`] of whatever library serves its device (MPI on CPUs; on GPUs
 //! NCCL, with MPI starting the ranks).
 
+mod comm;
 pub mod group;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod shard;
 
-use anyhow::{bail, Result};
-use std::ops::Range;
+use anyhow::Result;
 
+pub use comm::Communicator;
 pub use group::Group;
+pub use shard::{PipelineStage, TensorParallel};
 
 /// This process's rank of a model split `tensor` x `stages` ways (`None`: it runs whole
 /// here); the same group on every call.
@@ -24,7 +27,7 @@ pub fn join(tensor: usize, stages: usize) -> Result<Option<Group>> {
     #[cfg(feature = "mpi")]
     return mpi::group(tensor, stages).map(Some);
     #[cfg(not(feature = "mpi"))]
-    bail!(
+    anyhow::bail!(
         "--tensor-parallel-size {tensor} --pipeline-parallel-size {stages}: this ferrite was built without MPI (build with `--features mpi`; it needs Debian's libopenmpi-dev, openmpi-bin and libclang-dev)"
     )
 }
@@ -33,142 +36,4 @@ pub fn join(tensor: usize, stages: usize) -> Result<Option<Group>> {
 pub fn finish() {
     #[cfg(feature = "mpi")]
     mpi::finish();
-}
-
-/// Collectives and point-to-point messages over host buffers among the ranks of one group.
-/// Every rank calls each collective in the same order with buffers of the same length.
-pub trait Communicator: Send + Sync {
-    fn rank(&self) -> usize;
-    fn size(&self) -> usize;
-    /// `buf` becomes the element-wise sum of every rank's `buf`.
-    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()>;
-    /// Every rank's `local` (equal lengths), concatenated in rank order, on `root` only
-    /// (`out` is ignored elsewhere).
-    fn gather(&self, root: usize, local: &[f32], out: &mut [f32]) -> Result<()>;
-    /// `root`'s bytes on every rank (their length included).
-    fn broadcast(&self, root: usize, bytes: &mut Vec<u8>) -> Result<()>;
-    fn send(&self, to: usize, buf: &[f32]) -> Result<()>;
-    /// Exactly `buf.len()` values from `from`.
-    fn recv(&self, from: usize, buf: &mut [f32]) -> Result<()>;
-    /// Ends every rank's process: a rank that failed mid-step would leave the others
-    /// waiting in a collective it never joins.
-    fn abort(&self, code: i32) -> !;
-}
-
-/// A rank's place in a tensor-parallel group of `size`: which heads, columns and
-/// vocabulary rows it holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TensorParallel {
-    pub rank: usize,
-    pub size: usize,
-}
-
-impl TensorParallel {
-    pub const ALONE: Self = Self { rank: 0, size: 1 };
-
-    pub fn is_split(&self) -> bool {
-        self.size > 1
-    }
-
-    /// This rank's query heads of `n`: an equal share, so `n` must divide evenly.
-    pub fn heads(&self, n: usize) -> Result<Range<usize>> {
-        self.span(n, "attention heads")
-    }
-
-    /// This rank's KV heads of `n`: an equal share, or, with more ranks than KV heads, the
-    /// one head its query heads read (each KV head replicated on `size / n` ranks).
-    pub fn kv_heads(&self, n: usize) -> Result<Range<usize>> {
-        if n.is_multiple_of(self.size) {
-            return self.heads(n);
-        }
-        if !self.size.is_multiple_of(n) {
-            bail!(
-                "{n} KV heads do not split over, or replicate across, tensor-parallel size {}",
-                self.size
-            );
-        }
-        let head = self.rank / (self.size / n);
-        Ok(head..head + 1)
-    }
-
-    /// This rank's equal share of `n` `what` (heads, an MLP's columns).
-    pub fn span(&self, n: usize, what: &str) -> Result<Range<usize>> {
-        if !n.is_multiple_of(self.size) {
-            bail!(
-                "{n} {what} do not split over tensor-parallel size {}",
-                self.size
-            );
-        }
-        let per = n / self.size;
-        Ok(self.rank * per..(self.rank + 1) * per)
-    }
-
-    /// Rows of the vocabulary each rank holds: every rank the same count, the last padded
-    /// with zero rows, so the logits gather in equal parts.
-    pub fn vocab_rows(&self, vocab: usize) -> usize {
-        vocab.div_ceil(self.size)
-    }
-
-    /// This rank's vocabulary rows (its end may lie past `vocab`: the padding).
-    pub fn vocab(&self, vocab: usize) -> Range<usize> {
-        let per = self.vocab_rows(vocab);
-        self.rank * per..(self.rank + 1) * per
-    }
-}
-
-/// A rank's pipeline stage of `stages`: the layers it holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PipelineStage {
-    pub stage: usize,
-    pub stages: usize,
-}
-
-impl PipelineStage {
-    pub const ONLY: Self = Self {
-        stage: 0,
-        stages: 1,
-    };
-
-    pub fn is_first(&self) -> bool {
-        self.stage == 0
-    }
-
-    pub fn is_last(&self) -> bool {
-        self.stage + 1 == self.stages
-    }
-
-    /// This stage's layers of `n`: contiguous, the earlier stages taking the remainder.
-    pub fn layers(&self, n: usize) -> Range<usize> {
-        let (per, extra) = (n / self.stages, n % self.stages);
-        let start = self.stage * per + self.stage.min(extra);
-        start..start + per + usize::from(self.stage < extra)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn heads_split_evenly_and_kv_heads_replicate_past_their_count() {
-        let tp = |rank| TensorParallel { rank, size: 4 };
-        assert_eq!(tp(1).heads(8).unwrap(), 2..4);
-        assert!(tp(0).heads(9).is_err());
-        assert_eq!(tp(3).kv_heads(8).unwrap(), 6..8);
-        // 2 KV heads over 4 ranks: ranks 0-1 read head 0, ranks 2-3 head 1.
-        let kv: Vec<_> = (0..4).map(|r| tp(r).kv_heads(2).unwrap()).collect();
-        assert_eq!(kv, [0..1, 0..1, 1..2, 1..2]);
-        assert!(tp(0).kv_heads(3).is_err());
-        assert_eq!(tp(3).vocab(49153), 36867..49156);
-    }
-
-    #[test]
-    fn stages_cover_every_layer_once() {
-        for (n, stages) in [(30, 4), (2, 2), (7, 3)] {
-            let all: Vec<usize> = (0..stages)
-                .flat_map(|stage| PipelineStage { stage, stages }.layers(n))
-                .collect();
-            assert_eq!(all, (0..n).collect::<Vec<_>>());
-        }
-    }
 }

@@ -1,7 +1,8 @@
 //! The CPU communicator: MPI (Open MPI, through the `mpi` crate), one process per rank as
 //! `mpirun` starts them, on one host or across hosts by its host file.
 
-use super::{Communicator as Collectives, Group};
+use super::comm::Communicator as Collectives;
+use super::group::Group;
 use anyhow::{bail, Result};
 use mpi::collective::SystemOperation;
 use mpi::environment::Universe;

@@ -4,7 +4,7 @@
 //! synchronisation of their own and can be captured in a CUDA graph.
 //! NVLink multicast (NVLS) stays off: on shared hosts it can take the GPUs out of service.
 
-use super::Communicator;
+use super::comm::Communicator;
 use anyhow::{bail, Result};
 use candle_core::cuda::cudarc::driver::CudaStream;
 use candle_core::cuda::cudarc::nccl::{result, sys};

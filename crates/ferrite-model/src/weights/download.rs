@@ -2,7 +2,7 @@
 //! [`super::hub`] reads, through the hf-hub crate: a progress bar per file on a terminal, a
 //! log line per file otherwise; files already in the snapshot are not fetched again.
 
-use super::hub::{pick, Pick};
+use super::pick::{pick, Pick};
 use anyhow::{anyhow, Error, Result};
 use hf_hub::api::sync::{ApiBuilder, ApiError};
 use hf_hub::{Cache, Repo, RepoType};

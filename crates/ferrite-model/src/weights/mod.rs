@@ -9,6 +9,7 @@ pub mod experts;
 pub mod footprint;
 pub mod gguf;
 pub mod hub;
+pub mod pick;
 pub mod shard;
 pub mod supported;
 

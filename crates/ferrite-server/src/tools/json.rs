@@ -3,7 +3,7 @@
 //! name and the raw text of its arguments so far: those bytes are the model's own, so streamed
 //! fragments and the whole response's arguments are the same string.
 
-use super::{Body, BodyState, PartialCall};
+use super::body::{Body, BodyState, PartialCall};
 
 /// How far a JSON value starting at `i` reaches.
 #[derive(Debug, PartialEq, Eq)]

@@ -5,12 +5,14 @@
 //! call's name goes out once it is complete, its arguments as they grow. Text that does not
 //! parse as a call stays content, never an empty message.
 
+mod body;
 pub mod forced;
 mod json;
 mod pythonic;
 mod xml;
 
 use crate::protocol::{FunctionCall, ToolCall};
+use body::{Body, BodyState};
 use serde_json::Value;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -194,29 +196,6 @@ fn leading(rest: &str, at_start: bool, tags: &[&str], open: char) -> Option<Star
         .then_some(Start::None { hold: rest.len() })
 }
 
-/// One call of a body as parsed so far. `args` only grows from one parse to the next.
-#[derive(Debug, Default, PartialEq, Eq)]
-struct PartialCall {
-    name: Option<String>,
-    args: String,
-}
-
-#[derive(Debug, PartialEq, Eq)]
-enum BodyState {
-    /// More text may extend the body.
-    Open,
-    /// The body ends after `n` bytes (its end marker included).
-    Done(usize),
-    /// Not a call body: the calls before `valid` bytes stand, the rest is content.
-    Invalid { valid: usize },
-}
-
-#[derive(Debug)]
-struct Body {
-    calls: Vec<PartialCall>,
-    state: BodyState,
-}
-
 /// A body being streamed: where it starts and what of it went out.
 struct OpenBody {
     marker_at: usize,
@@ -358,15 +337,6 @@ impl CallStream {
             }
         }
     }
-}
-
-/// The schema type of parameter `key` of tool `name`, if the tools say.
-fn param_type<'a>(tools: &'a [Value], name: &str, key: &str) -> Option<&'a str> {
-    tools
-        .iter()
-        .find(|t| t.pointer("/function/name").and_then(Value::as_str) == Some(name))?
-        .pointer(&format!("/function/parameters/properties/{key}/type"))?
-        .as_str()
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! numbers, True / False / None, lists, dicts, tuples), turned into a JSON object when the
 //! call's `)` arrives; the name goes out at its `(`.
 
-use super::{Body, BodyState, PartialCall};
+use super::body::{Body, BodyState, PartialCall};
 use serde_json::{Map, Number, Value};
 
 /// A body: `[call, ...]`, or (in a tool_code block) calls up to the closing fence.

@@ -4,7 +4,7 @@
 //! number, integer, boolean, object or array and the text parses as one). The arguments object
 //! grows a parameter at a time: `{"k": v`, `, "k2": v2`, then `}` at `</function>`.
 
-use super::{param_type, Body, BodyState, PartialCall};
+use super::body::{param_type, Body, BodyState, PartialCall};
 use serde_json::Value;
 
 pub(super) fn body(text: &str, tools: &[Value], at_end: bool) -> Body {

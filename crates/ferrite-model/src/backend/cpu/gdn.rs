@@ -6,7 +6,7 @@
 //! value heads.
 
 use super::disjoint::DisjointSlice;
-use super::Mat;
+use super::mat::Mat;
 use crate::backend::GdnSpec;
 use crate::step::NO_SLOT;
 use anyhow::{bail, Result};

@@ -4,7 +4,7 @@
 //! quantization of the input ([`LinearInput`]).
 
 use super::quant::activations::QuantizedActs;
-use super::quant::packed::{Codes, Layout, PackedWeight};
+use super::quant::packed::{Codes, PackedWeight};
 use super::quant::{matmul, Isa};
 use crate::backend::Rounding;
 use crate::settings::WeightFormat;
@@ -59,7 +59,7 @@ fn packed_as(dtype: GgmlDType, format: WeightFormat) -> Option<Codes> {
 /// [`Linear::bytes`] of a stored `[rows, cols]` matrix, known before it is read (plans).
 pub fn matrix_bytes(dtype: GgmlDType, rows: usize, cols: usize, format: WeightFormat) -> usize {
     match packed_as(dtype, format) {
-        Some(codes) => PackedWeight::bytes_for(rows, cols, codes, Layout::of(Isa::detect())),
+        Some(codes) => PackedWeight::bytes_for(rows, cols, codes, Isa::detect().layout()),
         None => rows * cols * 4,
     }
 }
@@ -72,7 +72,7 @@ impl Linear {
     /// Quantized weights in the layout of this CPU's kernels (after any stacking).
     fn laid_out(self) -> Self {
         let weights = match self.weights {
-            Weights::Quantized(w) => Weights::Quantized(w.into_layout(Layout::of(Isa::detect()))),
+            Weights::Quantized(w) => Weights::Quantized(w.into_layout(Isa::detect().layout())),
             float => float,
         };
         Self { weights, ..self }

@@ -8,6 +8,7 @@ pub mod disjoint;
 pub mod gdn;
 pub mod kv_cache;
 pub mod linear;
+mod mat;
 pub mod moe;
 pub mod ops;
 pub mod quant;
@@ -27,30 +28,11 @@ use candle_core::quantized::QTensor;
 use candle_core::Device;
 use kv_cache::{CacheShape, LayerCache};
 use linear::{project, Linear, LinearInput};
+pub use mat::Mat;
 use ops::{add_in_place, gated_mul, head_rms_norm, rms_norm, softcap};
 use quant::activations::QuantizedActs;
 use quant::Isa;
 use std::sync::Arc;
-
-/// Row-major activations; `rows = data.len() / cols`.
-#[derive(Default)]
-pub struct Mat {
-    pub data: Vec<f32>,
-    pub cols: usize,
-}
-
-impl Mat {
-    fn rows(&self) -> usize {
-        self.data.len().checked_div(self.cols).unwrap_or(0)
-    }
-
-    /// Resized to `[rows, cols]`, allocating only past its capacity.
-    fn shape(&mut self, rows: usize, cols: usize) -> &mut [f32] {
-        self.cols = cols;
-        self.data.resize(rows * cols, 0.0);
-        &mut self.data
-    }
-}
 
 /// The embedding table in its GGUF blocks: rows are dequantized as tokens look them up.
 pub struct Embedding {
@@ -359,7 +341,15 @@ impl Backend for CpuBackend {
     }
 
     fn mixture(&mut self, x: &mut Mat, norm: &Vec<f32>, eps: f32, m: &moe::Moe) -> Result<()> {
-        self.mixture_into(x, norm, eps, m)
+        moe::mixture(
+            m,
+            &mut self.moe,
+            &mut self.acts,
+            &mut self.part,
+            x,
+            norm,
+            eps,
+        )
     }
 
     fn prepare_qkv(

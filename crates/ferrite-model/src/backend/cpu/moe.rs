@@ -4,8 +4,9 @@
 //! experts in expert order, so a row's result never depends on the rows it shares them with.
 
 use super::linear::{project, Linear, LinearInput};
+use super::mat::Mat;
 use super::ops::{add_in_place, gated_mul, rms_norm};
-use super::{CpuBackend, Mat};
+use super::quant::activations::QuantizedActs;
 use crate::backend::{Activation, ExpertMatrices, MoeBytes, MoeMatrices, MoeSpec, Rounding};
 use crate::settings::WeightFormat;
 use anyhow::{bail, Result};
@@ -117,95 +118,86 @@ pub struct Scratch {
     acc: Vec<f32>,
 }
 
-impl CpuBackend {
-    pub(super) fn mixture_into(
-        &mut self,
-        x: &mut Mat,
-        norm: &[f32],
-        eps: f32,
-        m: &Moe,
-    ) -> Result<()> {
-        let mut s = std::mem::take(&mut self.moe);
-        let r = self.mixture_with(&mut s, x, norm, eps, m);
-        self.moe = s;
-        r
+/// `residual += MoE(rms_norm(residual))`: the router, then each expert over the rows routed
+/// to it, summed per row in expert order. `acts` and `part` are the backend's buffers for a
+/// projection's quantized input and its unstacked parts.
+pub fn mixture(
+    m: &Moe,
+    s: &mut Scratch,
+    acts: &mut QuantizedActs,
+    part: &mut Vec<f32>,
+    residual: &mut Mat,
+    norm: &[f32],
+    eps: f32,
+) -> Result<()> {
+    let h = residual.cols;
+    s.x.resize(residual.data.len(), 0.0);
+    rms_norm(&residual.data, norm, eps, &mut s.x);
+    let t = s.x.len() / h.max(1);
+    let input = LinearInput::new(&s.x, t, h, Rounding::Coarse, acts);
+    m.router.forward(&input, &mut s.logits)?;
+    let width = m.router.out_features();
+    s.groups.resize_with(m.experts.len(), Vec::new);
+    s.groups.iter_mut().for_each(Vec::clear);
+    for (row, logits) in s.logits.chunks(width).enumerate() {
+        route(logits, &m.spec, &mut s.picks);
+        for &(e, w) in &s.picks {
+            s.groups[e].push((row, w));
+        }
     }
+    s.acc.clear();
+    s.acc.resize(t * h, 0.0);
+    let groups = std::mem::take(&mut s.groups);
+    for (e, group) in m.experts.iter().zip(&groups) {
+        if group.is_empty() {
+            continue;
+        }
+        s.rows.clear();
+        for &(row, _) in group {
+            s.rows.extend_from_slice(&s.x[row * h..][..h]);
+        }
+        let rows = std::mem::take(&mut s.rows);
+        expert(e, &rows, group.len(), h, m.spec.act, s, acts, part)?;
+        s.rows = rows;
+        for (&(row, w), y) in group.iter().zip(s.y.chunks(h)) {
+            let acc = &mut s.acc[row * h..][..h];
+            acc.iter_mut().zip(y).for_each(|(a, y)| *a += w * y);
+        }
+    }
+    s.groups = groups;
+    if let Some(shared) = &m.shared {
+        let x = std::mem::take(&mut s.x);
+        expert(shared, &x, t, h, m.spec.act, s, acts, part)?;
+        s.x = x;
+        for (row, (acc, y)) in s.acc.chunks_mut(h).zip(s.y.chunks(h)).enumerate() {
+            let w = match m.gated_shared {
+                true => 1.0 / (1.0 + (-s.logits[row * width + width - 1]).exp()),
+                false => 1.0,
+            };
+            acc.iter_mut().zip(y).for_each(|(a, y)| *a += w * y);
+        }
+    }
+    add_in_place(&mut residual.data, &s.acc);
+    Ok(())
+}
 
-    fn mixture_with(
-        &mut self,
-        s: &mut Scratch,
-        residual: &mut Mat,
-        norm: &[f32],
-        eps: f32,
-        m: &Moe,
-    ) -> Result<()> {
-        let h = residual.cols;
-        s.x.resize(residual.data.len(), 0.0);
-        rms_norm(&residual.data, norm, eps, &mut s.x);
-        let t = s.x.len() / h.max(1);
-        let input = LinearInput::new(&s.x, t, h, Rounding::Coarse, &mut self.acts);
-        m.router.forward(&input, &mut s.logits)?;
-        let width = m.router.out_features();
-        s.groups.resize_with(m.experts.len(), Vec::new);
-        s.groups.iter_mut().for_each(Vec::clear);
-        for (row, logits) in s.logits.chunks(width).enumerate() {
-            route(logits, &m.spec, &mut s.picks);
-            for &(e, w) in &s.picks {
-                s.groups[e].push((row, w));
-            }
-        }
-        s.acc.clear();
-        s.acc.resize(t * h, 0.0);
-        let groups = std::mem::take(&mut s.groups);
-        for (e, group) in m.experts.iter().zip(&groups) {
-            if group.is_empty() {
-                continue;
-            }
-            s.rows.clear();
-            for &(row, _) in group {
-                s.rows.extend_from_slice(&s.x[row * h..][..h]);
-            }
-            let rows = std::mem::take(&mut s.rows);
-            self.expert(e, &rows, group.len(), h, m.spec.act, s)?;
-            s.rows = rows;
-            for (&(row, w), y) in group.iter().zip(s.y.chunks(h)) {
-                let acc = &mut s.acc[row * h..][..h];
-                acc.iter_mut().zip(y).for_each(|(a, y)| *a += w * y);
-            }
-        }
-        s.groups = groups;
-        if let Some(shared) = &m.shared {
-            let x = std::mem::take(&mut s.x);
-            self.expert(shared, &x, t, h, m.spec.act, s)?;
-            s.x = x;
-            for (row, (acc, y)) in s.acc.chunks_mut(h).zip(s.y.chunks(h)).enumerate() {
-                let w = match m.gated_shared {
-                    true => 1.0 / (1.0 + (-s.logits[row * width + width - 1]).exp()),
-                    false => 1.0,
-                };
-                acc.iter_mut().zip(y).for_each(|(a, y)| *a += w * y);
-            }
-        }
-        add_in_place(&mut residual.data, &s.acc);
-        Ok(())
-    }
-
-    /// Expert `e`'s MLP of `x` (`[rows, h]`) into `s.y`.
-    fn expert(
-        &mut self,
-        e: &Expert,
-        x: &[f32],
-        rows: usize,
-        h: usize,
-        act: Activation,
-        s: &mut Scratch,
-    ) -> Result<()> {
-        let input = LinearInput::new(x, rows, h, Rounding::Coarse, &mut self.acts);
-        project(&e.gate_up, &input, &mut s.gate_up, &mut self.part)?;
-        let inter = s.gate_up.len() / rows / 2;
-        s.act.resize(rows * inter, 0.0);
-        gated_mul(&s.gate_up, inter, act, &mut s.act);
-        let input = LinearInput::new(&s.act, rows, inter, Rounding::Coarse, &mut self.acts);
-        project(&e.down, &input, &mut s.y, &mut self.part)
-    }
+/// Expert `e`'s MLP of `x` (`[rows, h]`) into `s.y`.
+#[allow(clippy::too_many_arguments)]
+fn expert(
+    e: &Expert,
+    x: &[f32],
+    rows: usize,
+    h: usize,
+    act: Activation,
+    s: &mut Scratch,
+    acts: &mut QuantizedActs,
+    part: &mut Vec<f32>,
+) -> Result<()> {
+    let input = LinearInput::new(x, rows, h, Rounding::Coarse, acts);
+    project(&e.gate_up, &input, &mut s.gate_up, part)?;
+    let inter = s.gate_up.len() / rows / 2;
+    s.act.resize(rows * inter, 0.0);
+    gated_mul(&s.gate_up, inter, act, &mut s.act);
+    let input = LinearInput::new(&s.act, rows, inter, Rounding::Coarse, acts);
+    project(&e.down, &input, &mut s.y, part)
 }

@@ -4,7 +4,8 @@
 
 #![cfg(target_arch = "x86_64")]
 
-use super::{row_sums, ScoreBlock, LANES};
+use super::tile::{row_sums, LANES};
+use super::work::ScoreBlock;
 
 /// [`piece_scores`] in 16-lane registers, register-blocked: up to 12 query vectors (several
 /// rows x heads) against up to 8 pieces at once, so each K load and each query broadcast feeds

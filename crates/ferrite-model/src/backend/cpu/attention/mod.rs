@@ -9,38 +9,15 @@ use crate::backend::cpu::quant::isa::Isa;
 use rayon::prelude::*;
 
 mod tile;
+mod work;
 use tile::*;
+use work::{row_span, Item, LayerInputs, Merge, ScoreBlock, StepWork, TileScratch};
+pub use work::{AttentionMeta, AttentionParams};
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 use avx512::{block_scores_avx512, row_sums_avx512};
-
-/// Where each request's queries and keys are, in the packed step.
-pub struct AttentionMeta<'a> {
-    /// `[B + 1]`: request `b` owns query rows `cu_seqlens_q[b]..cu_seqlens_q[b + 1]`.
-    pub cu_seqlens_q: &'a [u32],
-    /// `[B]`: K/V length of each request including this step's tokens.
-    pub seq_lens_k: &'a [u32],
-    /// `[B, max_blocks]`, row-major.
-    pub block_tables: &'a [u32],
-    pub max_blocks: usize,
-    pub block_size: usize,
-}
-
-pub struct AttentionParams<'a> {
-    pub num_heads: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
-    pub scale: f32,
-    pub sliding_window: Option<usize>,
-    pub softcap: Option<f32>,
-    /// False: every query row sees all of its request's keys (encoders).
-    pub causal: bool,
-    /// Attention sinks: per query head, a logit in every row's softmax that no value follows
-    /// (gpt-oss); `[num_heads]`.
-    pub sinks: Option<&'a [f32]>,
-}
 
 /// Request that owns query row `t`, by binary search over `cu_seqlens_q`.
 fn owner(cu: &[u32], t: usize) -> usize {
@@ -51,12 +28,6 @@ fn owner(cu: &[u32], t: usize) -> usize {
 /// halves the history re-read by long prefills against 16 and keeps a 512-token step in
 /// 48 tiles).
 const Q_TILE: usize = 32;
-
-/// Keys per chunk (rounded up to whole blocks). Every row's softmax is computed as one
-/// partial per chunk of absolute key positions, merged in chunk order: the grid depends
-/// only on positions, so a row gets the same bits whatever tile it sits in, and the chunks
-/// of one long decode run on different threads.
-const KEY_CHUNK: usize = 256;
 
 /// `q`: `[T, num_heads, head_dim]`; caches as [`Pages`], `k_cache`: `[num_blocks,
 /// num_kv_heads, head_dim, block_size]` (keys minor), `v_cache`: `[num_blocks, num_kv_heads,
@@ -174,24 +145,6 @@ fn tile_keys(
     span(rows.start).start..span(rows.end - 1).end
 }
 
-/// The key range `[first, end)` of each query row of request `b`: causal, or all of them.
-fn row_span<'a>(
-    meta: &'a AttentionMeta,
-    p: &'a AttentionParams,
-    b: usize,
-) -> impl Fn(usize) -> std::ops::Range<usize> + 'a {
-    let q_start = meta.cu_seqlens_q[b] as usize;
-    let q_len = meta.cu_seqlens_q[b + 1] as usize - q_start;
-    let k_len = meta.seq_lens_k[b] as usize;
-    move |t| {
-        if !p.causal {
-            return 0..k_len;
-        }
-        let pos = k_len - q_len + (t - q_start);
-        p.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w))..pos + 1
-    }
-}
-
 /// Row `i` of a merge: `o = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M)` over the
 /// chunks' partials in order, for each of the `group` query heads (with `sinks`, each head's
 /// sink adds `e^(sink - M)` to the denominator). Chunks where the row saw no key are
@@ -235,57 +188,6 @@ fn merge_row(
         let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
         oh.iter_mut().for_each(|x| *x *= inv);
     }
-}
-
-/// Up to Q_TILE query rows of request `b`, KV head `kvh`, keys `keys` (one chunk, clipped
-/// to the tile's range); its partials live at `part` in the step's buffer: `acc` `[rows,
-/// group, head_dim]`, then `m` and `l` `[rows, group]` each.
-struct Item {
-    b: usize,
-    rows: std::ops::Range<usize>,
-    kvh: usize,
-    keys: std::ops::Range<usize>,
-    part: usize,
-}
-
-/// What every item of one call reads: the queries, the layer's caches, the step's layout.
-#[derive(Clone, Copy)]
-struct LayerInputs<'a> {
-    /// The kernel set (the caches are widened through it too).
-    isa: Isa,
-    q: &'a [f32],
-    k_cache: &'a Pages,
-    v_cache: &'a Pages,
-    meta: &'a AttentionMeta<'a>,
-    p: &'a AttentionParams<'a>,
-}
-
-/// The items (consecutive) whose partials make up the output of one tile and KV head.
-struct Merge {
-    rows: std::ops::Range<usize>,
-    kvh: usize,
-    items: std::ops::Range<usize>,
-}
-
-/// The calling thread's work list and partials, reused across layers and steps.
-#[derive(Default)]
-struct StepWork {
-    items: Vec<Item>,
-    merges: Vec<Merge>,
-    parts: Vec<f32>,
-}
-
-/// A compute thread's buffers for one item, reused across items, layers and steps.
-#[derive(Default)]
-struct TileScratch {
-    /// The chunk in f32: K^T `[head_dim, keys]`, V `[keys, head_dim]`.
-    kt: Vec<f32>,
-    vb: Vec<f32>,
-    /// One row's scores, then its weights, `[heads, keys]`.
-    w: Vec<f32>,
-    /// One block's K `[head_dim, block_size]` before it is cut into pieces (block sizes
-    /// other than LANES).
-    blk: Vec<f32>,
 }
 
 thread_local! {
@@ -338,24 +240,4 @@ unsafe fn attend_tile_avx512(x: &LayerInputs, it: &Item, part: &mut [f32], s: &m
         row_sums_avx512(o, w, cols, keys, vk, odd, d)
     };
     attend_tile(x, it, part, s, scores, sums)
-}
-
-/// A group of a tile's rows whose query vectors (each row's heads of one KV head) meet the same
-/// K^T pieces: `q` starts at the first row's first head, rows `row_stride` apart, heads `d`
-/// apart; scores go to `out[(row * heads + head) * cols + piece * LANES + lane]`.
-struct ScoreBlock<'a> {
-    q: &'a [f32],
-    row_stride: usize,
-    rows: usize,
-    heads: usize,
-    d: usize,
-    cols: usize,
-}
-
-impl ScoreBlock<'_> {
-    /// Query vector `v` (row-major over rows and heads) and where its scores start.
-    fn vector(&self, v: usize) -> (usize, usize) {
-        let (row, head) = (v / self.heads, v % self.heads);
-        (row * self.row_stride + head * self.d, v * self.cols)
-    }
 }

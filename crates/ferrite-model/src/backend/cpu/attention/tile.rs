@@ -2,7 +2,8 @@
 //! values, portable (the compiler vectorizes the 16-lane loops) with the AVX-512 pieces of
 //! `avx512.rs` plugged in where the CPU has them.
 
-use super::*;
+use super::work::{row_span, Item, LayerInputs, ScoreBlock, TileScratch};
+use crate::backend::cpu::ops::exp_nonpositive;
 
 /// The scores of each query vector of `b` against consecutive LANES-key pieces of K^T (`k`:
 /// `[pieces, d, LANES]`), into `out` as [`ScoreBlock`] lays it out.
@@ -227,6 +228,12 @@ pub(super) fn row_sums(
 /// Blocks ahead whose K/V are requested from memory while one is widened: a decode's
 /// blocks are scattered over the pool, beyond what the hardware prefetcher follows.
 pub(super) const PREFETCH_BLOCKS: usize = 2;
+
+/// Keys per chunk (rounded up to whole blocks). Every row's softmax is computed as one
+/// partial per chunk of absolute key positions, merged in chunk order: the grid depends
+/// only on positions, so a row gets the same bits whatever tile it sits in, and the chunks
+/// of one long decode run on different threads.
+const KEY_CHUNK: usize = 256;
 
 /// Keys per chunk for a block size: KEY_CHUNK rounded up to whole blocks.
 pub(super) fn key_chunk(block_size: usize) -> usize {

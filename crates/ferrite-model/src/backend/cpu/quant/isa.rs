@@ -1,5 +1,6 @@
 //! Which instruction set the CPU kernels use, detected once at run time.
 
+use super::packed::Layout;
 use std::sync::OnceLock;
 
 /// Kernel instruction sets, fastest first.
@@ -20,6 +21,13 @@ pub enum Isa {
 pub const ISA_ENV: &str = "FERRITE_CPU_ISA";
 
 impl Isa {
+    /// The weight layout this kernel set reads.
+    pub fn layout(self) -> Layout {
+        match self {
+            Isa::Amx | Isa::Avx512Vnni => Layout::Panels,
+            _ => Layout::Rows,
+        }
+    }
     pub fn name(self) -> &'static str {
         match self {
             Isa::Amx => "amx",

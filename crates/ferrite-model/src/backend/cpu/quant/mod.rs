@@ -96,7 +96,7 @@ pub fn matmul(w: &PackedWeight, a: &QuantizedActs, out: &mut [f32], isa: Isa) {
     assert_eq!(w.blocks, a.blocks, "weight and activation widths differ");
     assert_eq!(
         w.layout,
-        packed::Layout::of(isa),
+        isa.layout(),
         "{} kernels on another layout",
         isa.name()
     );

@@ -53,16 +53,6 @@ pub enum Layout {
 /// Rows per panel.
 pub const PANEL_ROWS: usize = 16;
 
-impl Layout {
-    /// The layout kernel set `isa` reads.
-    pub fn of(isa: super::Isa) -> Self {
-        match isa {
-            super::Isa::Amx | super::Isa::Avx512Vnni => Layout::Panels,
-            _ => Layout::Rows,
-        }
-    }
-}
-
 #[derive(Clone)]
 pub struct PackedWeight {
     pub rows: usize,
