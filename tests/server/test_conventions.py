@@ -54,8 +54,12 @@ def test_dtype_is_honoured_or_refused():
     run = lambda *a: subprocess.run([BINARY, "generate", MODEL, "--prompt", "Hi", "--max-tokens", "2",
                                      "--kv-cache-memory", str(50 << 20), "--max-model-len", "256", *a],
                                     capture_output=True, text=True)
-    r = run("--dtype", "float16")
-    assert r.returncode != 0 and "--dtype float16" in r.stderr
+    for half in ["float16", "half"]:
+        r = run("--dtype", half)
+        assert r.returncode != 0 and f"invalid value '{half}' for '--dtype" in r.stderr, r.stderr
+        assert "computes in no float16 type" in r.stderr, r.stderr
+    r = run("--dtype", "bfloat16")
+    assert r.returncode != 0 and "--dtype bfloat16 is not a type the CPU backend computes in" in r.stderr
     r = run("--dtype", "float32", "--log-level", "info")
     assert r.returncode == 0 and "weights F32" in r.stderr
 

@@ -117,7 +117,30 @@ def test_tokenize_detokenize_roundtrip(server):
     assert chat["count"] > t["count"]
 
 
+def test_continue_final_message_leaves_the_last_message_open(server, client):
+    chat = ASK + [{"role": "assistant", "content": "Hello there, my"}]
+    open_ = {"continue_final_message": True, "add_generation_prompt": False}
+    ids = requests.post(server.url + "/tokenize", json={"messages": chat, **open_}).json()["tokens"]
+    text = requests.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\nHello there, my"), text
+    # The reply continues the message: what a completion of exactly those tokens says.
+    kw = dict(model=MODEL, max_tokens=8, temperature=0)
+    c = client.chat.completions.create(messages=chat, extra_body=open_, **kw).choices[0]
+    assert c.message.content == client.completions.create(prompt=ids, **kw).choices[0].text
+    closed = client.chat.completions.create(messages=chat, **kw).choices[0]
+    assert closed.message.content != c.message.content
+
+
+def test_unsupported_content_parts_are_named(client):
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=image)
+    assert "content parts of type `image_url` are not supported" in str(e.value), e.value
+    assert "Some(" not in str(e.value)
+
+
 @pytest.mark.parametrize("kw,param", [
+    (dict(extra_body={"continue_final_message": True, "add_generation_prompt": True}), "continue_final_message"),
     (dict(max_tokens=-5), "max_tokens"),
     (dict(temperature=-1.0), "temperature"),
     (dict(response_format={"type": "json_schema"}), "response_format"),

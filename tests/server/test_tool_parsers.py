@@ -79,3 +79,17 @@ def test_a_forced_call_cut_by_max_tokens_reports_length(parser_client):
     finish = [c.choices[0].finish_reason for c in client.chat.completions.create(stream=True, **kw)
               if c.choices and c.choices[0].finish_reason]
     assert finish == ["length"], (parser, finish)
+
+
+def test_a_cut_forced_reply_leaks_no_markup_into_content(parser_client):
+    """`required` with parallel calls, cut at several points: the finished calls come back,
+    and the unfinished one's markup (`<tool_call>\\n{"`, `[TOOL_CALLS]`...) is not content."""
+    parser, client = parser_client
+    for max_tokens in (30, 60, 100):
+        kw = dict(model=MODEL, messages=ask("What is the weather in Paris?"), tools=TOOLS,
+                  temperature=0, max_tokens=max_tokens, tool_choice="required")
+        c = client.chat.completions.create(**kw).choices[0]
+        assert not c.message.content, (parser, max_tokens, c)
+        content = "".join(ch.choices[0].delta.content or "" for ch in
+                          client.chat.completions.create(stream=True, **kw) if ch.choices)
+        assert not content, (parser, max_tokens, content)

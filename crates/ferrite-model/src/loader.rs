@@ -12,7 +12,7 @@ use crate::models::{self, Decoder};
 use crate::parallel;
 use crate::pooling::Pooling;
 use crate::step::PackedStep;
-use crate::weights::footprint::cpu_weight_bytes;
+use crate::weights::footprint::{cpu_weight_bytes, cpu_weight_label};
 use crate::{runner::ModelRunner, step::StepModel};
 use anyhow::{bail, Result};
 use ferrite_core::scheduler::{StepTarget, StepTime};
@@ -281,7 +281,15 @@ fn profile_activations(
 /// What [`load`] would plan on the CPU, from the checkpoint's header and config alone (no
 /// weights read): weights as the CPU backend keeps them, activations estimated (start-up
 /// measures its step), for `device_bytes` of memory.
-pub fn plan_from_header(args: &EngineArgs, device_bytes: u64) -> Result<(MemoryPlan, ModelConfig)> {
+/// What `ferrite plan` states: the memory plan, the model's config and how the CPU backend
+/// keeps its matrices.
+pub struct HeaderPlan {
+    pub plan: MemoryPlan,
+    pub config: ModelConfig,
+    pub weight_format: String,
+}
+
+pub fn plan_from_header(args: &EngineArgs, device_bytes: u64) -> Result<HeaderPlan> {
     if args.world_size() > 1 {
         bail!("planning a model split across ranks is not built yet: start it, its log states each rank's plan");
     }
@@ -309,5 +317,9 @@ pub fn plan_from_header(args: &EngineArgs, device_bytes: u64) -> Result<(MemoryP
         kv_slots: None,
     };
     let (plan, _) = args.plan(&config, max_model_len, device_bytes, bytes)?;
-    Ok((plan, config))
+    Ok(HeaderPlan {
+        plan,
+        config,
+        weight_format: cpu_weight_label(&weights, args.weight_format),
+    })
 }

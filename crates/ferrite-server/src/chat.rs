@@ -18,6 +18,7 @@ use axum::Json;
 use ferrite_core::output::TokenLogprob;
 use ferrite_core::request::FinishReason;
 use ferrite_grammar::Reasoning;
+use ferrite_tokenizer::chat_template::open_final_message;
 use minijinja::Value as JinjaValue;
 use serde_json::Value;
 use std::sync::Arc;
@@ -82,10 +83,19 @@ pub fn normalize_messages(messages: &[Value]) -> Result<Vec<Value>, ApiError> {
                         p.get("text").and_then(Value::as_str),
                     ) {
                         (Some("text"), Some(t)) => text.push_str(t),
+                        (Some("text"), None) => {
+                            return Err(ApiError::bad_request(
+                                "a content part of type `text` needs a string `text`",
+                            )
+                            .with_param("messages"))
+                        }
                         (t, _) => {
-                            return Err(ApiError::bad_request(format!(
-                                "content parts of type {t:?} are not supported (text only)"
-                            )))
+                            return Err(ApiError::unknown_type(
+                                "content parts",
+                                t,
+                                "text: this model reads text only",
+                            )
+                            .with_param("messages"))
                         }
                     }
                 }
@@ -201,10 +211,21 @@ pub fn render_prompt(
             extra.insert("tool_choice".into(), tc.clone());
         }
     }
-    let add_gen = req
-        .add_generation_prompt
-        .unwrap_or(!req.continue_final_message);
-    let text = template.render(&messages, add_gen, JinjaValue::from_serialize(&extra))?;
+    let open = req.continue_final_message;
+    if open && req.add_generation_prompt == Some(true) {
+        return Err(ApiError::bad_request(
+            "continue_final_message and add_generation_prompt cannot both be true: the first \
+             continues the last message, the second starts a new assistant turn",
+        )
+        .with_param("continue_final_message"));
+    }
+    let add_gen = req.add_generation_prompt.unwrap_or(!open);
+    let mut text = template.render(&messages, add_gen, JinjaValue::from_serialize(&extra))?;
+    if open {
+        let last = messages.last().and_then(|m| m["content"].as_str());
+        text = open_final_message(&text, last.unwrap_or_default())
+            .map_err(|e| ApiError::from(e).with_param("continue_final_message"))?;
+    }
     check_text_len(state, &text)?;
     let ids = state.tokenizer.encode(&text, false)?;
     Ok(ids)
@@ -245,6 +266,9 @@ pub(crate) struct Started {
     pub parser: Option<ToolParser>,
     /// Whether a grammar constrains the reply from its first token.
     pub constrained: bool,
+    /// Whether `tool_choice` forces calls: text outside them can only be an unfinished
+    /// call's markup (a reply cut by `max_tokens`), never content.
+    pub forced: bool,
     pub req: Arc<ChatCompletionRequest>,
 }
 
@@ -264,7 +288,10 @@ impl Started {
             None => (None, text.to_string()),
         };
         let (content, calls) = match self.parser {
-            Some(p) => p.parse(&text, self.tools()),
+            Some(p) => {
+                let (content, calls) = p.parse(&text, self.tools());
+                (content.filter(|_| !self.forced), calls)
+            }
             None => (
                 (reasoning.is_none() || !text.is_empty()).then_some(text),
                 vec![],
@@ -274,7 +301,13 @@ impl Started {
     }
 
     pub fn stream(&self, state: &AppState) -> ReplyStream {
-        ReplyStream::new(state, self.parser, self.tools(), self.constrained)
+        ReplyStream::new(
+            state,
+            self.parser,
+            self.tools(),
+            self.constrained,
+            self.forced,
+        )
     }
 }
 
@@ -308,6 +341,7 @@ pub(crate) async fn start(
         ),
         _ => None,
     };
+    let forces_calls = forced.is_some();
     let spec = match (forced, structured::spec(&req.common)?) {
         (Some(_), Some(_)) => {
             return Err(ApiError::bad_request(
@@ -343,6 +377,7 @@ pub(crate) async fn start(
         choices,
         parser,
         constrained,
+        forced: forces_calls,
         req,
     })
 }

@@ -15,6 +15,15 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// A `type` field (of a content part, a format, a tool choice) that is missing or names
+    /// something not served; `known` lists what is.
+    pub fn unknown_type(what: &str, t: Option<&str>, known: &str) -> Self {
+        Self::bad_request(match t {
+            Some(t) => format!("{what} of type `{t}` are not supported (only {known})"),
+            None => format!("{what} need a string `type` ({known})"),
+        })
+    }
+
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,

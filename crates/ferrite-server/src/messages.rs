@@ -208,7 +208,14 @@ fn to_chat(req: &MessagesRequest) -> Result<ChatCompletionRequest, ApiError> {
                 Some("any") => json!("required"),
                 Some("none") => json!("none"),
                 Some("tool") => json!({"type": "function", "function": {"name": c.get("name")}}),
-                t => return Err(bad(format!("tool_choice: unknown type {t:?}"))),
+                t => {
+                    return Err(ApiError::unknown_type(
+                        "tool_choice values",
+                        t,
+                        "auto, any, none, tool",
+                    )
+                    .with_param("tool_choice"))
+                }
             })
         }
     };

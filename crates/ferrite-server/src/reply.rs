@@ -10,6 +10,8 @@ use serde_json::Value;
 pub(crate) struct ReplyStream {
     reasoning: Option<ReasoningStream>,
     calls: Option<CallStream>,
+    /// Calls are forced: text outside them is an unfinished call's markup, not content.
+    forced: bool,
 }
 
 pub(crate) enum ReplyEvent {
@@ -23,12 +25,14 @@ impl ReplyStream {
         parser: Option<ToolParser>,
         tools: &[Value],
         constrained: bool,
+        forced: bool,
     ) -> Self {
         Self {
             reasoning: state
                 .reasoning_parser
                 .map(|r| ReasoningStream::new(r, constrained)),
             calls: parser.map(|p| CallStream::new(p, tools)),
+            forced,
         }
     }
 
@@ -56,6 +60,9 @@ impl ReplyStream {
         }
         if let (true, Some(calls)) = (last, &mut self.calls) {
             out.extend(calls.finish().into_iter().map(ReplyEvent::Tool));
+        }
+        if self.forced {
+            out.retain(|e| !matches!(e, ReplyEvent::Tool(ToolEvent::Content(_))));
         }
         out
     }

@@ -53,9 +53,12 @@ fn text_of(content: &Value) -> Result<String, ApiError> {
                 Some("input_text" | "output_text" | "text") => {
                     Ok(p.get("text").and_then(Value::as_str).unwrap_or_default())
                 }
-                t => Err(bad(format!(
-                    "input: content parts of type {t:?} are not supported (text only)"
-                ))),
+                t => Err(ApiError::unknown_type(
+                    "input content parts",
+                    t,
+                    "text: input_text, output_text",
+                )
+                .with_param("input")),
             })
             .collect::<Result<Vec<_>, _>>()
             .map(|t| t.concat()),
@@ -176,7 +179,14 @@ fn to_chat(
             Some("json_schema") => Some(json!({"type": "json_schema", "json_schema": {
                 "name": f.get("name"), "schema": f.get("schema"), "strict": f.get("strict"),
             }})),
-            t => return Err(bad(format!("text.format: unknown type {t:?}")).with_param("text")),
+            t => {
+                return Err(ApiError::unknown_type(
+                    "text.format values",
+                    t,
+                    "text, json_object, json_schema",
+                )
+                .with_param("text"))
+            }
         },
     };
     let chat = json!({

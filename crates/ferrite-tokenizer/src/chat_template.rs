@@ -76,6 +76,30 @@ impl ChatTemplate {
     }
 }
 
+/// `rendered` cut right after the final message's text, so that generation continues that
+/// message instead of starting a turn (transformers' `continue_final_message`): templates
+/// close every turn they render. The text is found trimmed, as templates often strip it.
+pub fn open_final_message(rendered: &str, final_text: &str) -> Result<String> {
+    let trimmed = final_text.trim();
+    if trimmed.is_empty() {
+        return Err(anyhow!(
+            "continue_final_message needs a final message with text to continue"
+        ));
+    }
+    let at = rendered.rfind(trimmed).ok_or_else(|| {
+        anyhow!(
+            "continue_final_message is set, but the chat template does not render the final \
+             message's text as given, so it cannot be continued"
+        )
+    })?;
+    // Trailing spaces the template kept are kept; ones it stripped are not added back.
+    let kept = match rendered[at..].starts_with(final_text.trim_start()) {
+        true => final_text.trim_start().len(),
+        false => trimmed.len(),
+    };
+    Ok(rendered[..at + kept].to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -90,6 +114,26 @@ mod tests {
         }];
         let out = t.render(&msgs, true, Value::UNDEFINED).unwrap();
         assert_eq!(out, "<|user|>hi\n<|assistant|>");
+    }
+
+    #[test]
+    fn the_final_message_is_left_open() {
+        let closed = "<|im_start|>assistant\nHello there, my<|im_end|>\n";
+        let open = open_final_message(closed, "Hello there, my").unwrap();
+        assert_eq!(open, "<|im_start|>assistant\nHello there, my");
+        // A trailing space the template kept stays; one it stripped is not invented.
+        let kept = "<s>Say: Hello </s>";
+        assert_eq!(
+            open_final_message(kept, "Hello ").unwrap(),
+            "<s>Say: Hello "
+        );
+        let stripped = "<s>Say: Hello</s>";
+        assert_eq!(
+            open_final_message(stripped, "Hello ").unwrap(),
+            "<s>Say: Hello"
+        );
+        assert!(open_final_message(closed, "Goodbye").is_err());
+        assert!(open_final_message(closed, "  ").is_err());
     }
 
     #[test]

@@ -77,7 +77,8 @@ pub struct EngineFlags {
     pub weight_format: WeightFormat,
     /// vLLM's compute type: `auto` (the device's: the int8 path on the CPU, bf16 on CUDA),
     /// `float32`/`float` (CPU: f32 weights, as `--weight-format f32`), `bfloat16` (CUDA).
-    #[arg(long, default_value = "auto", value_parser = ["auto", "float32", "float", "bfloat16", "float16", "half"])]
+    /// ferrite computes in no float16 type: `float16`/`half` are refused.
+    #[arg(long, default_value = "auto", value_parser = parse_dtype)]
     pub dtype: String,
     /// Reuse the KV blocks of earlier requests with the same prefix (on by default).
     #[arg(long, overrides_with = "no_enable_prefix_caching")]
@@ -107,7 +108,9 @@ pub struct EngineFlags {
     /// 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 8}`
     /// (drafts from the request's own tokens), or `{"method": "draft_model", "model":
     /// "draft.gguf", "num_speculative_tokens": 3}` (a smaller model with the same tokenizer,
-    /// its K/V in the target's blocks); drafts are verified in the next step.
+    /// its K/V in the target's blocks), or `{"method": "mtp", "num_speculative_tokens": 1}`
+    /// (the checkpoint's own multi-token-prediction head: Qwen3-Next, Qwen3.5); drafts are
+    /// verified in the next step.
     #[arg(long, value_parser = parse_speculative_config)]
     pub speculative_config: Option<Speculation>,
     /// What the model serves (vLLM's flag): `generate`, `pooling` (embeddings, scores), or
@@ -133,6 +136,20 @@ fn parse_speculative_config(s: &str) -> Result<Speculation, String> {
     serde_json::from_str::<SpeculativeConfig>(s)
         .map_err(|e| format!("not a speculative config: {e}"))?
         .resolve()
+}
+
+fn parse_dtype(s: &str) -> Result<String, String> {
+    match s {
+        "auto" | "float32" | "float" | "bfloat16" => Ok(s.into()),
+        "float16" | "half" => Err(
+            "ferrite computes in no float16 type: `auto` (int8 activations on the CPU, bfloat16 \
+             on CUDA), `float32` (CPU) or `bfloat16` (CUDA)"
+                .into(),
+        ),
+        _ => Err(format!(
+            "unknown dtype `{s}` (auto, float32, float, bfloat16)"
+        )),
+    }
 }
 
 fn parse_weight_format(s: &str) -> Result<WeightFormat, String> {

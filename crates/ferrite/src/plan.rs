@@ -5,7 +5,7 @@
 use crate::args::EngineFlags;
 use anyhow::{bail, Result};
 use clap::Args;
-use ferrite_model::loader::{plan_from_header, DeviceKind, LoadFormat, WeightFormat};
+use ferrite_model::loader::{plan_from_header, DeviceKind, HeaderPlan, LoadFormat};
 use ferrite_model::memory::{physical_memory_bytes, MemoryPlan};
 use serde_json::json;
 
@@ -17,9 +17,6 @@ pub struct PlanArgs {
     #[arg(long)]
     pub json: bool,
 }
-
-/// The KV cache's element types this build stores (K and V as f16 on the CPU backend).
-const KV_DTYPES: &[(&str, usize)] = &[("f16", 2)];
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -35,8 +32,13 @@ pub fn run(args: PlanArgs) -> Result<()> {
     if engine.load_format == LoadFormat::Dummy {
         bail!("ferrite plan reads the checkpoint's header: drop --load-format dummy");
     }
-    let (plan, config) = plan_from_header(&engine, physical_memory_bytes()?)?;
-    let token_row = 2 * config.num_kv_heads * config.head_dim;
+    let HeaderPlan {
+        plan,
+        config,
+        weight_format: format,
+    } = plan_from_header(&engine, physical_memory_bytes()?)?;
+    // K and V of one token for every KV head of one layer.
+    let token_row = 2 * config.num_kv_heads * plan.kv_dtype.head_bytes(config.head_dim);
     let groups: Vec<serde_json::Value> = plan
         .kv_groups
         .iter()
@@ -44,28 +46,19 @@ pub fn run(args: PlanArgs) -> Result<()> {
             json!({
                 "layers": plan.layers_per_block,
                 "sliding_window": w,
-                "bytes_per_token": KV_DTYPES[0].1 * token_row * plan.layers_per_block,
+                "bytes_per_token": token_row * plan.layers_per_block,
             })
         })
         .collect();
-    let kv: Vec<serde_json::Value> = KV_DTYPES
-        .iter()
-        .map(|(name, _)| {
-            json!({
-                "dtype": name,
-                "bytes_per_block": plan.bytes_per_block,
-                "num_blocks": plan.num_blocks,
-                "kv_tokens": plan.kv_tokens(),
-                "kv_bytes": plan.kv_bytes,
-                "max_concurrency": plan.max_concurrency(),
-                "capped_by_max_num_seqs": plan.capped,
-            })
-        })
-        .collect();
-    let format = match engine.weight_format.resolve_cpu() {
-        WeightFormat::F32 => "f32",
-        _ => "int8 path",
-    };
+    let kv = json!({
+        "dtype": plan.kv_dtype.name(),
+        "bytes_per_block": plan.bytes_per_block,
+        "num_blocks": plan.num_blocks,
+        "kv_tokens": plan.kv_tokens(),
+        "kv_bytes": plan.kv_bytes,
+        "max_concurrency": plan.max_concurrency(),
+        "capped_by_max_num_seqs": plan.capped,
+    });
     if args.json {
         let out = json!({
             "model": engine.model.display().to_string(),
@@ -95,7 +88,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
-    print_text(&plan, &config, &groups, format, engine.max_num_seqs);
+    print_text(&plan, &config, &groups, &format, engine.max_num_seqs);
     Ok(())
 }
 
@@ -139,7 +132,10 @@ fn print_text(
             plan.state_bytes as f64 / GIB
         );
     }
-    println!("KV bytes per token, per layer group (K and V, f16):");
+    println!(
+        "KV bytes per token, per layer group (K and V, {}):",
+        plan.kv_dtype.name()
+    );
     let mut shown: Vec<(&serde_json::Value, usize)> = Vec::new();
     for g in groups {
         match shown.iter_mut().find(|(s, _)| *s == g) {
@@ -161,19 +157,18 @@ fn print_text(
         "{:<6} {:>12} {:>10} {:>12} {:>10}  max concurrency at max_model_len {}",
         "KV", "block bytes", "blocks", "KV tokens", "GiB", plan.max_model_len
     );
-    for (name, _) in KV_DTYPES {
-        println!(
-            "{name:<6} {:>12} {:>10} {:>12} {:>10.2}  {:.2}x{}",
-            plan.bytes_per_block,
-            plan.num_blocks,
-            plan.kv_tokens(),
-            plan.kv_bytes as f64 / GIB,
-            plan.max_concurrency(),
-            match plan.capped {
-                true => format!(" (capped at --max-num-seqs {max_num_seqs})"),
-                false => String::new(),
-            }
-        );
-    }
+    println!(
+        "{:<6} {:>12} {:>10} {:>12} {:>10.2}  {:.2}x{}",
+        plan.kv_dtype.name(),
+        plan.bytes_per_block,
+        plan.num_blocks,
+        plan.kv_tokens(),
+        plan.kv_bytes as f64 / GIB,
+        plan.max_concurrency(),
+        match plan.capped {
+            true => format!(" (capped at --max-num-seqs {max_num_seqs})"),
+            false => String::new(),
+        }
+    );
     println!("start-up line: {plan}");
 }

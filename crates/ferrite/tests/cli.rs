@@ -462,7 +462,7 @@ fn model_file(name: &str) -> String {
 #[test]
 fn plan_states_what_start_up_makes() {
     let (smollm2, gemma3) = (model_file("smollm2"), model_file("gemma3"));
-    let plan = |model: &str, extra: &[&str]| {
+    let plan_json = |model: &str, extra: &[&str]| {
         let mut args = vec!["plan", model, "--json"];
         args.extend_from_slice(extra);
         let out = Command::new(env!("CARGO_BIN_EXE_ferrite"))
@@ -474,8 +474,10 @@ fn plan_states_what_start_up_makes() {
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        plan_figures(v["startup_line"].as_str().unwrap())
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let plan = |model: &str, extra: &[&str]| {
+        plan_figures(plan_json(model, extra)["startup_line"].as_str().unwrap())
     };
     let generate = |model: &str, extra: &[&str]| {
         let mut args = vec!["generate", model, "--prompt", "hi", "--max-tokens", "1"];
@@ -499,6 +501,23 @@ fn plan_states_what_start_up_makes() {
         let eight = plan(&gemma3, &[&args[..], &["--max-num-seqs", "1"]].concat());
         assert_eq!(eight, generate(&gemma3, &args), "{dtype}");
         assert_eq!(eight.0, 200_000_000 / (16 * 2 * (256 + 4) * 3), "{dtype}");
+        // The table names the type planned and its bytes per token (one KV head, 3 layers).
+        let v = plan_json(&gemma3, &args);
+        assert_eq!(v["kv_cache"]["dtype"], dtype);
+        assert_eq!(v["kv_groups"][0]["bytes_per_token"], 2 * (256 + 4) * 3);
+    }
+    let v = plan_json(&gemma3, &kv);
+    assert_eq!(v["kv_cache"]["dtype"], "fp16");
+    assert_eq!(v["kv_groups"][0]["bytes_per_token"], 2 * 256 * 2 * 3);
+    // Matrices kept as the int8 kernels' codes, or as f32: GGUF blocks are repacked,
+    // safetensors stay f32, `--weight-format f32` dequantizes.
+    let formats = [
+        (&smollm2, &[][..], "int8 kernels, repacked from Q4_1, Q8_0"),
+        (&smollm2, &["--weight-format", "f32"][..], "f32"),
+        (&model_file("minilm"), &[][..], "f32"),
+    ];
+    for (model, extra, label) in formats {
+        assert_eq!(plan_json(model, extra)["weight_format"], label, "{model}");
     }
     // A draft model (here the target itself) takes its weights and its K/V in every block
     // from the same budget: half the blocks, and the plan line says so.

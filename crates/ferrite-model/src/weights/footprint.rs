@@ -3,7 +3,7 @@
 //! measures (`Decoder::weight_bytes`), tested to agree on every family.
 
 use super::WeightSource;
-use crate::backend::cpu::linear::matrix_bytes;
+use crate::backend::cpu::linear::{matrix_bytes, repacks};
 use crate::settings::WeightFormat;
 use candle_core::quantized::GgmlDType;
 
@@ -83,39 +83,83 @@ fn raw_bytes(t: &Stored) -> usize {
     t.dims.iter().product::<usize>() / t.dtype.block_size() * t.dtype.type_size()
 }
 
+/// What the CPU backend keeps of one stored tensor.
+enum Kept<'a> {
+    /// Read as stored (the embedding table) or as f32 (routers), not through a linear.
+    Bytes(usize),
+    /// A linear's matrix (`copies` of `[rows, cols]` when experts are stacked).
+    Matrix(&'a Stored),
+}
+
+/// What the CPU backend keeps of `tensors`: every tensor a family reads, a tied LM head
+/// once more as a matrix.
+fn kept(tensors: &[Stored]) -> Vec<Kept<'_>> {
+    // An encoder's pooler is read only under a classifier (a cross-encoder's head).
+    let classifier = tensors.iter().any(|t| t.name == "classifier.weight");
+    let mut kept = Vec::new();
+    for t in tensors {
+        if (t.name.contains("pooler.") && !classifier) || is_mtp(&t.name) {
+            continue;
+        }
+        if is_router(&t.name) {
+            // GGUF keeps a shared-expert gate as a vector: one row.
+            kept.push(Kept::Bytes(t.dims.iter().product::<usize>() * 4));
+        } else if is_embedding(&t.name) {
+            kept.push(Kept::Bytes(raw_bytes(t)));
+        } else if !not_a_matrix(t) {
+            kept.push(Kept::Matrix(t));
+        }
+    }
+    if !tensors.iter().any(|t| is_head(&t.name)) {
+        kept.extend(
+            tensors
+                .iter()
+                .find(|t| is_embedding(&t.name))
+                .map(Kept::Matrix),
+        );
+    }
+    kept
+}
+
 /// Bytes of `src`'s matrices on the CPU backend in `format` (as `Decoder::weight_bytes`
 /// counts them: the embedding table as stored, every matrix as its linear keeps it, a tied
 /// LM head once more as a matrix).
 pub fn cpu_weight_bytes(src: &WeightSource, format: WeightFormat) -> usize {
     let format = format.resolve_cpu();
     let tensors = stored(src);
-    let mut total = 0;
-    // An encoder's pooler is read only under a classifier (a cross-encoder's head).
-    let classifier = tensors.iter().any(|t| t.name == "classifier.weight");
-    for t in &tensors {
-        if (t.name.contains("pooler.") && !classifier) || is_mtp(&t.name) {
-            continue;
+    kept(&tensors)
+        .iter()
+        .map(|k| match k {
+            Kept::Bytes(n) => *n,
+            Kept::Matrix(t) => {
+                let (rows, cols) = (t.dims[t.dims.len() - 2], t.dims[t.dims.len() - 1]);
+                let copies: usize = t.dims[..t.dims.len() - 2].iter().product();
+                copies * matrix_bytes(t.dtype, rows, cols, format)
+            }
+        })
+        .sum()
+}
+
+/// How the CPU backend keeps `src`'s matrices in `format`, as `ferrite plan` names it:
+/// `f32`, or the int8 kernels with the stored block types they are repacked from.
+pub fn cpu_weight_label(src: &WeightSource, format: WeightFormat) -> String {
+    let format = format.resolve_cpu();
+    let tensors = stored(src);
+    let mut packed: Vec<String> = Vec::new();
+    for k in kept(&tensors) {
+        let Kept::Matrix(t) = k else { continue };
+        // GGUF's spelling of the block type (candle's `Q4K` is `Q4_K`).
+        let name = format!("{:?}", t.dtype).replace('K', "_K");
+        if repacks(t.dtype, format) && !packed.contains(&name) {
+            packed.push(name);
         }
-        if is_router(&t.name) {
-            // GGUF keeps a shared-expert gate as a vector: one row.
-            total += t.dims.iter().product::<usize>() * 4;
-            continue;
-        }
-        if not_a_matrix(t) {
-            continue;
-        }
-        let (rows, cols) = (t.dims[t.dims.len() - 2], t.dims[t.dims.len() - 1]);
-        let copies: usize = t.dims[..t.dims.len() - 2].iter().product();
-        total += if is_embedding(&t.name) {
-            raw_bytes(t)
-        } else {
-            copies * matrix_bytes(t.dtype, rows, cols, format)
-        };
     }
-    if !tensors.iter().any(|t| is_head(&t.name)) {
-        if let Some(e) = tensors.iter().find(|t| is_embedding(&t.name)) {
-            total += matrix_bytes(e.dtype, e.dims[0], e.dims[1], format);
-        }
+    let floats = kept(&tensors)
+        .iter()
+        .any(|k| matches!(k, Kept::Matrix(t) if !repacks(t.dtype, format)));
+    match (packed.is_empty(), floats) {
+        (true, _) => "f32".into(),
+        (false, false) => format!("int8 kernels, repacked from {}", packed.join(", ")),
+        (false, true) => format!("int8 kernels (from {}) and f32", packed.join(", ")),
     }
-    total
 }

@@ -211,7 +211,10 @@ fn check_layout(c: &gguf_file::Content, file_len: u64) -> Result<()> {
         Some(Value::I8(v)) => *v as u64,
         Some(Value::I16(v)) => *v as u64,
         Some(Value::I32(v)) => *v as u64,
-        Some(v) => bail!("`general.alignment` is {v:?}, not an integer"),
+        Some(v) => bail!(
+            "`general.alignment` is a {:?}, not an integer: the file is malformed",
+            v.value_type()
+        ),
     };
     ensure!(
         alignment.is_power_of_two(),

@@ -55,7 +55,14 @@ pub fn spec(parser: ToolParser, tools: &[Value], choice: &Value, parallel: bool)
     for _ in 0..more {
         rest = format!("({} call {rest})?", lit(sep));
     }
-    let start = format!("start: {} call {rest} {}", lit(prefix), lit(suffix));
+    // A newline after a call is how these formats go on to the next one, and how models
+    // end a turn: allowed after the last call too, so that the model may end after any call
+    // rather than be held to a further one.
+    let end = match sep {
+        "\n" => format!("{}?", lit(sep)),
+        _ => lit(suffix),
+    };
+    let start = format!("start: {} call {rest} {end}", lit(prefix));
     Some(Spec::Lark(format!("{start}\ncall: {call}\n")))
 }
 

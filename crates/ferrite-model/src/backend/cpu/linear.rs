@@ -56,6 +56,11 @@ fn packed_as(dtype: GgmlDType, format: WeightFormat) -> Option<Codes> {
     Codes::of(dtype).filter(|_| format != WeightFormat::F32)
 }
 
+/// Whether a stored `dtype` matrix runs on the int8 kernels in `format` (else as f32).
+pub fn repacks(dtype: GgmlDType, format: WeightFormat) -> bool {
+    packed_as(dtype, format).is_some()
+}
+
 /// [`Linear::bytes`] of a stored `[rows, cols]` matrix, known before it is read (plans).
 pub fn matrix_bytes(dtype: GgmlDType, rows: usize, cols: usize, format: WeightFormat) -> usize {
     match packed_as(dtype, format) {
