@@ -3,8 +3,8 @@
 //! calls and tool results (file listings, diffs, test logs, shell output), sized in tokens.
 
 use anyhow::{bail, Context, Result};
-use ferrite_model::chat_template::ChatTemplate;
-use ferrite_model::tokenizer::ModelTokenizer;
+use ferrite_tokenizer::chat_template::ChatTemplate;
+use ferrite_tokenizer::tokenizer::ModelTokenizer;
 use rand::rngs::StdRng;
 use rand::seq::{IndexedRandom, SliceRandom};
 use rand::{Rng, SeedableRng};

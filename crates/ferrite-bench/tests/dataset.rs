@@ -2,8 +2,8 @@
 //! with the requested mean.
 
 use ferrite_bench::dataset::{agent, random, AgentShape, Sizer};
-use ferrite_model::tokenizer::ModelTokenizer;
 use ferrite_model::weights::gguf::GgufFile;
+use ferrite_tokenizer::tokenizer::ModelTokenizer;
 use std::path::PathBuf;
 use std::process::Command;
 

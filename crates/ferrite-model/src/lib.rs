@@ -19,6 +19,7 @@ pub mod rope;
 pub mod runner;
 pub mod sampler;
 pub mod settings;
+pub mod start;
 pub mod step;
 pub mod weights;
 

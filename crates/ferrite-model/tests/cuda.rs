@@ -6,6 +6,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+mod suite;
 
 use candle_core::{DType, Device, Tensor};
 use ferrite_model::backend::cuda::graph::GraphShape;
@@ -2175,4 +2176,59 @@ fn attention_rows_round_alike_in_any_tile_arrangement() {
             "(length, first chunk row, row) {differ:?}"
         );
     }
+}
+
+/// bf16 weights and activations against the CPU backend's f32 (the conformance suite's
+/// tolerances for CUDA); K/V in each type CUDA stores.
+const BF16: suite::Tolerances = suite::Tolerances {
+    linear: 3e-2,
+    attention: |kv| match kv {
+        KvCacheDtype::Int8 => 4e-2,
+        KvCacheDtype::Fp8 => 8e-2,
+        _ => 3e-2,
+    },
+    moe: 4e-2,
+    gated_delta: 2e-2,
+    pointwise: 1e-2,
+};
+
+fn cuda_backend() -> CudaBackend {
+    CudaBackend::new(device(), false, "cuda:0".into()).unwrap()
+}
+
+/// Every op of the backend trait against the CPU backend (`tests/suite`): CUDA refuses only
+/// the encoders' ops and the K/V types it does not store (f32, f16).
+#[test]
+fn the_conformance_suite_passes() {
+    let out = suite::run(&cuda_backend, &BF16);
+    let bad = suite::failures(&out);
+    assert!(
+        bad.is_empty(),
+        "{:?}",
+        bad.iter().map(|o| (&o.case, o.error)).collect::<Vec<_>>()
+    );
+    let refused: Vec<&str> = out
+        .iter()
+        .filter(|o| o.error.is_none())
+        .map(|o| o.case.as_str())
+        .collect();
+    for case in &refused {
+        let encoder = ["AddRows", "AddBias", "LayerNorm"]
+            .iter()
+            .any(|op| case.starts_with(op));
+        assert!(
+            encoder || case.contains("kv: Fp32") || case.contains("kv: Fp16"),
+            "{case}"
+        );
+    }
+    assert_eq!(refused.len(), 5 + 2 * 4, "{refused:?}");
+}
+
+/// Every family's tiny checkpoint through a whole prompt step, bf16 K/V, against the CPU
+/// backend's f32.
+#[test]
+fn every_family_conforms() {
+    let out = suite::families(&cuda_backend, 5e-2);
+    assert!(suite::failures(&out).is_empty());
+    assert!(out.iter().all(|o| o.error.is_some()));
 }

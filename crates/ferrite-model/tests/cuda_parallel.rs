@@ -10,13 +10,14 @@
 mod common;
 
 use common::*;
-use ferrite_model::backend::cuda::loader as cuda_loader;
+use ferrite_model::backend::cuda::start::CudaStart;
 use ferrite_model::kv_dtype::KvCacheDtype;
 use ferrite_model::loader::{
     self, load_cpu_decoder, DeviceKind, EngineArgs, LoadFormat, WeightFormat,
 };
 use ferrite_model::parallel;
 use ferrite_model::sampler::argmax;
+use ferrite_model::start;
 
 /// The cut test model (9 heads, 3 KV heads: splits 3 ways) and two tiny random-weight
 /// checkpoints (4 heads, 2 KV heads: 2 and 4 ways, the KV heads replicated at 4).
@@ -56,7 +57,7 @@ fn prompt(vocab: usize) -> Vec<u32> {
 
 /// Teacher-forced logits of the prompt, then greedy tokens.
 fn run(args: &EngineArgs) -> (Vec<Vec<f32>>, Vec<Vec<u32>>) {
-    let (mut model, _, _) = cuda_loader::load_rank(args, 0, 256, &mut |_, _| {}).unwrap();
+    let mut model = start::load_rank::<CudaStart>(args, 256, &mut |_, _| {}).unwrap();
     let vocab = model.config.vocab_size;
     let logits = all_logits(&mut model, &prompt(vocab));
     drop(model);

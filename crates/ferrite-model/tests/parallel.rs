@@ -8,9 +8,11 @@
 mod common;
 
 use common::*;
+use ferrite_model::backend::cpu::start::CpuStart;
 use ferrite_model::kv_dtype::KvCacheDtype;
 use ferrite_model::loader::{self, EngineArgs, WeightFormat};
 use ferrite_model::parallel;
+use ferrite_model::start;
 
 const FAMILIES: [&str; 3] = ["llama31", "qwen2", "qwen3"];
 /// Tensor-parallel x pipeline-parallel sizes.
@@ -38,7 +40,7 @@ fn prompt() -> Vec<u32> {
 
 /// Teacher-forced logits, then greedy tokens: what the comparison needs from one model.
 fn run(args: &EngineArgs) -> (Vec<Vec<f32>>, Vec<Vec<u32>>) {
-    let mut model = loader::load_rank(args, 128, &mut |_, _| {}).unwrap();
+    let mut model = start::load_rank::<CpuStart>(args, 128, &mut |_, _| {}).unwrap();
     let logits = all_logits(&mut model, &prompt());
     drop(model);
     (logits, greedy_staggered(args.clone(), &prompt()))

@@ -13,6 +13,7 @@ pub mod moe;
 pub mod ops;
 pub mod quant;
 mod resident;
+pub mod start;
 
 use super::{
     AttentionSpec, Backend, Epilogue, GdnParams, GdnSpec, LinearIn, MoeBytes, MoeMatrices, MoeSpec,

@@ -27,7 +27,7 @@ impl Collectives {
     pub fn new(g: &Group, device: &Device, own_gpu: bool) -> Result<Self> {
         #[cfg(feature = "nccl")]
         if own_gpu {
-            let stream = super::cuda(device)?.cuda_stream();
+            let stream = super::device::cuda(device)?.cuda_stream();
             // NCCL takes the communicator's GPU from the thread's current context.
             stream.context().bind_to_thread()?;
             return Ok(Self::Nccl {

@@ -6,12 +6,13 @@
 //! residual stream stays in f32 and is updated by the matmuls' epilogues.
 
 pub mod collectives;
+pub mod device;
 pub mod graph;
 pub mod inputs;
 pub mod kernels;
 pub mod linear;
-pub mod loader;
 pub mod moe;
+pub mod start;
 
 use super::{
     AttentionSpec, Backend, Epilogue, Forward, GdnParams, GdnSpec, LinearIn, MoeBytes, MoeMatrices,
@@ -28,6 +29,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::quantized::QTensor;
 use candle_core::{CudaDevice, DType, Device, Tensor};
 use collectives::Collectives;
+use device::cuda;
+pub use device::open_device;
 use graph::{DecodeGraphs, GraphShape};
 use inputs::{u32s, StepInputs};
 pub use kernels::attention::KvPages;
@@ -38,18 +41,6 @@ use kernels::sample::{draw_params, mask_words};
 use kernels::Kernels;
 use linear::Linear;
 use std::sync::Arc;
-
-/// Opens GPU `ordinal` for ferrite: one stream carries every launch and copy, so candle's
-/// per-tensor event tracking (an event record per tensor use) only costs host time.
-pub fn open_device(ordinal: usize) -> Result<Device> {
-    let device = Device::new_cuda(ordinal)
-        .map_err(|e| anyhow!("--device cuda:{ordinal}: no usable CUDA GPU ({e})"))?;
-    if let Device::Cuda(d) = &device {
-        // SAFETY: ferrite never uses a second stream, so stream order alone orders every use.
-        unsafe { d.disable_event_tracking() };
-    }
-    Ok(device)
-}
 
 /// An activation: f32 for the residual stream, bf16 for the rest; allocated by the op that
 /// writes it (inside a captured graph, from the graph's own memory).
@@ -177,13 +168,6 @@ impl CudaBackend {
     }
 }
 
-fn cuda(d: &Device) -> Result<&CudaDevice> {
-    match d {
-        Device::Cuda(c) => Ok(c),
-        _ => bail!("not a CUDA device"),
-    }
-}
-
 /// What a matmul reads: the RMSNorm of the f32 residual stream folds into the matmul.
 fn mat_in<'a>(input: &'a LinearIn<'a, CudaBackend>) -> Result<MatIn<'a>> {
     Ok(match input {
@@ -211,7 +195,6 @@ fn shape(a: &AttentionSpec, pages: &KvPages) -> AttentionShape {
 
 /// What the CUDA backend does not run yet (embedding models run on `--device cpu`).
 const ENCODERS: &str = "encoder models (BERT) run on the CPU backend only; use --device cpu";
-const POOLING: &str = "pooling (embedding) models run on the CPU backend only; use --device cpu";
 
 impl Backend for CudaBackend {
     type Act = Act;
@@ -428,7 +411,7 @@ impl Backend for CudaBackend {
     }
 
     fn mixture(&mut self, x: &mut Act, norm: &Tensor, eps: f32, m: &moe::Moe) -> Result<()> {
-        self.mixture_into(x, norm, eps, m)
+        moe::mixture(&self.kernels, x.get()?, norm, eps, m)
     }
 
     fn prepare_qkv(
@@ -565,8 +548,16 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn hidden(&mut self, _s: &Step<Self>, _x: &Act, _n: Option<(&Tensor, f32)>) -> Result<()> {
-        bail!("{POOLING}")
+    fn hidden(&mut self, s: &Step<Self>, x: &Act, norm: Option<(&Tensor, f32)>) -> Result<()> {
+        let rows = &s.inputs.rows;
+        let hidden = match norm {
+            Some((w, eps)) => self
+                .kernels
+                .rms_norm(x.get()?, Some(rows), w, eps, DType::F32)?,
+            None => x.get()?.index_select(rows, 0)?.to_dtype(DType::F32)?,
+        };
+        self.logits = Some(hidden);
+        Ok(())
     }
 
     fn add_rows(&mut self, _t: &Embedding, _ids: &[u32], _x: &mut Act) -> Result<()> {

@@ -5,8 +5,8 @@
 
 use super::kernels::matmul::MatIn;
 use super::kernels::moe::GEMV_MAX_ASSIGNMENTS;
+use super::kernels::Kernels;
 use super::linear::{self, Linear};
-use super::{Act, CudaBackend};
 use crate::backend::{ExpertMatrices, MoeBytes, MoeMatrices, MoeSpec, Stack};
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
@@ -115,43 +115,40 @@ fn shared_mlp(s: ExpertMatrices, dev: &Device) -> Result<(Linear, Linear)> {
     ))
 }
 
-impl CudaBackend {
-    pub(super) fn mixture_into(&mut self, x: &Act, norm: &Tensor, eps: f32, m: &Moe) -> Result<()> {
-        let k = &self.kernels;
-        let x = x.get()?;
-        if x.dim(0)? == 0 {
-            return Ok(());
-        }
-        let xn = k.rms_norm(x, None, norm, eps, DType::BF16)?;
-        let logits = k.matmul(MatIn::Bf16(&xn), &m.router, DType::F32)?;
-        let s = &m.spec;
-        let routes = k.moe_route(
-            &logits,
-            s.num_experts,
-            s.top_k,
-            s.norm_topk,
-            m.shared.is_some(),
-            m.gated_shared,
-        )?;
-        // The kernel is chosen by the step's size: one warp per (assignment, column) for a
-        // few decodes, tiles of the grouped assignments (16 or 64 rows) beyond. With
-        // `--batch-invariant` every step takes the tiles, always 16 rows high: a row's sums
-        // then run the same tensor-core sequence wherever it sits in whatever tile.
-        let invariant = k.batch_invariant();
-        let small = !invariant && x.dim(0)? * s.top_k <= GEMV_MAX_ASSIGNMENTS;
-        let groups = match small {
-            true => None,
-            false => Some(k.moe_align(&routes, s.num_experts, invariant)?),
-        };
-        let act = k.moe_gate_up(&xn, groups.as_ref(), &routes, &m.gate_up, s.act)?;
-        let y = k.moe_down(&act, groups.as_ref(), &routes, &m.down)?;
-        let ys = match &m.shared {
-            Some((gate_up, down)) => {
-                let a = k.matmul_gated(MatIn::Bf16(&xn), gate_up, s.act)?;
-                Some(k.matmul(MatIn::Bf16(&a), down, DType::F32)?)
-            }
-            None => None,
-        };
-        k.moe_combine(x, &y, &routes, ys.as_ref())
+/// The mixture's output added into the residual stream `x` (its RMSNorm `norm` first).
+pub(super) fn mixture(k: &Kernels, x: &Tensor, norm: &Tensor, eps: f32, m: &Moe) -> Result<()> {
+    if x.dim(0)? == 0 {
+        return Ok(());
     }
+    let xn = k.rms_norm(x, None, norm, eps, DType::BF16)?;
+    let logits = k.matmul(MatIn::Bf16(&xn), &m.router, DType::F32)?;
+    let s = &m.spec;
+    let routes = k.moe_route(
+        &logits,
+        s.num_experts,
+        s.top_k,
+        s.norm_topk,
+        m.shared.is_some(),
+        m.gated_shared,
+    )?;
+    // The kernel is chosen by the step's size: one warp per (assignment, column) for a
+    // few decodes, tiles of the grouped assignments (16 or 64 rows) beyond. With
+    // `--batch-invariant` every step takes the tiles, always 16 rows high: a row's sums
+    // then run the same tensor-core sequence wherever it sits in whatever tile.
+    let invariant = k.batch_invariant();
+    let small = !invariant && x.dim(0)? * s.top_k <= GEMV_MAX_ASSIGNMENTS;
+    let groups = match small {
+        true => None,
+        false => Some(k.moe_align(&routes, s.num_experts, invariant)?),
+    };
+    let act = k.moe_gate_up(&xn, groups.as_ref(), &routes, &m.gate_up, s.act)?;
+    let y = k.moe_down(&act, groups.as_ref(), &routes, &m.down)?;
+    let ys = match &m.shared {
+        Some((gate_up, down)) => {
+            let a = k.matmul_gated(MatIn::Bf16(&xn), gate_up, s.act)?;
+            Some(k.matmul(MatIn::Bf16(&a), down, DType::F32)?)
+        }
+        None => None,
+    };
+    k.moe_combine(x, &y, &routes, ys.as_ref())
 }

@@ -1,0 +1,746 @@
+//! The backend conformance suite: every op of the `Backend` trait, driven through the trait
+//! alone, on a backend under test and on the reference (the CPU backend with f32 weights
+//! and f32 K/V, itself checked against f64 references and transformers in `attention.rs`,
+//! `oracle.rs` and `families.rs`). Each case feeds the same inputs to both, reads an output
+//! back through `Backend::hidden` or `Backend::logits`, and compares: the error is the
+//! largest absolute difference over the largest absolute reference value. A backend may
+//! refuse an op it does not serve (CUDA: the encoders' ops): the suite lists it as refused.
+//! `tests/conformance.rs` runs it on the CPU backend's int8 path; `tests/cuda.rs` on CUDA.
+
+#![allow(dead_code)]
+
+use anyhow::Result;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use ferrite_model::backend::cpu::CpuBackend;
+use ferrite_model::backend::*;
+use ferrite_model::config::RopeScaling;
+use ferrite_model::config::RopeStyle;
+use ferrite_model::kv_dtype::KvCacheDtype;
+use ferrite_model::rope::RopeSpec;
+use ferrite_model::settings::WeightFormat;
+use ferrite_model::step::PackedStep;
+
+/// Largest error each kind of op may show against the reference.
+pub struct Tolerances {
+    /// Matmuls with every input mode and epilogue, the LM head, norms.
+    pub linear: f32,
+    /// Attention with K/V stored as each type (the reference stores f32).
+    pub attention: fn(KvCacheDtype) -> f32,
+    pub moe: f32,
+    pub gated_delta: f32,
+    /// Element-wise ops and the encoders' ops.
+    pub pointwise: f32,
+}
+
+/// A case's outcome.
+pub struct Outcome {
+    pub case: String,
+    /// `None`: the backend refused the op.
+    pub error: Option<f32>,
+    pub tolerance: f32,
+}
+
+/// Runs every case on `make()`'s backends against the reference; prints the table and
+/// returns it.
+pub fn run<B: Backend>(make: &dyn Fn() -> B, tol: &Tolerances) -> Vec<Outcome> {
+    let reference = || CpuBackend::new(WeightFormat::F32, None);
+    let mut out = Vec::new();
+    let mut check = |case: String, t: f32, got: Result<Vec<f32>>, want: Result<Vec<f32>>| {
+        let want = want.unwrap_or_else(|e| panic!("{case}: the reference failed: {e:#}"));
+        let error = match got {
+            Ok(got) => Some(relative_error(&got, &want, &case)),
+            Err(e) => {
+                println!("{case}: refused ({e:#})");
+                None
+            }
+        };
+        out.push(Outcome {
+            case,
+            error,
+            tolerance: t,
+        });
+    };
+    for rows in [3, 40] {
+        for (dtype, input, epilogue) in linear_cases() {
+            let case = format!("matmul {rows} rows, {dtype:?} weights, {input:?} in, {epilogue:?}");
+            let c = Linear {
+                rows,
+                dtype,
+                input,
+                epilogue,
+            };
+            check(
+                case,
+                tol.linear,
+                c.run(&mut make()),
+                c.run(&mut reference()),
+            );
+        }
+        for softcap in [None, Some(5.0)] {
+            let case = format!("logits {rows} rows, softcap {softcap:?}");
+            let c = Logits { rows, softcap };
+            check(
+                case,
+                tol.linear,
+                c.run(&mut make()),
+                c.run(&mut reference()),
+            );
+        }
+    }
+    for kv in [
+        KvCacheDtype::Fp32,
+        KvCacheDtype::Fp16,
+        KvCacheDtype::Bf16,
+        KvCacheDtype::Fp8,
+        KvCacheDtype::Int8,
+    ] {
+        for c in attention_cases(kv) {
+            let case = format!("attention {c:?}");
+            let want = Attention {
+                kv: KvCacheDtype::Fp32,
+                ..c.clone()
+            }
+            .run(&mut reference());
+            check(case, (tol.attention)(kv), c.run(&mut make()), want);
+        }
+    }
+    for rows in [3, 40] {
+        for (norm_topk, shared) in [(true, false), (false, true)] {
+            let c = Mixture {
+                rows,
+                norm_topk,
+                shared,
+            };
+            let case = format!("mixture {rows} rows, norm_topk {norm_topk}, shared {shared}");
+            check(case, tol.moe, c.run(&mut make()), c.run(&mut reference()));
+        }
+    }
+    // Every chunking against the reference's whole prompts: the chunked form (prefills) and
+    // the recurrent one (decodes) agree.
+    let whole = GatedDelta { chunk: 64 }.run(&mut reference());
+    for chunk in [1, 5, 64] {
+        let case = format!("gated delta-net, steps of {chunk} tokens");
+        let got = GatedDelta { chunk }.run(&mut make());
+        check(case, tol.gated_delta, got, clone(&whole));
+    }
+    for op in [
+        Pointwise::GateSigmoid,
+        Pointwise::RmsNormRows,
+        Pointwise::EmbedScaled,
+        Pointwise::AddRows,
+        Pointwise::AddBias(None),
+        Pointwise::AddBias(Some(ferrite_model::backend::Pointwise::Gelu)),
+        Pointwise::AddBias(Some(ferrite_model::backend::Pointwise::Tanh)),
+        Pointwise::LayerNorm,
+    ] {
+        let case = format!("{op:?}");
+        check(
+            case,
+            tol.pointwise,
+            op.run(&mut make()),
+            op.run(&mut reference()),
+        );
+    }
+    println!("{:<100} {:>10} {:>10}", "case", "error", "tolerance");
+    for o in &out {
+        let e = o.error.map_or("refused".into(), |e| format!("{e:.2e}"));
+        println!("{:<100} {e:>10} {:>10.1e}", o.case, o.tolerance);
+    }
+    out
+}
+
+/// The cases whose error exceeds their tolerance.
+pub fn failures(out: &[Outcome]) -> Vec<&Outcome> {
+    out.iter()
+        .filter(|o| o.error.is_some_and(|e| e > o.tolerance || e.is_nan()))
+        .collect()
+}
+
+fn clone(r: &Result<Vec<f32>>) -> Result<Vec<f32>> {
+    match r {
+        Ok(v) => Ok(v.clone()),
+        Err(e) => Err(anyhow::anyhow!("{e:#}")),
+    }
+}
+
+fn relative_error(got: &[f32], want: &[f32], case: &str) -> f32 {
+    assert_eq!(got.len(), want.len(), "{case}: output sizes differ");
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    // An output of zeros would make every backend agree.
+    assert!(
+        scale > 1e-3,
+        "{case}: the reference's output is {scale} at most"
+    );
+    let diff = got
+        .iter()
+        .zip(want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    diff / scale
+}
+
+/// Values representable in bf16, so that no backend rounds its inputs.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        // Uniform in [-1, 1).
+        (self.0 >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| half::bf16::from_f32(self.next() * scale).to_f32())
+            .collect()
+    }
+
+    fn matrix(&mut self, rows: usize, cols: usize, scale: f32, dtype: GgmlDType) -> QTensor {
+        let t = Tensor::from_vec(self.vec(rows * cols, scale), (rows, cols), &Device::Cpu);
+        QTensor::quantize(&t.unwrap(), dtype).unwrap()
+    }
+}
+
+const BLOCK: usize = 16;
+
+/// A step of requests given as (tokens already cached, new tokens), each in blocks of its
+/// own; every row observed. Token ids are the rows' indices, for an embedding table whose
+/// rows are the inputs.
+fn step(requests: &[(usize, usize)]) -> PackedStep {
+    let mut s = PackedStep::default();
+    let per = 8;
+    for (r, &(start, n)) in requests.iter().enumerate() {
+        let table: Vec<u32> = (0..per).map(|b| (r * per + b) as u32).collect();
+        let ids: Vec<u32> = (0..n).map(|i| (s.input_ids.len() + i) as u32).collect();
+        s.push(&ids, start, &[table], BLOCK);
+        s.state_slots.push(r as u32);
+    }
+    s.logits_indices = (0..s.input_ids.len() as u32).collect();
+    s.finish();
+    s
+}
+
+/// Runs `f` in one step of `b` and reads back what it left for `Backend::host_logits`.
+fn observe<B: Backend>(
+    b: &mut B,
+    s: &PackedStep,
+    mut f: impl FnMut(&mut B, &Step<B>) -> Result<()> + Send,
+) -> Result<Vec<f32>> {
+    b.step(s, None, &mut f)?;
+    Ok(b.host_logits()?.to_vec())
+}
+
+/// The step's rows of `table` as an activation (the residual stream's form).
+fn embed<B: Backend>(b: &mut B, s: &Step<B>, table: &B::Embedding) -> Result<B::Act> {
+    let mut x = B::Act::default();
+    b.embed(s, table, None, &mut x)?;
+    Ok(x)
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Input {
+    RmsNorm,
+    /// The output of a matmul before it (the activations' own form).
+    Plain,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Out {
+    Store,
+    StoreResidual,
+    AddInto,
+    AddNormedInto,
+    Gated(Activation),
+}
+
+fn linear_cases() -> Vec<(GgmlDType, Input, Out)> {
+    let mut v = Vec::new();
+    for dtype in [GgmlDType::F32, GgmlDType::Q8_0] {
+        for input in [Input::RmsNorm, Input::Plain] {
+            for out in [
+                Out::Store,
+                Out::StoreResidual,
+                Out::AddInto,
+                Out::AddNormedInto,
+                Out::Gated(Activation::Silu),
+                Out::Gated(Activation::GeluTanh),
+            ] {
+                v.push((dtype, input, out));
+            }
+        }
+    }
+    v
+}
+
+struct Linear {
+    rows: usize,
+    dtype: GgmlDType,
+    input: Input,
+    epilogue: Out,
+}
+
+impl Linear {
+    fn run<B: Backend>(&self, b: &mut B) -> Result<Vec<f32>> {
+        let (k, n) = (128, 96);
+        let mut rng = Rng::new(self.rows as u64);
+        let table = b.embedding(rng.matrix(self.rows, k, 1.0, GgmlDType::F32))?;
+        let norm = b.vector(rng.vec(k, 1.0).iter().map(|v| 1.0 + v / 2.0).collect())?;
+        let pre = b.linear(
+            vec![rng.matrix(k, k, 0.1, self.dtype)],
+            Stack::Concat,
+            Rounding::Coarse,
+        )?;
+        let w = match self.epilogue {
+            Out::Gated(_) => {
+                let parts = vec![
+                    rng.matrix(n, k, 0.1, self.dtype),
+                    rng.matrix(n, k, 0.1, self.dtype),
+                ];
+                b.linear(parts, Stack::GateUp, Rounding::Coarse)?
+            }
+            _ => b.linear(
+                vec![rng.matrix(n, k, 0.1, self.dtype)],
+                Stack::Concat,
+                Rounding::Fine,
+            )?,
+        };
+        let residual = b.embedding(rng.matrix(self.rows, n, 1.0, GgmlDType::F32))?;
+        let out_norm = b.vector(rng.vec(n, 1.0))?;
+        let s = step(&[(0, self.rows)]);
+        observe(b, &s, |b, st| {
+            let x = embed(b, st, &table)?;
+            let mut a = B::Act::default();
+            let input = match self.input {
+                Input::RmsNorm => LinearIn::RmsNorm {
+                    x: &x,
+                    norm: &norm,
+                    eps: 1e-6,
+                },
+                Input::Plain => {
+                    let first = LinearIn::RmsNorm {
+                        x: &x,
+                        norm: &norm,
+                        eps: 1e-6,
+                    };
+                    b.matmul(first, &pre, Epilogue::Store(&mut a))?;
+                    LinearIn::Plain(&a)
+                }
+            };
+            let mut y = B::Act::default();
+            let mut r = embed(b, st, &residual)?;
+            let seen = match self.epilogue {
+                Out::Store => {
+                    b.matmul(input, &w, Epilogue::Store(&mut y))?;
+                    &y
+                }
+                Out::StoreResidual => {
+                    b.matmul(input, &w, Epilogue::StoreResidual(&mut y))?;
+                    &y
+                }
+                Out::AddInto => {
+                    b.matmul(input, &w, Epilogue::AddInto(&mut r))?;
+                    &r
+                }
+                Out::AddNormedInto => {
+                    let e = Epilogue::AddNormedInto {
+                        residual: &mut r,
+                        norm: &out_norm,
+                        eps: 1e-6,
+                    };
+                    b.matmul(input, &w, e)?;
+                    &r
+                }
+                Out::Gated(act) => {
+                    b.matmul(input, &w, Epilogue::Gated(&mut y, act))?;
+                    &y
+                }
+            };
+            b.hidden(st, seen, None)
+        })
+    }
+}
+
+/// The LM head on some rows: the final norm of those rows, the head, the soft-cap.
+struct Logits {
+    rows: usize,
+    softcap: Option<f32>,
+}
+
+impl Logits {
+    fn run<B: Backend>(&self, b: &mut B) -> Result<Vec<f32>> {
+        let (k, vocab) = (128, 300);
+        let mut rng = Rng::new(7 + self.rows as u64);
+        let table = b.embedding(rng.matrix(self.rows, k, 1.0, GgmlDType::F32))?;
+        let norm = b.vector(rng.vec(k, 1.0))?;
+        let head = b.linear(
+            vec![rng.matrix(vocab, k, 0.5, GgmlDType::Q8_0)],
+            Stack::Concat,
+            Rounding::Fine,
+        )?;
+        // The last row and one in the middle.
+        let mut s = step(&[(0, self.rows)]);
+        s.logits_indices = vec![self.rows as u32 / 2, self.rows as u32 - 1];
+        observe(b, &s, |b, st| {
+            let x = embed(b, st, &table)?;
+            b.logits(st, &x, &norm, 1e-6, &head, self.softcap)
+        })
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Attention {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    window: Option<usize>,
+    softcap: Option<f32>,
+    /// Q/K norms and a QKV bias.
+    normed: bool,
+    rope: Option<RopeStyle>,
+    kv: KvCacheDtype,
+}
+
+fn attention_cases(kv: KvCacheDtype) -> Vec<Attention> {
+    let plain = Attention {
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        window: None,
+        softcap: None,
+        normed: false,
+        rope: Some(RopeStyle::Neox),
+        kv,
+    };
+    vec![
+        plain.clone(),
+        Attention {
+            heads: 8,
+            kv_heads: 1,
+            head_dim: 128,
+            rope: Some(RopeStyle::Interleaved),
+            normed: true,
+            ..plain.clone()
+        },
+        Attention {
+            window: Some(12),
+            softcap: Some(20.0),
+            rope: None,
+            ..plain.clone()
+        },
+        Attention {
+            heads: 2,
+            kv_heads: 2,
+            head_dim: 256,
+            ..plain
+        },
+    ]
+}
+
+impl Attention {
+    /// Two steps on the same pages: ragged prompts, then decodes beside a prompt's next
+    /// chunk; the second step's output is read.
+    fn run<B: Backend>(&self, b: &mut B) -> Result<Vec<f32>> {
+        let (h, hkv, d) = (self.heads, self.kv_heads, self.head_dim);
+        let width = (h + 2 * hkv) * d;
+        let first = [(0, 37), (0, 5), (0, 20)];
+        let second = [(37, 1), (5, 9), (20, 1)];
+        let mut rng = Rng::new(d as u64 + h as u64);
+        let rows = |steps: &[(usize, usize)]| steps.iter().map(|r| r.1).sum::<usize>();
+        let tables = [first.as_slice(), second.as_slice()]
+            .map(|st| b.embedding(rng.matrix(rows(st), width, 1.0, GgmlDType::F32)));
+        let mut cache = b.layer_cache(3 * 8, BLOCK, hkv, d, self.kv)?;
+        let rope = match self.rope {
+            Some(style) => Some(b.rope(
+                &RopeSpec {
+                    dim: d,
+                    theta: 10000.0,
+                    style,
+                    scaling: RopeScaling::None,
+                },
+                256,
+            )?),
+            None => None,
+        };
+        let norm =
+            |b: &B, rng: &mut Rng| b.vector(rng.vec(d, 0.5).iter().map(|v| 1.0 + v).collect());
+        let (q_norm, k_norm, bias) = match self.normed {
+            true => (
+                Some(norm(b, &mut rng)?),
+                Some(norm(b, &mut rng)?),
+                Some(b.vector(rng.vec(width, 0.5))?),
+            ),
+            false => (None, None, None),
+        };
+        let spec = AttentionSpec {
+            num_heads: h,
+            num_kv_heads: hkv,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            sliding_window: self.window,
+            softcap: self.softcap,
+            causal: true,
+            kv_group: 0,
+            kv_slot: 0,
+        };
+        let mut out = Vec::new();
+        for (steps, table) in [first.as_slice(), second.as_slice()].iter().zip(&tables) {
+            let table = table.as_ref().map_err(|e| anyhow::anyhow!("{e:#}"))?;
+            let prep = QkvPrep {
+                bias: bias.as_ref(),
+                q_norm: q_norm.as_ref(),
+                k_norm: k_norm.as_ref(),
+                eps: 1e-6,
+                rope: rope.as_ref(),
+            };
+            out = observe(b, &step(steps), |b, st| {
+                let qkv = embed(b, st, table)?;
+                let (mut q, mut o) = (B::Act::default(), B::Act::default());
+                b.prepare_qkv(st, &qkv, &prep, &spec, &mut cache, &mut q)?;
+                b.attention(st, &q, &cache, &spec, None, &mut o)?;
+                b.hidden(st, &o, None)
+            })?;
+        }
+        Ok(out)
+    }
+}
+
+struct Mixture {
+    rows: usize,
+    norm_topk: bool,
+    shared: bool,
+}
+
+impl Mixture {
+    fn run<B: Backend>(&self, b: &mut B) -> Result<Vec<f32>> {
+        let (hidden, inter, experts) = (128, 64, 8);
+        let mut rng = Rng::new(11 + self.rows as u64);
+        let expert = |rng: &mut Rng| ExpertMatrices {
+            gate: rng.matrix(inter, hidden, 0.1, GgmlDType::Q8_0),
+            up: rng.matrix(inter, hidden, 0.1, GgmlDType::Q8_0),
+            down: rng.matrix(hidden, inter, 0.1, GgmlDType::Q8_0),
+        };
+        let m = MoeMatrices {
+            router: rng.matrix(experts, hidden, 0.5, GgmlDType::F32),
+            experts: (0..experts).map(|_| expert(&mut rng)).collect(),
+            shared: self.shared.then(|| expert(&mut rng)),
+            shared_gate: self
+                .shared
+                .then(|| rng.matrix(1, hidden, 0.5, GgmlDType::F32)),
+        };
+        let spec = MoeSpec {
+            num_experts: experts,
+            top_k: 2,
+            norm_topk: self.norm_topk,
+            act: Activation::Silu,
+        };
+        let moe = b.moe(m, spec)?;
+        let table = b.embedding(rng.matrix(self.rows, hidden, 1.0, GgmlDType::F32))?;
+        let norm = b.vector(rng.vec(hidden, 0.5).iter().map(|v| 1.0 + v).collect())?;
+        observe(b, &step(&[(0, self.rows)]), |b, st| {
+            let mut x = embed(b, st, &table)?;
+            b.mixture(&mut x, &norm, 1e-6, &moe)?;
+            b.hidden(st, &x, None)
+        })
+    }
+}
+
+/// Two requests through the delta rule in steps of `chunk` tokens each (the first 40
+/// tokens long, the second 9): the state carries over between steps.
+struct GatedDelta {
+    chunk: usize,
+}
+
+impl GatedDelta {
+    fn run<B: Backend>(&self, b: &mut B) -> Result<Vec<f32>> {
+        let spec = GdnSpec {
+            num_k_heads: 2,
+            num_v_heads: 4,
+            k_dim: 32,
+            v_dim: 32,
+            conv_kernel: 4,
+            eps: 1e-6,
+        };
+        let lens = [40usize, 9];
+        let mut rng = Rng::new(5);
+        let inputs: Vec<Vec<f32>> = lens
+            .iter()
+            .map(|&n| rng.vec(n * spec.proj_dim(), 1.0))
+            .collect();
+        let conv = b.vector(rng.vec(spec.conv_dim() * spec.conv_kernel, 0.5))?;
+        let a_log = b.vector(rng.vec(spec.num_v_heads, 1.0))?;
+        let dt_bias = b.vector(rng.vec(spec.num_v_heads, 1.0))?;
+        let norm = b.vector(rng.vec(spec.v_dim, 0.5).iter().map(|v| 1.0 + v).collect())?;
+        let p = GdnParams {
+            conv: &conv,
+            a_log: &a_log,
+            dt_bias: &dt_bias,
+            norm: &norm,
+        };
+        let mut state = b.state_cache(2, &spec)?;
+        // Each request's outputs in order, whatever steps they came in.
+        let mut seen = vec![Vec::new(); 2];
+        let mut at = [0usize; 2];
+        while at.iter().zip(&lens).any(|(a, n)| a < n) {
+            // The requests with tokens left, by slot.
+            let live: Vec<usize> = (0..2).filter(|&r| at[r] < lens[r]).collect();
+            let chunks: Vec<(usize, usize)> = live
+                .iter()
+                .map(|&r| (at[r], self.chunk.min(lens[r] - at[r])))
+                .collect();
+            let mut rows = Vec::new();
+            for (&r, &(a, n)) in live.iter().zip(&chunks) {
+                let w = spec.proj_dim();
+                rows.extend_from_slice(&inputs[r][a * w..(a + n) * w]);
+            }
+            let n = rows.len() / spec.proj_dim();
+            let t = Tensor::from_vec(rows, (n, spec.proj_dim()), &Device::Cpu)?;
+            let table = b.embedding(QTensor::quantize(&t, GgmlDType::F32)?)?;
+            let mut s = step(&chunks);
+            s.state_slots = live.iter().map(|&r| r as u32).collect();
+            let out = observe(b, &s, |b, st| {
+                let proj = embed(b, st, &table)?;
+                let mut out = B::Act::default();
+                b.gated_delta(st, &proj, &p, &spec, &mut state, &mut out)?;
+                b.hidden(st, &out, None)
+            })?;
+            let width = out.len() / n;
+            let mut rows = out.chunks(width);
+            for (&r, c) in live.iter().zip(&chunks) {
+                at[r] += c.1;
+                seen[r].extend(rows.by_ref().take(c.1).flatten());
+            }
+        }
+        Ok(seen.concat())
+    }
+}
+
+/// The small ops: element-wise, norms, and the encoders' ops.
+#[derive(Clone, Copy, Debug)]
+enum Pointwise {
+    GateSigmoid,
+    RmsNormRows,
+    EmbedScaled,
+    AddRows,
+    AddBias(Option<ferrite_model::backend::Pointwise>),
+    LayerNorm,
+}
+
+impl Pointwise {
+    fn run<B: Backend>(&self, b: &mut B) -> Result<Vec<f32>> {
+        let (rows, k) = (9, 96);
+        let mut rng = Rng::new(3);
+        let table = b.embedding(rng.matrix(rows, k, 2.0, GgmlDType::F32))?;
+        let other = b.embedding(rng.matrix(rows, k, 2.0, GgmlDType::F32))?;
+        let ones = b.vector(vec![1.0; k])?;
+        let w = b.vector(rng.vec(k, 1.0))?;
+        let bias = b.vector(rng.vec(k, 1.0))?;
+        let id = b.linear(vec![identity(k)], Stack::Concat, Rounding::Fine)?;
+        let op = *self;
+        observe(b, &step(&[(0, rows)]), |b, st| {
+            let mut x = embed(b, st, &table)?;
+            match op {
+                Pointwise::GateSigmoid => {
+                    // Both in the activations' form: through a matmul by the identity.
+                    let (mut a, mut g) = (B::Act::default(), B::Act::default());
+                    let gate = embed(b, st, &other)?;
+                    let normed = |x| LinearIn::RmsNorm {
+                        x,
+                        norm: &ones,
+                        eps: 1e-6,
+                    };
+                    b.matmul(normed(&x), &id, Epilogue::Store(&mut a))?;
+                    b.matmul(normed(&gate), &id, Epilogue::Store(&mut g))?;
+                    b.gate_sigmoid(&mut a, &g)?;
+                    return b.hidden(st, &a, None);
+                }
+                Pointwise::RmsNormRows => {
+                    let mut out = B::Act::default();
+                    b.rms_norm_rows(&x, &[], &w, 1e-6, &mut out)?;
+                    return b.hidden(st, &out, None);
+                }
+                Pointwise::EmbedScaled => b.embed(st, &table, Some(0.37), &mut x)?,
+                Pointwise::AddRows => b.add_rows(&other, &st.host.input_ids, &mut x)?,
+                Pointwise::AddBias(then) => b.add_bias(&mut x, &bias, then)?,
+                Pointwise::LayerNorm => b.layer_norm(&mut x, &w, &bias, 1e-5)?,
+            }
+            b.hidden(st, &x, None)
+        })
+    }
+}
+
+fn identity(k: usize) -> QTensor {
+    let t = Tensor::eye(k, candle_core::DType::F32, &Device::Cpu).unwrap();
+    QTensor::quantize(&t, GgmlDType::F32).unwrap()
+}
+
+/// The decoder families' tiny checkpoints (`tests/oracle/tiny`, written by transformers).
+pub const FAMILIES: [&str; 12] = [
+    "llama31",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_next",
+];
+
+/// Every family's tiny checkpoint through a whole prompt step (the oracle's tokens) on
+/// `make()`'s backend with its own K/V type and on the reference (f32 K/V), every row's
+/// logits compared.
+pub fn families<B: Backend + 'static>(make: &dyn Fn() -> B, tol: f32) -> Vec<Outcome> {
+    use crate::common::{repo_root, tiny_oracle};
+    let mut out = Vec::new();
+    for family in FAMILIES {
+        let (tokens, _) = tiny_oracle(family, "logits");
+        let dir = repo_root().join(format!("tests/oracle/tiny/{family}"));
+        let reference = CpuBackend::new(WeightFormat::F32, None);
+        let want = prompt_logits(reference, &dir, &tokens, KvCacheDtype::Fp32);
+        let want = want.unwrap_or_else(|e| panic!("{family}: the reference failed: {e:#}"));
+        let got = prompt_logits(make(), &dir, &tokens, KvCacheDtype::Auto);
+        let case = format!("{family}: logits of {} prompt tokens", tokens.len());
+        let error = match got {
+            Ok(got) => Some(relative_error(&got, &want, &case)),
+            Err(e) => {
+                println!("{case}: refused ({e:#})");
+                None
+            }
+        };
+        out.push(Outcome {
+            case,
+            error,
+            tolerance: tol,
+        });
+    }
+    for o in &out {
+        let e = o.error.map_or("refused".into(), |e| format!("{e:.2e}"));
+        println!("{:<100} {e:>10} {:>10.1e}", o.case, o.tolerance);
+    }
+    out
+}
+
+/// Every row's logits of one prompt step of `tokens` on the checkpoint in `dir`, K/V stored
+/// as `kv`.
+fn prompt_logits<B: Backend + 'static>(
+    backend: B,
+    dir: &std::path::Path,
+    tokens: &[u32],
+    kv: KvCacheDtype,
+) -> Result<Vec<f32>> {
+    use ferrite_model::checkpoint::open_weights;
+    use ferrite_model::settings::LoadFormat;
+    let (src, mut weights) = open_weights(dir, LoadFormat::Auto)?;
+    let mut m = ferrite_model::models::load(backend, &src, &mut weights, 256, &mut |_, _| {})?;
+    m.set_kv_dtype(kv);
+    Ok(crate::common::all_logits(&mut m, tokens).concat())
+}
