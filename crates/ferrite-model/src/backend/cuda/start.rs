@@ -4,7 +4,6 @@
 use super::device::{cuda, open_device};
 use super::graph::{GraphShape, MAX_GRAPH_BATCH, MAX_WINDOW_ROWS};
 use super::CudaBackend;
-use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::engine_args::EngineArgs;
 use crate::memory::MemoryPlan;

@@ -12,11 +12,9 @@ pub mod sample;
 
 use crate::backend::Activation;
 use anyhow::{bail, ensure, Context, Result};
-use candle_core::cuda::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda::cudarc::driver::{
     CudaFunction, CudaModule, DevicePtr, LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda::cudarc::nvrtc::Ptx;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Shape, Storage, Tensor};
 use half::bf16;
