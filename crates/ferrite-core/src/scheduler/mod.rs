@@ -2,52 +2,22 @@
 //! FCFS admission against free KV blocks (and, for models with recurrent layers, a free state
 //! slot), preemption by recompute when blocks run out.
 
-use crate::constraint::Constraint;
-use crate::kv_cache_manager::{BlockTables, KvCacheManager};
-use crate::kv_layout::{max_blocks, GroupWindow};
-use crate::prefix_hash::HashAlgo;
+use crate::kv_cache_manager::KvCacheManager;
+use crate::kv_layout::max_blocks;
 use crate::request::{FinishReason, Request, RequestId, RequestStatus};
 use crate::sampling::SamplingParams;
-use crate::spec_decode::{DraftRun, MtpRun, Proposer, SpecStats, Speculation};
+use crate::spec_decode::{DraftRun, SpecStats};
 use crate::state_checkpoints::StateCheckpoints;
 use crate::state_pool::{StatePool, StateSlot};
 use crate::step_cost::{StepCost, StepShape};
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
 
-#[derive(Clone, Debug)]
-pub struct SchedulerConfig {
-    pub max_num_batched_tokens: usize,
-    pub max_num_seqs: usize,
-    pub max_model_len: usize,
-    pub block_size: usize,
-    pub num_blocks: usize,
-    /// Reuse cached full blocks across requests (`None`: off).
-    pub prefix_caching: Option<HashAlgo>,
-    /// The KV groups' windows (see [`crate::kv_layout::KvLayout`]); `[None]` for a model
-    /// whose every layer reads the whole context.
-    pub kv_groups: Vec<GroupWindow>,
-    /// Recurrent-state slots (see [`crate::state_pool`]): one per running request of a model
-    /// with linear-attention layers; 0 for a model that keeps none.
-    pub state_slots: usize,
-    /// Slots after those for checkpoints of the state at cached prefixes (see
-    /// [`crate::state_checkpoints`]); with recurrent state, prefix caching needs some.
-    pub state_checkpoints: usize,
-    /// Draft tokens for decodes (n-gram prompt lookup, a draft model or an MTP head),
-    /// verified in the same step; `None`: off.
-    pub speculation: Option<Speculation>,
-    /// With recurrent state and speculation: how many requests draft at once. Each holds a
-    /// set of `k` slots after the checkpoints, where a verify step writes the state after
-    /// each draft token, so a rejected draft's state is taken back by restoring from one.
-    pub draft_state_sets: usize,
-    /// Every prompt is computed in one step, never in chunks: encoder models attend in both
-    /// directions, so a token's state needs the tokens after it.
-    pub whole_prompts: bool,
-    /// What a step costs (fitted at start-up), and the time a step with running decodes
-    /// should take at most: prefill chunks beside decodes are cut to fit it (`None`: chunks
-    /// take the whole token budget).
-    pub step_time: Option<StepTime>,
-}
+mod config;
+mod output;
+mod speculation;
+
+pub use config::*;
+pub use output::*;
 
 /// What a step being built has spent of its time target.
 #[derive(Default)]
@@ -58,138 +28,6 @@ struct TimedStep {
     decode_shape: StepShape,
     /// The one chunk of [`MIN_PREFILL_CHUNK`] past the target was given.
     floor: bool,
-}
-
-/// A step-time target and the cost model that keeps steps within it.
-#[derive(Clone, Debug)]
-pub struct StepTime {
-    pub cost: StepCost,
-    pub target: StepTarget,
-}
-
-/// How long a step with decodes may take.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum StepTarget {
-    /// At most this many seconds.
-    Fixed(f64),
-    /// At most `factor` times what its decodes alone take, and at least `floor_secs`: the
-    /// slow-down prefill may bring to running requests, whatever their number.
-    Relative { factor: f64, floor_secs: f64 },
-}
-
-/// Prefill tokens a step with decodes still takes (one chunk of them) when the time target
-/// leaves none: new requests keep moving while long decodes run.
-pub const MIN_PREFILL_CHUNK: usize = 16;
-
-/// What the sampler needs for a row that produces a token this step.
-#[derive(Clone, Debug)]
-pub struct SampleSpec {
-    pub params: Arc<SamplingParams>,
-    /// Index of the token about to be generated. With a seed, the draw depends only on
-    /// `(seed, output_index)`, so it is reproducible whatever else shares the step.
-    pub output_index: usize,
-    /// Tokens that must not be sampled yet (EOS and stop ids before `min_tokens`).
-    pub banned_token_ids: Vec<u32>,
-    /// Prompt and output so far, present only when penalties are set.
-    pub penalty_context: Option<(Vec<u32>, Vec<u32>)>,
-    /// The request's grammar (structured output): the executor masks the row with it and
-    /// commits the drawn token to it.
-    pub constraint: Option<Constraint>,
-}
-
-/// Prompt logprobs to compute for some rows of a prefill chunk.
-#[derive(Clone, Debug)]
-pub struct PromptLogprobSpec {
-    /// Offset of the first row (within this request's chunk) that predicts a prompt token.
-    pub first_row: usize,
-    /// The prompt token each such row predicts.
-    pub targets: Vec<u32>,
-    pub num_alternatives: usize,
-}
-
-#[derive(Clone, Debug)]
-pub struct ScheduledRequest {
-    pub req_id: RequestId,
-    /// Tokens fed this step: a prefill chunk or the last sampled token.
-    pub token_ids: Vec<u32>,
-    /// Position of `token_ids[0]`: the number of tokens already in the KV cache.
-    pub start_pos: usize,
-    /// One per KV group.
-    pub block_tables: BlockTables,
-    /// The request's recurrent-state slot (models with linear-attention layers); its state
-    /// starts over when `start_pos` is 0.
-    pub state_slot: Option<StateSlot>,
-    /// A prefix-cache hit: the checkpoint slot whose state the request starts from.
-    pub state_restore: Option<StateSlot>,
-    /// After this many of the chunk's tokens (a full prompt block's end), the state is
-    /// written into this checkpoint slot.
-    pub state_save: Option<(usize, StateSlot)>,
-    /// Present when the step reaches the last known token, so a new token is sampled.
-    pub sample: Option<SampleSpec>,
-    /// A pooling request whose prompt this step completes: its hidden states are pooled.
-    pub pool: bool,
-    /// The chunk's token segments (pair inputs), beside `token_ids`; empty: all 0.
-    pub token_type_ids: Vec<u32>,
-    /// Draft tokens fed after the last known one (`token_ids` ends with them): each of the
-    /// last `draft.len() + 1` rows is sampled, and drafts are kept while they match.
-    pub draft: Vec<u32>,
-    /// Speculation with a draft model: what it runs for this request after the step.
-    pub draft_run: Option<DraftRun>,
-    /// Speculation with an MTP head: what it runs for this request after the step.
-    pub mtp_run: Option<MtpRun>,
-    /// A verify step with recurrent state: the first of `draft.len()` slots that receive the
-    /// state after the last known token and each draft but the last, in order.
-    pub draft_states: Option<StateSlot>,
-    pub prompt_logprobs: Option<PromptLogprobSpec>,
-}
-
-impl ScheduledRequest {
-    /// K/V length after this step.
-    pub fn seq_len(&self) -> usize {
-        self.start_pos + self.token_ids.len()
-    }
-}
-
-/// The only contract between the scheduler and the model runner.
-#[derive(Clone, Debug, Default)]
-pub struct SchedulerOutput {
-    pub requests: Vec<ScheduledRequest>,
-    pub num_batched_tokens: usize,
-    pub preempted: Vec<RequestId>,
-}
-
-impl SchedulerOutput {
-    pub fn is_empty(&self) -> bool {
-        self.requests.is_empty()
-    }
-}
-
-/// A request's change after a step, for the output processor.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RequestUpdate {
-    pub req_id: RequestId,
-    /// Tokens appended this step (more than one when drafts were accepted), up to the one
-    /// that finished the request.
-    pub new_tokens: Vec<u32>,
-    pub finished: Option<FinishReason>,
-}
-
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum AdmissionError {
-    #[error("the prompt is empty")]
-    EmptyPrompt,
-    #[error(
-        "this model's maximum context length is {max_model_len} tokens; the prompt has \
-         {prompt} tokens, which leaves no room for output"
-    )]
-    TooLong { max_model_len: usize, prompt: usize },
-    #[error(
-        "the request needs {needed} KV blocks but the whole pool has {available}; \
-         raise --gpu-memory-utilization or --kv-cache-memory"
-    )]
-    TooManyBlocks { needed: usize, available: usize },
-    #[error("this model's maximum input length is {max} tokens; the input has {prompt} tokens")]
-    InputTooLong { max: usize, prompt: usize },
 }
 
 pub struct Scheduler {
@@ -380,164 +218,6 @@ impl Scheduler {
 
     pub fn spec_stats(&self) -> &SpecStats {
         &self.spec_stats
-    }
-
-    /// Whether `req` speculates this step: speculation is on, the batch is small enough and
-    /// nothing about the request changes from token to token inside a window (grammars,
-    /// penalties, bans, logprobs).
-    fn speculates(&self, req: &Request) -> Option<&Speculation> {
-        let spec = self.config.speculation.as_ref()?;
-        let p = &req.params;
-        let plain = req.constraint.is_none()
-            && p.logprobs.is_none()
-            && !p.has_penalties()
-            && p.bad_words.is_empty()
-            && req.output_token_ids.len() >= p.min_tokens();
-        // With recurrent state only a request with a set of draft-state slots can take a
-        // rejected draft back.
-        let rolls_back = self.states.is_empty()
-            || self.draft_states.slot(req.id).is_some()
-            || self.draft_states.num_free() > 0;
-        (plain && self.running.len() <= spec.disable_by_batch_size && rolls_back).then_some(spec)
-    }
-
-    /// Draft tokens for a decode of `req` (at most `budget`) when it speculates.
-    fn draft(&self, req: &Request, budget: usize) -> Vec<u32> {
-        let Some(spec) = self.speculates(req) else {
-            return Vec::new();
-        };
-        // Each step yields the accepted drafts and one token more.
-        let limit = (req
-            .max_output_tokens
-            .saturating_sub(req.output_token_ids.len() + 1))
-        .min(
-            self.config
-                .max_model_len
-                .saturating_sub(req.num_tokens() + 1),
-        )
-        .min(budget);
-        if spec.proposer.runs_after_step() {
-            return req.proposed[..limit.min(req.proposed.len())].to_vec();
-        }
-        let tokens: Vec<u32> = (0..req.num_tokens()).map(|i| req.token_at(i)).collect();
-        spec.propose(&tokens, limit)
-    }
-
-    /// The draft model's work after this step, per planned request that speculates: it
-    /// catches up on what it lacks and proposes for requests that sample, within one step
-    /// budget of rows; room for the proposal's K/V comes from free blocks only.
-    fn draft_runs(
-        &mut self,
-        planned: &[(RequestId, usize, Vec<u32>)],
-    ) -> HashMap<RequestId, DraftRun> {
-        let mut runs = HashMap::new();
-        let k = match &self.config.speculation {
-            Some(Speculation {
-                k,
-                proposer: Proposer::DraftModel { .. },
-                ..
-            }) => *k,
-            _ => return runs,
-        };
-        let mut budget = self.config.max_num_batched_tokens;
-        for (id, num_new, draft) in planned {
-            let req = &self.requests[id];
-            if self.speculates(req).is_none() {
-                continue;
-            }
-            let start = req.num_computed_tokens;
-            // Ahead by the token it was fed last step at most: that one is fed again.
-            let from = req.draft_pos.min(start);
-            let catch_up: Vec<u32> = (from..start).map(|i| req.token_at(i)).collect();
-            if catch_up.len() + num_new + 1 > budget {
-                // Too far behind for this step (speculation paused for a while, or a
-                // prefix-cache hit): known tokens only, proposals once it has caught up.
-                let n = catch_up.len().min(budget);
-                if n > 0 {
-                    budget -= n;
-                    let catch_up = catch_up[..n].to_vec();
-                    runs.insert(
-                        *id,
-                        DraftRun {
-                            start: from,
-                            catch_up,
-                            with_step: false,
-                            propose: 0,
-                        },
-                    );
-                }
-                continue;
-            }
-            let propose = self.room_to_propose(*id, *num_new, draft.len(), k);
-            budget -= catch_up.len() + num_new + (propose > 0) as usize;
-            runs.insert(
-                *id,
-                DraftRun {
-                    start: from,
-                    catch_up,
-                    with_step: true,
-                    propose,
-                },
-            );
-        }
-        runs
-    }
-
-    /// Tokens a proposer may draft after this step of `id` (`num_new` rows, `drafted` of
-    /// them drafts) for its next one: 0 unless the step samples; within `k`, max_tokens and
-    /// the model's length, and the blocks hold them (free blocks only).
-    fn room_to_propose(
-        &mut self,
-        id: RequestId,
-        num_new: usize,
-        drafted: usize,
-        k: usize,
-    ) -> usize {
-        let req = &self.requests[&id];
-        let (start, end) = (req.num_computed_tokens, req.num_computed_tokens + num_new);
-        if end - drafted != req.num_tokens() {
-            return 0;
-        }
-        let propose = k
-            .min(
-                req.max_output_tokens
-                    .saturating_sub(req.output_token_ids.len() + 2),
-            )
-            .min(self.config.max_model_len.saturating_sub(end));
-        match propose > 0
-            && self
-                .kv
-                .allocate_slots(id, start, end + propose, &Vec::new())
-        {
-            true => propose,
-            false => 0,
-        }
-    }
-
-    /// The MTP head's work after this step, per planned request that speculates: it runs
-    /// over every chunk (its K/V must hold the whole context) and proposes after those that
-    /// sample.
-    fn mtp_runs(&mut self, planned: &[(RequestId, usize, Vec<u32>)]) -> HashMap<RequestId, MtpRun> {
-        let mut runs = HashMap::new();
-        let k = match &self.config.speculation {
-            Some(Speculation {
-                k,
-                proposer: Proposer::Mtp,
-                ..
-            }) => *k,
-            _ => return runs,
-        };
-        for (id, num_new, draft) in planned {
-            let req = &self.requests[id];
-            if req.pooling || self.speculates(req).is_none() {
-                continue;
-            }
-            let known_end = req.num_computed_tokens + num_new - draft.len();
-            let next = (known_end < req.num_tokens()).then(|| req.token_at(known_end));
-            let propose = self.room_to_propose(*id, *num_new, draft.len(), k);
-            runs.insert(*id, MtpRun { next, propose });
-        }
-        runs
     }
 
     pub fn kv_usage(&self) -> f64 {
@@ -827,12 +507,6 @@ impl Scheduler {
         }
     }
 
-    /// Gives back what a request holds for speculation on a model with recurrent state.
-    fn release_draft_states(&mut self, id: RequestId) {
-        self.draft_states.release(id);
-        self.rollbacks.remove(&id);
-    }
-
     fn preempt(&mut self, id: RequestId) {
         self.kv.free(id);
         self.states.release(id);
@@ -910,15 +584,6 @@ impl Scheduler {
             }
         }
         updates
-    }
-
-    /// The draft model's proposals after a step, each for its request's next decode.
-    pub fn set_proposals(&mut self, proposals: HashMap<RequestId, Vec<u32>>) {
-        for (id, tokens) in proposals {
-            if let Some(req) = self.requests.get_mut(&id) {
-                req.proposed = tokens;
-            }
-        }
     }
 
     /// Ends a request (stop string, abort, or a stop condition) and frees its blocks.
