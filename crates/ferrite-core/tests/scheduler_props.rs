@@ -494,13 +494,12 @@ fn run_with_states(
         let out = sched.schedule();
         let mut held = HashSet::new();
         for r in &out.requests {
-            let s = r
-                .state_slot
-                .expect("every scheduled request holds a state slot");
+            let state = r.state.expect("every scheduled request holds a state slot");
+            let s = state.slot;
             assert!((s as usize) < cfg.state_slots);
             assert!(held.insert(s), "state slot {s} held twice");
-            if let Some(first) = r.draft_states {
-                for d in first..first + r.draft.len() as u32 {
+            if let Some(first) = state.drafts {
+                for d in first..first + r.spec.draft.len() as u32 {
                     assert!(draft_slots.contains(&(d as usize)), "draft slot {d}");
                     assert!(held.insert(d), "draft state slot {d} held twice");
                 }
@@ -637,7 +636,7 @@ proptest! {
                 let (_, prompt) = &prompts[r.req_id as usize];
                 prop_assert_eq!(r.start_pos, 0);
                 prop_assert_eq!(&r.token_ids, prompt, "the whole prompt in one step");
-                prop_assert!(r.pool && r.sample.is_none());
+                prop_assert!(r.pooling.pool && r.sample.is_none());
                 *runs.entry(r.req_id).or_default() += 1;
             }
             for u in sched.update(&out, &HashMap::new()) {

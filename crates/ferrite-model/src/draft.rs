@@ -136,7 +136,7 @@ impl DraftModel {
         r: &ScheduledRequest,
         sampled: &HashMap<RequestId, Vec<SampledToken>>,
     ) -> Option<(Vec<u32>, usize)> {
-        let run = r.draft_run.as_ref()?;
+        let run = r.spec.draft_run.as_ref()?;
         let mut tokens = run.catch_up.clone();
         let mut propose = 0;
         if run.with_step {
@@ -146,7 +146,8 @@ impl DraftModel {
             }
             // The known token and the accepted drafts; a rejected draft's rows are not fed.
             let rows = drawn.map_or(r.token_ids.len(), |d| {
-                r.token_ids.len() - r.draft.len() - 1 + d.len().min(r.draft.len() + 1)
+                let drafts = r.spec.draft.len();
+                r.token_ids.len() - drafts - 1 + d.len().min(drafts + 1)
             });
             tokens.extend(&r.token_ids[..rows]);
             if let Some(t) = drawn.and_then(|d| d.last()).filter(|_| run.propose > 0) {
@@ -171,7 +172,7 @@ impl DraftModel {
             let Some((tokens, propose)) = Self::feed(r, sampled) else {
                 continue;
             };
-            let start = r.draft_run.as_ref().map_or(0, |d| d.start);
+            let start = r.spec.draft_run.as_ref().map_or(0, |d| d.start);
             let tables = vec![r.block_tables[self.group].clone(); self.draft_groups];
             step.push(&tokens, start, &tables, bs);
             if propose > 0 {

@@ -28,14 +28,16 @@ pub fn propose(
     let mut step = PackedStep::default();
     let mut live = Vec::new();
     for (i, r) in out.requests.iter().enumerate() {
-        let Some(run) = &r.mtp_run else {
+        let Some(run) = &r.spec.mtp_run else {
             continue;
         };
         let drawn = sampled.get(&r.req_id);
         // The rows whose hidden state holds: after a verify, the last known token's and the
         // accepted drafts' (a rejected draft's row is not the request's text).
         let valid = match drawn {
-            Some(d) if !r.draft.is_empty() => r.token_ids.len() - r.draft.len() + d.len() - 1,
+            Some(d) if !r.spec.draft.is_empty() => {
+                r.token_ids.len() - r.spec.draft.len() + d.len() - 1
+            }
             _ => r.token_ids.len(),
         };
         let next = match (run.next, drawn.and_then(|d| d.last())) {
@@ -46,7 +48,8 @@ pub fn propose(
         let mut tokens = r.token_ids[1..valid].to_vec();
         tokens.push(next);
         step.push(&tokens, r.start_pos, &r.block_tables, block_size);
-        step.state_slots.extend(r.state_slot);
+        let state_slot = r.state.map(|st| st.slot);
+        step.state_slots.extend(state_slot);
         let first = target.cu_seqlens_q[i];
         step.hidden_rows.extend(first..first + valid as u32);
         if run.propose > 0 {
@@ -55,7 +58,7 @@ pub fn propose(
             live.push(Proposing {
                 id: r.req_id,
                 tables: r.block_tables.clone(),
-                state_slot: r.state_slot,
+                state_slot,
                 // The row's position is the sampled token's minus one: the next pass feeds
                 // the first draft one position on.
                 next_pos: r.start_pos + valid,

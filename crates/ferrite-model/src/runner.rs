@@ -161,13 +161,13 @@ impl ModelRunner {
         for (i, r) in out.requests.iter().enumerate() {
             let first_row = step.num_tokens();
             step.push(&r.token_ids, r.start_pos, &r.block_tables, bs);
-            if r.state_slot.is_some() {
-                step.state_slots.extend(r.state_slot);
-                step.state_restores.push(r.state_restore.unwrap_or(NO_SLOT));
-                let save = r.state_save.map_or([0, NO_SLOT], |(n, s)| [n as u32, s]);
+            if let Some(st) = &r.state {
+                step.state_slots.push(st.slot);
+                step.state_restores.push(st.restore.unwrap_or(NO_SLOT));
+                let save = st.save.map_or([0, NO_SLOT], |(n, s)| [n as u32, s]);
                 step.state_saves.push(save);
-                let known = r.token_ids.len() - r.draft.len();
-                let drafts = r.draft_states.map_or([0, NO_SLOT], |s| [known as u32, s]);
+                let known = r.token_ids.len() - r.spec.draft.len();
+                let drafts = st.drafts.map_or([0, NO_SLOT], |s| [known as u32, s]);
                 step.state_drafts.push(drafts);
             }
             if let Some(pl) = &r.prompt_logprobs {
@@ -177,15 +177,16 @@ impl ModelRunner {
                     uses.push(RowUse::PromptLogprob(i, target, pl.num_alternatives));
                 }
             }
-            if !r.token_type_ids.is_empty() || !step.token_types.is_empty() {
+            let types = &r.pooling.token_type_ids;
+            if !types.is_empty() || !step.token_types.is_empty() {
                 // Segments for every token once one request has them (0 for the others).
                 step.token_types.resize(first_row, 0);
-                match r.token_type_ids.is_empty() {
+                match types.is_empty() {
                     true => step.token_types.resize(step.num_tokens(), 0),
-                    false => step.token_types.extend(&r.token_type_ids),
+                    false => step.token_types.extend(types),
                 }
             }
-            if r.pool {
+            if r.pooling.pool {
                 // Prompts of a pooling model are computed whole: the chunk is the prompt.
                 let rows = self
                     .pooling
@@ -200,9 +201,9 @@ impl ModelRunner {
             // the last known token's and each draft token's.
             if r.sample.is_some() {
                 let end = step.num_tokens();
-                for j in 0..=r.draft.len() {
-                    step.logits_indices
-                        .push((end - 1 - r.draft.len() + j) as u32);
+                let drafts = r.spec.draft.len();
+                for j in 0..=drafts {
+                    step.logits_indices.push((end - 1 - drafts + j) as u32);
                     uses.push(RowUse::Sample(i, j));
                 }
             }
@@ -216,7 +217,7 @@ impl Executor for ModelRunner {
     fn execute(&mut self, out: &SchedulerOutput) -> Result<StepOutput, ExecError> {
         let (mut step, uses, pools) = self.pack(out);
         step.keep_hidden = matches!(self.proposer, Some(StepProposer::Mtp))
-            && out.requests.iter().any(|r| r.mtp_run.is_some());
+            && out.requests.iter().any(|r| r.spec.mtp_run.is_some());
         let mut result = self.run_step(out, &step, uses, &pools)?;
         result.drafts = match &mut self.proposer {
             Some(StepProposer::DraftModel(d)) => d.propose(out, &result.sampled)?,
@@ -354,7 +355,7 @@ impl ModelRunner {
         let mut ended = HashSet::new();
         for (n, (row, u)) in logits.chunks_mut(vocab).zip(uses).enumerate() {
             match u {
-                RowUse::Sample(i, j) if !out.requests[i].draft.is_empty() => {
+                RowUse::Sample(i, j) if !out.requests[i].spec.draft.is_empty() => {
                     // Rows after a rejected draft are not looked at.
                     if ended.contains(&i) {
                         continue;
@@ -410,10 +411,9 @@ impl ModelRunner {
 /// Each row's sampling spec when every row samples a token the device can draw. A draft
 /// drawn from a distribution is verified against that distribution, on the host.
 fn device_specs<'a>(out: &'a SchedulerOutput, uses: &[RowUse]) -> Option<Vec<&'a SampleSpec>> {
-    let drafts_sampled = out
-        .requests
-        .iter()
-        .any(|r| !r.draft.is_empty() && r.sample.as_ref().is_some_and(|s| !s.params.is_greedy()));
+    let drafts_sampled = out.requests.iter().any(|r| {
+        !r.spec.draft.is_empty() && r.sample.as_ref().is_some_and(|s| !s.params.is_greedy())
+    });
     if drafts_sampled {
         return None;
     }
@@ -450,7 +450,7 @@ fn accept_drawn(
         if drawn.len() < j
             || drawn
                 .get(j.wrapping_sub(1))
-                .is_some_and(|t| t.token_id != r.draft[j - 1])
+                .is_some_and(|t| t.token_id != r.spec.draft[j - 1])
         {
             continue;
         }
@@ -484,7 +484,7 @@ fn verify_row(
         ..spec.clone()
     };
     let mut held = true;
-    let drawn = match r.draft.get(j) {
+    let drawn = match r.spec.draft.get(j) {
         Some(&d) => catch(|| sampler.verify(row, &spec, d)).map(|v| {
             held = v.is_ok();
             v.map_or_else(|t| t, |()| d)

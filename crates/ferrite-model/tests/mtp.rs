@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use ferrite_core::output::SampledToken;
-use ferrite_core::scheduler::{ScheduledRequest, SchedulerOutput};
+use ferrite_core::scheduler::{PoolStep, ScheduledRequest, SchedulerOutput, SpecStep, StateStep};
 use ferrite_core::spec_decode::MtpRun;
 use ferrite_model::loader::{load_cpu_decoder_with_mtp, WeightFormat};
 use ferrite_model::mtp_draft::propose;
@@ -76,16 +76,15 @@ fn scheduled(tokens: &[u32], start: usize, tables: &[Vec<u32>]) -> ScheduledRequ
         token_ids: tokens.to_vec(),
         start_pos: start,
         block_tables: tables.to_vec(),
-        state_slot: Some(0),
-        state_restore: None,
-        state_save: None,
         sample: None,
-        pool: false,
-        token_type_ids: Vec::new(),
-        draft: Vec::new(),
-        draft_run: None,
-        mtp_run: None,
-        draft_states: None,
+        state: Some(StateStep {
+            slot: 0,
+            restore: None,
+            save: None,
+            drafts: None,
+        }),
+        pooling: PoolStep::default(),
+        spec: SpecStep::default(),
         prompt_logprobs: None,
     }
 }
@@ -95,11 +94,12 @@ fn target_step(r: &ScheduledRequest, bs: usize) -> PackedStep {
     let mut s = PackedStep::default();
     s.push(&r.token_ids, r.start_pos, &r.block_tables, bs);
     s.state_slots.push(0);
-    s.state_restores.push(r.state_restore.unwrap_or(NO_SLOT));
+    let st = r.state.expect("a hybrid's request holds a state slot");
+    s.state_restores.push(st.restore.unwrap_or(NO_SLOT));
     s.state_saves.push([0, NO_SLOT]);
-    let known = (r.token_ids.len() - r.draft.len()) as u32;
+    let known = (r.token_ids.len() - r.spec.draft.len()) as u32;
     s.state_drafts
-        .push(r.draft_states.map_or([0, NO_SLOT], |d| [known, d]));
+        .push(st.drafts.map_or([0, NO_SLOT], |d| [known, d]));
     s.logits_indices = (0..r.token_ids.len() as u32).collect();
     s.finish();
     s
@@ -160,7 +160,7 @@ fn mtp_proposer_drafts_the_heads_argmax_and_a_rejected_draft_rolls_back() {
 
     // The prompt's last chunk: the head drafts after the sampled token.
     let mut r = scheduled(&s[..n], 0, &tables);
-    r.mtp_run = mtp(1);
+    r.spec.mtp_run = mtp(1);
     let (logits, drafts) = run(r, &[s[n]]);
     assert!(close(&logits[n - 1], n - 1) <= 1e-3);
     assert_eq!(drafts, vec![argmax(&want_head[n - 1])]);
@@ -168,9 +168,9 @@ fn mtp_proposer_drafts_the_heads_argmax_and_a_rejected_draft_rolls_back() {
     // A verify step: the first draft holds, the second does not.
     let wrong = (s[n + 2] + 1) % v as u32;
     let mut r = scheduled(&[s[n], s[n + 1], wrong], n, &tables);
-    r.draft = vec![s[n + 1], wrong];
-    r.draft_states = Some(1);
-    r.mtp_run = mtp(1);
+    r.spec.draft = vec![s[n + 1], wrong];
+    r.state.as_mut().unwrap().drafts = Some(1);
+    r.spec.mtp_run = mtp(1);
     let (logits, drafts) = run(r, &[s[n + 1], s[n + 2]]);
     assert!(close(&logits[0], n) <= 1e-3 && close(&logits[1], n + 1) <= 1e-3);
     assert_eq!(drafts, vec![argmax(&want_head[n + 1])]);
@@ -178,8 +178,8 @@ fn mtp_proposer_drafts_the_heads_argmax_and_a_rejected_draft_rolls_back() {
     // The next decode restores the state after the accepted tokens (slot 1 + 1 accepted);
     // the head drafts three tokens, the first from the target's hidden state.
     let mut r = scheduled(&[s[n + 2]], n + 2, &tables);
-    r.state_restore = Some(2);
-    r.mtp_run = mtp(3);
+    r.state.as_mut().unwrap().restore = Some(2);
+    r.spec.mtp_run = mtp(3);
     let (logits, drafts) = run(r, &[s[n + 3]]);
     let d = close(&logits[0], n + 2);
     println!("after the rollback: max |dlogit| {d:.2e}");
@@ -189,21 +189,21 @@ fn mtp_proposer_drafts_the_heads_argmax_and_a_rejected_draft_rolls_back() {
 
     // A verify step whose drafts all hold: the live state is right, nothing is restored.
     let mut r = scheduled(&[s[n + 3], s[n + 4], s[n + 5]], n + 3, &tables);
-    r.draft = vec![s[n + 4], s[n + 5]];
-    r.draft_states = Some(1);
-    r.mtp_run = mtp(1);
+    r.spec.draft = vec![s[n + 4], s[n + 5]];
+    r.state.as_mut().unwrap().drafts = Some(1);
+    r.spec.mtp_run = mtp(1);
     let (logits, drafts) = run(r, &[s[n + 4], s[n + 5], s[n + 6]]);
     assert!((0..3).all(|i| close(&logits[i], n + 3 + i) <= 1e-3));
     assert_eq!(drafts, vec![argmax(&want_head[n + 5])]);
     let mut r = scheduled(&[s[n + 6]], n + 6, &tables);
-    r.mtp_run = mtp(1);
+    r.spec.mtp_run = mtp(1);
     let (logits, drafts) = run(r.clone(), &[s[n + 7]]);
     assert!(close(&logits[0], n + 6) <= 1e-3);
     assert_eq!(drafts, vec![argmax(&want_head[n + 6])]);
 
     // The same decode restoring a wrong saved state (after one token less): its logits are
     // off, so the checks above see the state.
-    r.state_restore = Some(2);
+    r.state.as_mut().unwrap().restore = Some(2);
     let (logits, _) = run(r, &[s[n + 7]]);
     assert!(
         close(&logits[0], n + 6) > 1e-2,

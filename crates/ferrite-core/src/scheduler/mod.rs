@@ -401,7 +401,7 @@ impl Scheduler {
             .map(|(id, n, draft)| {
                 let run = runs.remove(&id);
                 let mut r = self.scheduled_request(id, n, draft, run, &busy);
-                r.mtp_run = mtp_runs.remove(&id);
+                r.spec.mtp_run = mtp_runs.remove(&id);
                 r
             })
             .collect();
@@ -490,20 +490,26 @@ impl Scheduler {
             token_ids,
             start_pos: start,
             block_tables: self.kv.block_tables(id).to_vec(),
-            state_slot: self.states.slot(id),
-            state_restore: self.restores.get(&id).copied().or(rollback),
-            state_save,
             sample,
-            pool: completes && req.pooling,
-            token_type_ids: req
-                .token_type_ids
-                .as_ref()
-                .map_or(Vec::new(), |t| t[start..start + known].to_vec()),
-            draft,
-            draft_run,
-            mtp_run: None,
-            draft_states,
             prompt_logprobs,
+            state: self.states.slot(id).map(|slot| StateStep {
+                slot,
+                restore: self.restores.get(&id).copied().or(rollback),
+                save: state_save,
+                drafts: draft_states,
+            }),
+            pooling: PoolStep {
+                pool: completes && req.pooling,
+                token_type_ids: req
+                    .token_type_ids
+                    .as_ref()
+                    .map_or(Vec::new(), |t| t[start..start + known].to_vec()),
+            },
+            spec: SpecStep {
+                draft,
+                draft_run,
+                mtp_run: None,
+            },
         }
     }
 
@@ -546,14 +552,16 @@ impl Scheduler {
                     break;
                 }
             }
-            req.num_computed_tokens = if s.draft.is_empty() {
+            let draft = &s.spec.draft;
+            req.num_computed_tokens = if draft.is_empty() {
                 req.num_computed_tokens + s.token_ids.len()
             } else {
                 // K/V holds the last known token and the accepted drafts; a rejected draft's
                 // slots are written over by the next step.
-                let accepted = drawn.len().saturating_sub(1).min(s.draft.len());
-                self.spec_stats.record(s.draft.len(), accepted);
-                if let Some(first) = s.draft_states.filter(|_| accepted < s.draft.len()) {
+                let accepted = drawn.len().saturating_sub(1).min(draft.len());
+                self.spec_stats.record(draft.len(), accepted);
+                let drafts = s.state.and_then(|st| st.drafts);
+                if let Some(first) = drafts.filter(|_| accepted < draft.len()) {
                     // The state after the accepted tokens, for the next step to start from.
                     self.rollbacks
                         .insert(s.req_id, first + accepted as StateSlot);
@@ -561,7 +569,7 @@ impl Scheduler {
                 (s.start_pos + 1 + accepted).min(req.num_tokens())
             };
             req.proposed.clear();
-            if let Some(run) = &s.draft_run {
+            if let Some(run) = &s.spec.draft_run {
                 // The sampled token was fed to the draft model when it proposed.
                 req.draft_pos = match run.with_step {
                     true => {
@@ -571,7 +579,7 @@ impl Scheduler {
                 };
             }
             self.kv.cache_blocks(req);
-            if s.pool {
+            if s.pooling.pool {
                 finished = Some(FinishReason::Stop);
             }
             updates.push(RequestUpdate {

@@ -43,20 +43,45 @@ pub struct ScheduledRequest {
     pub start_pos: usize,
     /// One per KV group.
     pub block_tables: BlockTables,
-    /// The request's recurrent-state slot (models with linear-attention layers); its state
-    /// starts over when `start_pos` is 0.
-    pub state_slot: Option<StateSlot>,
-    /// A prefix-cache hit: the checkpoint slot whose state the request starts from.
-    pub state_restore: Option<StateSlot>,
-    /// After this many of the chunk's tokens (a full prompt block's end), the state is
-    /// written into this checkpoint slot.
-    pub state_save: Option<(usize, StateSlot)>,
     /// Present when the step reaches the last known token, so a new token is sampled.
     pub sample: Option<SampleSpec>,
-    /// A pooling request whose prompt this step completes: its hidden states are pooled.
+    /// Recurrent state (models with linear-attention layers).
+    pub state: Option<StateStep>,
+    /// Pooling (embedding models).
+    pub pooling: PoolStep,
+    /// Speculative decoding.
+    pub spec: SpecStep,
+    pub prompt_logprobs: Option<PromptLogprobSpec>,
+}
+
+/// Where a request's recurrent state lives this step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateStep {
+    /// The request's slot; its state starts over when `start_pos` is 0.
+    pub slot: StateSlot,
+    /// A prefix-cache hit (or a rejected draft taken back): the slot whose state the request
+    /// starts from.
+    pub restore: Option<StateSlot>,
+    /// After this many of the chunk's tokens (a full prompt block's end), the state is
+    /// written into this checkpoint slot.
+    pub save: Option<(usize, StateSlot)>,
+    /// A verify step: the first of `draft.len()` slots that receive the state after the last
+    /// known token and each draft but the last, in order.
+    pub drafts: Option<StateSlot>,
+}
+
+/// A pooling request's part of a step.
+#[derive(Clone, Debug, Default)]
+pub struct PoolStep {
+    /// The step completes the prompt: its hidden states are pooled.
     pub pool: bool,
     /// The chunk's token segments (pair inputs), beside `token_ids`; empty: all 0.
     pub token_type_ids: Vec<u32>,
+}
+
+/// Speculative decoding's part of a step.
+#[derive(Clone, Debug, Default)]
+pub struct SpecStep {
     /// Draft tokens fed after the last known one (`token_ids` ends with them): each of the
     /// last `draft.len() + 1` rows is sampled, and drafts are kept while they match.
     pub draft: Vec<u32>,
@@ -64,10 +89,6 @@ pub struct ScheduledRequest {
     pub draft_run: Option<DraftRun>,
     /// Speculation with an MTP head: what it runs for this request after the step.
     pub mtp_run: Option<MtpRun>,
-    /// A verify step with recurrent state: the first of `draft.len()` slots that receive the
-    /// state after the last known token and each draft but the last, in order.
-    pub draft_states: Option<StateSlot>,
-    pub prompt_logprobs: Option<PromptLogprobSpec>,
 }
 
 impl ScheduledRequest {

@@ -50,20 +50,21 @@ impl MockModel {
             assert_eq!(r.block_tables.len(), self.groups.len());
             // The state after each row (a model without state: none).
             let mut row_states = Vec::new();
-            if let Some(s) = r.state_slot {
+            if let Some(state) = &r.state {
+                let s = state.slot;
                 let mut st = self.states[s as usize];
                 if r.start_pos == 0 {
                     st = 7;
                 }
                 // A prefix-cache hit starts from the checkpoint of its prefix.
-                if let Some(c) = r.state_restore {
+                if let Some(c) = state.restore {
                     assert!(r.start_pos > 0, "a restore starts past a cached prefix");
                     st = self.states[c as usize];
                 }
                 for (i, &t) in r.token_ids.iter().enumerate() {
                     st = (st ^ t as u64).wrapping_mul(1099511628211);
                     row_states.push(st);
-                    if let Some((n, c)) = r.state_save.filter(|(n, _)| *n == i + 1) {
+                    if let Some((n, c)) = state.save.filter(|(n, _)| *n == i + 1) {
                         assert_ne!(c, s, "a checkpoint slot is not a running slot");
                         assert!(n <= r.token_ids.len());
                         self.states[c as usize] = st;
@@ -71,9 +72,9 @@ impl MockModel {
                 }
                 // A verify step keeps the state after the known token and each draft but
                 // the last, for the next step to take a rejected draft back.
-                if let Some(first) = r.draft_states {
-                    assert!(!r.draft.is_empty(), "draft states without a draft");
-                    let known = r.token_ids.len() - r.draft.len();
+                if let Some(first) = state.drafts {
+                    assert!(!r.spec.draft.is_empty(), "draft states without a draft");
+                    let known = r.token_ids.len() - r.spec.draft.len();
                     for m in known..r.token_ids.len() {
                         let slot = first as usize + m - known;
                         assert_ne!(slot, s as usize, "a draft slot is not a running slot");
@@ -89,7 +90,7 @@ impl MockModel {
                 }
             }
             if r.sample.is_some() {
-                let first = r.seq_len() - 1 - r.draft.len();
+                let first = r.seq_len() - 1 - r.spec.draft.len();
                 let mut drawn = Vec::new();
                 for (j, pos) in (first..r.seq_len()).enumerate() {
                     let mut h: u64 = 1469598103934665603;
@@ -104,7 +105,7 @@ impl MockModel {
                     }
                     let t = (h % self.vocab as u64) as u32;
                     drawn.push(t);
-                    if r.draft.get(j) != Some(&t) {
+                    if r.spec.draft.get(j) != Some(&t) {
                         break;
                     }
                 }
@@ -128,7 +129,7 @@ impl MockModel {
             return proposals;
         };
         for r in &out.requests {
-            let Some(run) = &r.draft_run else {
+            let Some(run) = &r.spec.draft_run else {
                 continue;
             };
             let table = &r.block_tables[g];
@@ -144,7 +145,7 @@ impl MockModel {
             let mut propose = 0;
             if run.with_step {
                 let rows = drawn.map_or(r.token_ids.len(), |d| {
-                    r.token_ids.len() - r.draft.len() - 1 + d.len()
+                    r.token_ids.len() - r.spec.draft.len() - 1 + d.len()
                 });
                 fed.extend(&r.token_ids[..rows]);
                 if let Some(&t) = drawn.and_then(|d| d.last()).filter(|_| run.propose > 0) {
