@@ -47,19 +47,7 @@ pub fn run<B: Backend>(make: &dyn Fn() -> B, tol: &Tolerances) -> Vec<Outcome> {
     let reference = || CpuBackend::new(WeightFormat::F32, None);
     let mut out = Vec::new();
     let mut check = |case: String, t: f32, got: Result<Vec<f32>>, want: Result<Vec<f32>>| {
-        let want = want.unwrap_or_else(|e| panic!("{case}: the reference failed: {e:#}"));
-        let error = match got {
-            Ok(got) => Some(relative_error(&got, &want, &case)),
-            Err(e) => {
-                println!("{case}: refused ({e:#})");
-                None
-            }
-        };
-        out.push(Outcome {
-            case,
-            error,
-            tolerance: t,
-        });
+        out.push(outcome(case, t, got, want));
     };
     for rows in [3, 40] {
         for (dtype, input, epilogue) in linear_cases() {
@@ -142,12 +130,33 @@ pub fn run<B: Backend>(make: &dyn Fn() -> B, tol: &Tolerances) -> Vec<Outcome> {
             op.run(&mut reference()),
         );
     }
+    print_table(&out);
+    out
+}
+
+/// A case's outcome: `got` (a refusal, or an output) against the reference's `want`.
+fn outcome(case: String, tolerance: f32, got: Result<Vec<f32>>, want: Result<Vec<f32>>) -> Outcome {
+    let want = want.unwrap_or_else(|e| panic!("{case}: the reference failed: {e:#}"));
+    let error = match got {
+        Ok(got) => Some(relative_error(&got, &want, &case)),
+        Err(e) => {
+            println!("{case}: refused ({e:#})");
+            None
+        }
+    };
+    Outcome {
+        case,
+        error,
+        tolerance,
+    }
+}
+
+fn print_table(out: &[Outcome]) {
     println!("{:<100} {:>10} {:>10}", "case", "error", "tolerance");
-    for o in &out {
+    for o in out {
         let e = o.error.map_or("refused".into(), |e| format!("{e:.2e}"));
         println!("{:<100} {e:>10} {:>10.1e}", o.case, o.tolerance);
     }
-    out
 }
 
 /// The cases whose error exceeds their tolerance.
@@ -706,26 +715,11 @@ pub fn families<B: Backend + 'static>(make: &dyn Fn() -> B, tol: f32) -> Vec<Out
         let dir = repo_root().join(format!("tests/oracle/tiny/{family}"));
         let reference = CpuBackend::new(WeightFormat::F32, None);
         let want = prompt_logits(reference, &dir, &tokens, KvCacheDtype::Fp32);
-        let want = want.unwrap_or_else(|e| panic!("{family}: the reference failed: {e:#}"));
         let got = prompt_logits(make(), &dir, &tokens, KvCacheDtype::Auto);
         let case = format!("{family}: logits of {} prompt tokens", tokens.len());
-        let error = match got {
-            Ok(got) => Some(relative_error(&got, &want, &case)),
-            Err(e) => {
-                println!("{case}: refused ({e:#})");
-                None
-            }
-        };
-        out.push(Outcome {
-            case,
-            error,
-            tolerance: tol,
-        });
+        out.push(outcome(case, tol, got, want));
     }
-    for o in &out {
-        let e = o.error.map_or("refused".into(), |e| format!("{e:.2e}"));
-        println!("{:<100} {e:>10} {:>10.1e}", o.case, o.tolerance);
-    }
+    print_table(&out);
     out
 }
 
