@@ -148,6 +148,11 @@ impl Kernels {
         let (h, hkv, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
         let (t, width) = qkv.dims2()?;
         ensure!(width == (h + 2 * hkv) * d, "qkv is {width} wide");
+        ensure!(
+            qkv.dtype() == DType::BF16,
+            "qkv is {:?}, a matmul's bf16 output expected",
+            qkv.dtype()
+        );
         let q = self.output((t, h * d), DType::BF16)?;
         if t > 0 {
             const WARPS: u32 = 8;

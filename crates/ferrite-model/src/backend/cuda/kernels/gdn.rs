@@ -62,6 +62,11 @@ impl Kernels {
             "gated delta-net input {:?}",
             proj.dims()
         );
+        ensure!(
+            proj.dtype() == DType::BF16,
+            "gated delta-net input is {:?}, a matmul's bf16 output expected",
+            proj.dtype()
+        );
         let (conv_dim, k) = (spec.conv_dim(), spec.conv_kernel);
         let elems = state.dim(1)?;
         let vd = spec.num_v_heads * spec.v_dim;
