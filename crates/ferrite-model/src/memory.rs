@@ -6,7 +6,28 @@ use anyhow::{bail, Context, Result};
 use ferrite_core::kv_layout::{max_blocks, GroupWindow};
 use std::fmt;
 
+/// Physical RAM (macOS: `hw.memsize`).
+#[cfg(target_os = "macos")]
+pub fn physical_memory_bytes() -> Result<u64> {
+    let (mut bytes, mut len) = (0u64, std::mem::size_of::<u64>());
+    // SAFETY: `bytes` is a u64 and `len` its size, as hw.memsize's value is.
+    let r = unsafe {
+        libc::sysctlbyname(
+            c"hw.memsize".as_ptr(),
+            &mut bytes as *mut u64 as *mut libc::c_void,
+            &mut len,
+            std::ptr::null_mut(),
+            0,
+        )
+    };
+    if r != 0 {
+        bail!("sysctl hw.memsize: {}", std::io::Error::last_os_error());
+    }
+    Ok(bytes)
+}
+
 /// Physical RAM, or the cgroup limit when that is lower (containers).
+#[cfg(not(target_os = "macos"))]
 pub fn physical_memory_bytes() -> Result<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
     let kb: u64 = meminfo

@@ -185,6 +185,19 @@ fn magnitude(w: &PackedWeight, a: &QuantizedActs, t: usize, r: usize) -> f64 {
         .sum()
 }
 
+/// The fastest set this CPU runs is the one picked, or the one `FERRITE_CPU_ISA` names;
+/// `FERRITE_EXPECT_ISA` states which that must be (CI's runs under qemu at each Arm level).
+#[test]
+fn the_fastest_supported_kernel_set_is_picked() {
+    let picked = Isa::detect();
+    println!("kernel set picked: {}", picked.name());
+    let want = std::env::var("FERRITE_EXPECT_ISA")
+        .or_else(|_| std::env::var(ferrite_model::backend::cpu::quant::isa::ISA_ENV))
+        .unwrap_or_else(|_| Isa::available()[0].name().to_string());
+    assert_eq!(picked.name(), want);
+    assert!(picked.supported());
+}
+
 #[test]
 fn every_kernel_set_matches_the_reference_on_odd_shapes() {
     let isas = Isa::available();

@@ -11,7 +11,9 @@ use rayon::prelude::*;
 mod tile;
 mod work;
 use tile::*;
-use work::{row_span, Item, LayerInputs, Merge, ScoreBlock, StepWork, TileScratch};
+#[cfg(target_arch = "x86_64")]
+use work::ScoreBlock;
+use work::{row_span, Item, LayerInputs, Merge, StepWork, TileScratch};
 pub use work::{AttentionMeta, AttentionParams};
 
 #[cfg(target_arch = "x86_64")]
@@ -208,6 +210,8 @@ fn attend(isa: Isa, x: &LayerInputs, it: &Item, part: &mut [f32], s: &mut TileSc
         // SAFETY: as above.
         return unsafe { attend_tile_avx2(x, it, part, s) };
     }
+    // Elsewhere the portable tile: on Arm its 16-lane loops compile to NEON (baseline there).
+    let _ = isa;
     attend_tile(x, it, part, s, piece_scores, row_sums)
 }
 

@@ -114,6 +114,11 @@ fn quantize_row(x: &[f32], q: &mut [i8], mut r: Option<&mut [i8]>, d: &mut [f32]
         // SAFETY: the CPU has AVX-512 F and BW; the slices are as `quantize` sized them.
         return unsafe { avx512::quantize_blocks(x, q, r, d, s) };
     }
+    #[cfg(target_arch = "aarch64")]
+    if super::isa::Isa::detect().vector() == super::isa::Isa::Neon {
+        // SAFETY: the CPU has NEON (the `neon` sets are supported); slices as above.
+        return unsafe { neon::quantize_blocks(x, q, r, d, s) };
+    }
     quantize_blocks(x, q, r, d, s);
 }
 
@@ -227,6 +232,76 @@ mod avx512 {
     }
 }
 
+/// [`quantize_blocks`] 4 elements at a time with NEON: the same operations in the same
+/// order, so the same codes and scales.
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use super::{BLOCK, ROUND};
+    use std::arch::aarch64::*;
+
+    /// Four values' codes (as f32 and int32) and `x * inv`.
+    #[inline(always)]
+    unsafe fn round(x: float32x4_t, inv: float32x4_t) -> (int32x4_t, float32x4_t, float32x4_t) {
+        let round = vdupq_n_f32(ROUND);
+        let scaled = vmulq_f32(x, inv);
+        let codes_f = vsubq_f32(vaddq_f32(scaled, round), round);
+        (vcvtq_s32_f32(codes_f), codes_f, scaled)
+    }
+
+    /// Stores 32 int32 codes (each within int8) as bytes and returns their sum.
+    #[inline(always)]
+    unsafe fn store(codes: [int32x4_t; 8], to: &mut [i8]) -> i32 {
+        let mut sum = vdupq_n_s32(0);
+        for (i, pair) in codes.chunks_exact(2).enumerate() {
+            let h = vcombine_s16(vmovn_s32(pair[0]), vmovn_s32(pair[1]));
+            vst1_s8(to.as_mut_ptr().add(8 * i), vmovn_s16(h));
+            sum = vaddq_s32(sum, vaddq_s32(pair[0], pair[1]));
+        }
+        vaddvq_s32(sum)
+    }
+
+    #[target_feature(enable = "neon")]
+    pub(super) unsafe fn quantize_blocks(
+        x: &[f32],
+        q: &mut [i8],
+        mut r: Option<&mut [i8]>,
+        d: &mut [f32],
+        s: &mut [f32],
+    ) {
+        let (lo, hi) = (vdupq_n_f32(-127.0), vdupq_n_f32(127.0));
+        for (b, v) in x.chunks_exact(BLOCK).enumerate() {
+            let v: [float32x4_t; 8] = std::array::from_fn(|i| vld1q_f32(v.as_ptr().add(4 * i)));
+            let amax = vmaxvq_f32(
+                v.iter()
+                    .fold(vdupq_n_f32(0.0), |m, &x| vmaxq_f32(m, vabsq_f32(x))),
+            );
+            if amax == 0.0 {
+                continue;
+            }
+            let inv = vdupq_n_f32(127.0 / amax);
+            let rounded = v.map(|x| round(x, inv));
+            let sum = store(rounded.map(|r| r.0), &mut q[b * BLOCK..][..BLOCK]);
+            match r.as_deref_mut() {
+                None => {
+                    d[b] = amax / 127.0;
+                    s[b] = d[b] * sum as f32;
+                }
+                Some(r) => {
+                    let round = vdupq_n_f32(ROUND);
+                    let res = rounded.map(|(_, codes_f, scaled)| {
+                        let res = vmulq_n_f32(vsubq_f32(scaled, codes_f), 256.0);
+                        let res = vsubq_f32(vaddq_f32(res, round), round);
+                        vcvtq_s32_f32(vminq_f32(vmaxq_f32(res, lo), hi))
+                    });
+                    let fine = 256 * sum + store(res, &mut r[b * BLOCK..][..BLOCK]);
+                    d[b] = amax / 127.0 / 256.0;
+                    s[b] = d[b] * fine as f32;
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,8 +309,9 @@ mod tests {
     /// The vector form gives the scalar form's codes and scales exactly, ties and zero
     /// blocks included.
     #[test]
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     fn vector_blocks_match_scalar_blocks() {
+        #[cfg(target_arch = "x86_64")]
         if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")) {
             return;
         }
@@ -254,8 +330,11 @@ mod tests {
                 let (mut d, mut s) = (vec![0f32; n / BLOCK], vec![0f32; n / BLOCK]);
                 let r_opt = fine.then_some(&mut r[..]);
                 match vector {
-                    // SAFETY: checked above.
+                    // SAFETY: checked above (NEON is baseline on aarch64).
+                    #[cfg(target_arch = "x86_64")]
                     true => unsafe { avx512::quantize_blocks(&x, &mut q, r_opt, &mut d, &mut s) },
+                    #[cfg(target_arch = "aarch64")]
+                    true => unsafe { neon::quantize_blocks(&x, &mut q, r_opt, &mut d, &mut s) },
                     false => quantize_blocks(&x, &mut q, r_opt, &mut d, &mut s),
                 }
                 (q, r, d, s)

@@ -13,6 +13,13 @@ pub enum Isa {
     Avx512Vnni,
     /// 256-bit `vpmaddubsw` + `vpmaddwd`, FMA.
     Avx2,
+    /// Arm `smmla` (two weight rows x two tokens x 8 int8 values per instruction): Apple M2
+    /// and later, Neoverse V1/V2/N2 (Graviton 3 and 4, Grace).
+    NeonI8mm,
+    /// Arm `sdot` (four int8 products into each 32-bit lane): Apple M1, Neoverse N1.
+    NeonDotprod,
+    /// Arm NEON alone: `smull` + `sadalp`.
+    Neon,
     /// Plain Rust, for any CPU.
     Portable,
 }
@@ -33,6 +40,9 @@ impl Isa {
             Isa::Amx => "amx",
             Isa::Avx512Vnni => "avx512-vnni",
             Isa::Avx2 => "avx2",
+            Isa::NeonI8mm => "neon-i8mm",
+            Isa::NeonDotprod => "neon-dotprod",
+            Isa::Neon => "neon",
             Isa::Portable => "portable",
         }
     }
@@ -54,9 +64,20 @@ impl Isa {
                 }
                 Isa::Avx2 => has!("avx2") && has!("fma") && has!("f16c"),
                 Isa::Portable => true,
+                _ => false,
             }
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(target_arch = "aarch64")]
+        {
+            use std::arch::is_aarch64_feature_detected as has;
+            match self {
+                Isa::NeonI8mm => has!("i8mm"),
+                Isa::NeonDotprod => has!("dotprod"),
+                Isa::Neon | Isa::Portable => true,
+                _ => false,
+            }
+        }
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         {
             self == Isa::Portable
         }
@@ -66,16 +87,25 @@ impl Isa {
     pub fn vector(self) -> Isa {
         match self {
             Isa::Amx => Isa::Avx512Vnni,
+            Isa::NeonI8mm | Isa::NeonDotprod => Isa::Neon,
             isa => isa,
         }
     }
 
     /// Every kernel set this CPU can run, fastest first.
     pub fn available() -> Vec<Isa> {
-        [Isa::Amx, Isa::Avx512Vnni, Isa::Avx2, Isa::Portable]
-            .into_iter()
-            .filter(|i| i.supported())
-            .collect()
+        [
+            Isa::Amx,
+            Isa::Avx512Vnni,
+            Isa::Avx2,
+            Isa::NeonI8mm,
+            Isa::NeonDotprod,
+            Isa::Neon,
+            Isa::Portable,
+        ]
+        .into_iter()
+        .filter(|i| i.supported())
+        .collect()
     }
 
     /// The fastest supported set, or the one named by `FERRITE_CPU_ISA` when the CPU has it.

@@ -1,8 +1,8 @@
 //! Quantized matmul over the packed `[T, K]` activation matrix: weights repacked at load
 //! ([`packed`]), activations quantized to int8 once per input ([`activations`]), then per
 //! instruction set ([`isa`]): AMX tiles of 16 x 16 ([`amx`]), `vpdpbusd` with 16 weight rows
-//! for lanes ([`columns`]), or register tiles of up to 4 weight rows x 4 tokens (AVX2,
-//! portable).
+//! for lanes ([`columns`]), or register tiles of up to 4 weight rows x 4 tokens (AVX2, the
+//! Arm sets of [`neon`], portable).
 //!
 //! Every (row, token) result is computed by the same instruction sequence whatever the tile
 //! shape or thread split, so a token's output does not depend on what shares the step.
@@ -15,6 +15,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod columns;
 pub mod isa;
+#[cfg(target_arch = "aarch64")]
+pub(super) mod neon;
 pub mod packed;
 mod portable;
 mod tile;
@@ -81,6 +83,31 @@ fn tile(
         (Isa::Avx2, Codes::U4) => unsafe { by_shape!(avx2::tile_u4, nr, nt, a, w, r0, a, t0, out) },
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2, Codes::U8) => unsafe { by_shape!(avx2::tile_u8, nr, nt, a, w, r0, a, t0, out) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY (all three sets): as above.
+        (Isa::NeonI8mm, Codes::U4) => unsafe {
+            by_shape!(neon::mmla_tile_u4, nr, nt, a, w, r0, a, t0, out)
+        },
+        #[cfg(target_arch = "aarch64")]
+        (Isa::NeonI8mm, Codes::U8) => unsafe {
+            by_shape!(neon::mmla_tile_u8, nr, nt, a, w, r0, a, t0, out)
+        },
+        #[cfg(target_arch = "aarch64")]
+        (Isa::NeonDotprod, Codes::U4) => unsafe {
+            by_shape!(neon::sdot_u4, nr, nt, a, w, r0, a, t0, out)
+        },
+        #[cfg(target_arch = "aarch64")]
+        (Isa::NeonDotprod, Codes::U8) => unsafe {
+            by_shape!(neon::sdot_u8, nr, nt, a, w, r0, a, t0, out)
+        },
+        #[cfg(target_arch = "aarch64")]
+        (Isa::Neon, Codes::U4) => unsafe {
+            by_shape!(neon::smull_u4, nr, nt, a, w, r0, a, t0, out)
+        },
+        #[cfg(target_arch = "aarch64")]
+        (Isa::Neon, Codes::U8) => unsafe {
+            by_shape!(neon::smull_u8, nr, nt, a, w, r0, a, t0, out)
+        },
         (_, Codes::U4) => by_shape!(portable::tile_u4, nr, nt, a, w, r0, a, t0, out),
         (_, Codes::U8) => by_shape!(portable::tile_u8, nr, nt, a, w, r0, a, t0, out),
     }

@@ -17,6 +17,7 @@ impl<'a> Out<'a> {
     }
 
     /// Rows `r0..r0 + n` of token `t`'s output.
+    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     pub fn row(self, t: usize, r0: usize, n: usize) -> &'a mut [f32] {
         // SAFETY: as for `set`.

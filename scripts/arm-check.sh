@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The Arm CPU kernels without an Arm machine: cross-builds ferrite-model's tests for
+# aarch64-unknown-linux-gnu and runs them under qemu at three CPU levels -- `max` (dotprod and
+# i8mm: the `neon-i8mm` set), `neon-n1` (dotprod only: `neon-dotprod`) and `cortex-a57`
+# (neither: `neon`) -- each run asserting which kernel set was picked; the quantized kernels
+# against exact references at every level, the NEON activation quantizer against the
+# scalar one, and SmolLM2 against transformers (teacher-forced top-1) on `neon-i8mm` and
+# `neon-dotprod`, with greedy output identical at concurrency 1 and 8. Then type-checks the
+# macOS build of the binary. qemu proves correctness, not speed.
+# Usage: scripts/arm-check.sh   (installs the cross toolchain and qemu when missing)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64-static >/dev/null; then
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc-aarch64-linux-gnu g++-aarch64-linux-gnu \
+    libc6-dev-arm64-cross qemu-user-static >/dev/null
+fi
+rustup target add aarch64-unknown-linux-gnu aarch64-apple-darwin >/dev/null
+target=aarch64-unknown-linux-gnu
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
+export CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc CXX_aarch64_unknown_linux_gnu=aarch64-linux-gnu-g++
+scripts/fetch-model.sh smollm2 >/dev/null
+# The test binaries, by name.
+declare -A bin
+while read -r name path; do bin[$name]=$path; done < <(
+  cargo test --release --target $target -p ferrite-model --lib --test quant --test oracle --test engine \
+    --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["target"]["name"] if m["target"]["kind"] != ["lib"] else "lib", m["executable"])')
+# Runs a test binary under qemu with CPU `$1` expecting kernel set `$2`.
+run() {
+  local cpu=$1 isa=$2; shift 2
+  echo "== qemu -cpu $cpu, expecting $isa: $*"
+  FERRITE_EXPECT_ISA=$isa qemu-aarch64-static -cpu "$cpu" -L /usr/aarch64-linux-gnu "$@"
+}
+for level in "max neon-i8mm" "neoverse-n1 neon-dotprod" "cortex-a57 neon"; do
+  set -- $level
+  run "$1" "$2" "${bin[quant]}" --test-threads 2
+  run "$1" "$2" "${bin[lib]}" --test-threads 2 quant::activations
+done
+for level in "max neon-i8mm" "neoverse-n1 neon-dotprod"; do
+  set -- $level
+  run "$1" "$2" "${bin[oracle]}" --nocapture --exact default_fast_path_agrees_with_transformers
+done
+run max neon-i8mm "${bin[engine]}" --nocapture --exact greedy_outputs_identical_at_concurrency_1_and_8
+# macOS (Apple Silicon): the default binary type-checks; nothing links without Apple's SDK.
+cargo check --release --target aarch64-apple-darwin -p ferrite
+echo "arm-check: ok"
