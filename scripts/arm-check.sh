@@ -5,8 +5,9 @@
 # (neither: `neon`) -- each run asserting which kernel set was picked; the quantized kernels
 # against exact references at every level, the NEON activation quantizer against the
 # scalar one, and SmolLM2 against transformers (teacher-forced top-1) on `neon-i8mm` and
-# `neon-dotprod`, with greedy output identical at concurrency 1 and 8. Then type-checks the
-# macOS build of the binary. qemu proves correctness, not speed.
+# `neon-dotprod`, with greedy output identical at concurrency 1 and 8; the `ferrite` binary
+# serving a chat completion as the README's quick start does. Then type-checks the macOS
+# build of the binary. qemu proves correctness, not speed.
 # Usage: scripts/arm-check.sh   (installs the cross toolchain and qemu when missing)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +47,20 @@ for level in "max neon-i8mm" "neoverse-n1 neon-dotprod"; do
   run "$1" "$2" "${bin[oracle]}" --nocapture --exact default_fast_path_agrees_with_transformers
 done
 run max neon-i8mm "${bin[engine]}" --nocapture --exact greedy_outputs_identical_at_concurrency_1_and_8
+# The README's quick start on Arm Linux: the binary as built there serves a chat completion.
+cargo build --release --target $target -p ferrite
+qemu-aarch64-static -cpu max -L /usr/aarch64-linux-gnu target/$target/release/ferrite serve \
+  models/SmolLM2-135M-Instruct.Q4_1.gguf --port 8019 > target/arm-serve.log 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null || true' EXIT
+for _ in $(seq 300); do curl -sf localhost:8019/health >/dev/null 2>&1 && break; sleep 1; done
+reply=$(curl -sf localhost:8019/v1/chat/completions -H 'content-type: application/json' \
+  -d '{"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "temperature": 0}') ||
+  { cat target/arm-serve.log; exit 1; }
+echo "== served on aarch64 (qemu -cpu max): $reply"
+grep -q 'kernels: .*neon-i8mm' target/arm-serve.log || { echo "start-up line names no neon-i8mm" >&2; exit 1; }
+python3 -c 'import json, sys; r = json.loads(sys.argv[1]); assert r["choices"][0]["message"]["content"], r' "$reply"
+kill $server; wait $server 2>/dev/null || true
 # macOS (Apple Silicon): the default binary type-checks; nothing links without Apple's SDK.
 cargo check --release --target aarch64-apple-darwin -p ferrite
 echo "arm-check: ok"

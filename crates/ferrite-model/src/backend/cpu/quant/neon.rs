@@ -1,14 +1,18 @@
-//! Arm tiles (aarch64): per 32-value block an exact int32 dot, then the block's scaling in
-//! f32, as the x86 sets do. Three ways to the dot, one per kernel set:
+//! Arm tiles (aarch64): per 32-value block an exact int32 dot, then per (row, token) the
+//! portable set's arithmetic, `acc += (dw * da) * dot` in f32 and the `U4` offsets added
+//! in block order, lane by lane: every Arm set gives the portable set's bits, so a model
+//! answers the same on every Arm CPU. Three ways to the dot, one per kernel set:
 //! - `neon`: `smull` + `sadalp` (8-bit products widened to 16 bits, pairs added into 32);
 //! - `neon-dotprod`: `sdot` (four products into each 32-bit lane);
 //! - `neon-i8mm`: `smmla`, a 2x8 by 8x2 product: two weight rows times two tokens at once.
 //!
-//! All read the row layout the AVX2 and portable sets read. `smmla` wants each operand as
-//! two rows of 8 bytes; one `zip` of two 16-byte loads makes two such operands, so a block
-//! of two rows costs 4 zips for its 4 `smmla`s of each token pair. A layout with weight
-//! rows interleaved in pairs would save the weights' half of those zips, at the price of a
-//! layout of its own; unmeasured on Arm hardware, it is left until it can be measured.
+//! The first two reduce four tokens' lane sums with two `addp`s into one vector, so the
+//! scaling runs four tokens wide. All read the row layout the AVX2 and portable sets read.
+//! `smmla` wants each operand as two rows of 8 bytes; one `zip` of two 16-byte loads makes
+//! two such operands, so a block of two rows costs 4 zips for its 4 `smmla`s of each token
+//! pair. A layout with weight rows interleaved in pairs would save the weights' half of
+//! those zips, at the price of a layout of its own; unmeasured on Arm hardware, it is left
+//! until it can be measured.
 //!
 //! `sdot` and `smmla` come through `asm!`: their intrinsics are not stable in Rust.
 
@@ -54,24 +58,6 @@ unsafe fn prefetch_rows<const R: usize>(w: &PackedWeight, r0: usize, row_bytes: 
     for line in (0..R * row_bytes).step_by(64) {
         prefetch(from.wrapping_add(line));
     }
-}
-
-/// `sum_b m[b] * s[b]` over `n` (even) blocks: `U4` offsets times activation block sums.
-#[inline(always)]
-unsafe fn offset_term(m: *const f16, s: *const f32, n: usize) -> f32 {
-    let mut acc = vdupq_n_f32(0.0);
-    let mut k = 0;
-    while k + 4 <= n {
-        let mv = widen4(vld1_u16(m.add(k) as *const u16));
-        acc = vfmaq_f32(acc, mv, vld1q_f32(s.add(k)));
-        k += 4;
-    }
-    let mut sum = vaddvq_f32(acc);
-    while k < n {
-        sum += scale(*m.add(k)) * *s.add(k);
-        k += 1;
-    }
-    sum
 }
 
 /// Four lane sums of `w * a` over 16 int8 pairs, added to `acc`.
@@ -142,18 +128,54 @@ unsafe fn acts<const F: bool>(a: &QuantizedActs, t: usize, b: usize) -> [[int8x1
 #[inline(always)]
 unsafe fn nibbles(p: *const u8) -> [[int8x16_t; 2]; 2] {
     let mask = vdupq_n_u8(0x0F);
-    let x = [vld1q_u8(p), vld1q_u8(p.add(16))];
-    [
-        x.map(|x| vreinterpretq_s8_u8(vandq_u8(x, mask))),
-        x.map(|x| vreinterpretq_s8_u8(vshrq_n_u8::<4>(x))),
-    ]
+    let (x0, x1) = (vld1q_u8(p), vld1q_u8(p.add(16)));
+    let lo = |x| vreinterpretq_s8_u8(vandq_u8(x, mask));
+    let hi = |x| vreinterpretq_s8_u8(vshrq_n_u8::<4>(x));
+    [[lo(x0), lo(x1)], [hi(x0), hi(x1)]]
 }
 
 /// A `U8` block's codes minus 128, as int8.
 #[inline(always)]
 unsafe fn centred(p: *const u8) -> [int8x16_t; 2] {
     let flip = vdupq_n_u8(0x80);
-    [vld1q_u8(p), vld1q_u8(p.add(16))].map(|x| vreinterpretq_s8_u8(veorq_u8(x, flip)))
+    [
+        vreinterpretq_s8_u8(veorq_u8(vld1q_u8(p), flip)),
+        vreinterpretq_s8_u8(veorq_u8(vld1q_u8(p.add(16)), flip)),
+    ]
+}
+
+/// Tokens `t0..t0 + C`'s values of `v` (`[tokens, blocks]`) at block `b`, zero past `C`.
+#[inline(always)]
+unsafe fn per_token<const C: usize>(v: &[f32], t0: usize, nb: usize, b: usize) -> float32x4_t {
+    let mut x = [0f32; 4];
+    for j in 0..C {
+        x[j] = *v.get_unchecked((t0 + j) * nb + b);
+    }
+    vld1q_f32(x.as_ptr())
+}
+
+/// Four tokens' block dots (each as lane sums) as one vector of whole dots.
+#[inline(always)]
+unsafe fn whole_dots(d: [int32x4_t; 4]) -> float32x4_t {
+    vcvtq_f32_s32(vpaddq_s32(vpaddq_s32(d[0], d[1]), vpaddq_s32(d[2], d[3])))
+}
+
+/// Stores each row's four token lanes `acc + off`, the first `C` of them.
+#[inline(always)]
+unsafe fn store_rows<const R: usize, const C: usize>(
+    acc: [float32x4_t; R],
+    off: [float32x4_t; R],
+    r0: usize,
+    t0: usize,
+    out: Out<'_>,
+) {
+    for i in 0..R {
+        let mut v = [0f32; 4];
+        vst1q_f32(v.as_mut_ptr(), vaddq_f32(acc[i], off[i]));
+        for j in 0..C {
+            out.set(t0 + j, r0 + i, v[j]);
+        }
+    }
 }
 
 /// `U4` rows `r0..r0 + R` times tokens `t0..t0 + C`, lane dots through `D`.
@@ -166,33 +188,41 @@ unsafe fn lanes_u4<D: LaneDot, const R: usize, const C: usize, const F: bool>(
     out: Out<'_>,
 ) {
     let nb = w.blocks;
+    let zero = vdupq_n_s32(0);
     prefetch_rows::<R>(w, r0, nb * 16);
-    let mut acc = [[vdupq_n_f32(0.0); C]; R];
+    let (mut acc, mut off) = ([vdupq_n_f32(0.0); R], [vdupq_n_f32(0.0); R]);
     for b in (0..nb).step_by(2) {
-        let x: [[[[int8x16_t; 2]; 2]; 2]; C] =
-            std::array::from_fn(|j| [acts::<F>(a, t0 + j, b), acts::<F>(a, t0 + j, b + 1)]);
+        // Loops and plain arrays, not closures (`from_fn`, `map`): the hot loop stays
+        // free of calls.
+        let mut x = [[[[vdupq_n_s8(0); 2]; 2]; 2]; C];
+        for j in 0..C {
+            x[j] = [acts::<F>(a, t0 + j, b), acts::<F>(a, t0 + j, b + 1)];
+        }
+        let da = [
+            per_token::<C>(&a.d, t0, nb, b),
+            per_token::<C>(&a.d, t0, nb, b + 1),
+        ];
+        let sums = [
+            per_token::<C>(&a.s, t0, nb, b),
+            per_token::<C>(&a.s, t0, nb, b + 1),
+        ];
         for i in 0..R {
             let r = r0 + i;
             let codes = nibbles(w.data.as_ptr().add((r * nb + b) * 16));
-            let dw = [0, 1].map(|h| scale(*w.d.get_unchecked(r * nb + b + h)));
-            for j in 0..C {
-                for h in 0..2 {
-                    let s = dw[h] * *a.d.get_unchecked((t0 + j) * nb + b + h);
-                    let [q, fine] = x[j][h];
-                    let d = block_dot::<D, F>(codes[h], q, fine);
-                    acc[i][j] = vfmaq_n_f32(acc[i][j], vcvtq_f32_s32(d), s);
+            for h in 0..2 {
+                // A loop, not a closure: a closure is compiled without the tile's features.
+                let mut dot = [zero; 4];
+                for j in 0..C {
+                    dot[j] = block_dot::<D, F>(codes[h], x[j][h][0], x[j][h][1]);
                 }
+                let s = vmulq_n_f32(da[h], scale(*w.d.get_unchecked(r * nb + b + h)));
+                acc[i] = vaddq_f32(acc[i], vmulq_f32(s, whole_dots(dot)));
+                let m = scale(*w.m.get_unchecked(r * nb + b + h));
+                off[i] = vaddq_f32(off[i], vmulq_n_f32(sums[h], m));
             }
         }
     }
-    for i in 0..R {
-        let r = r0 + i;
-        for j in 0..C {
-            let t = t0 + j;
-            let off = offset_term(w.m.as_ptr().add(r * nb), a.s.as_ptr().add(t * nb), nb);
-            out.set(t, r, vaddvq_f32(acc[i][j]) + off);
-        }
-    }
+    store_rows::<R, C>(acc, off, r0, t0, out);
 }
 
 /// `U8` rows `r0..r0 + R` times tokens `t0..t0 + C`, lane dots through `D`.
@@ -205,27 +235,27 @@ unsafe fn lanes_u8<D: LaneDot, const R: usize, const C: usize, const F: bool>(
     out: Out<'_>,
 ) {
     let nb = w.blocks;
+    let zero = vdupq_n_s32(0);
     prefetch_rows::<R>(w, r0, nb * BLOCK);
-    let mut acc = [[vdupq_n_f32(0.0); C]; R];
+    let mut acc = [vdupq_n_f32(0.0); R];
     for b in 0..nb {
-        let x: [[[int8x16_t; 2]; 2]; C] = std::array::from_fn(|j| acts::<F>(a, t0 + j, b));
+        let mut x = [[[vdupq_n_s8(0); 2]; 2]; C];
+        for j in 0..C {
+            x[j] = acts::<F>(a, t0 + j, b);
+        }
+        let da = per_token::<C>(&a.d, t0, nb, b);
         for i in 0..R {
             let r = r0 + i;
             let c = centred(w.data.as_ptr().add((r * nb + b) * BLOCK));
-            let dw = scale(*w.d.get_unchecked(r * nb + b));
+            let mut dot = [zero; 4];
             for j in 0..C {
-                let s = dw * *a.d.get_unchecked((t0 + j) * nb + b);
-                let [q, fine] = x[j];
-                let d = block_dot::<D, F>(c, q, fine);
-                acc[i][j] = vfmaq_n_f32(acc[i][j], vcvtq_f32_s32(d), s);
+                dot[j] = block_dot::<D, F>(c, x[j][0], x[j][1]);
             }
+            let s = vmulq_n_f32(da, scale(*w.d.get_unchecked(r * nb + b)));
+            acc[i] = vaddq_f32(acc[i], vmulq_f32(s, whole_dots(dot)));
         }
     }
-    for i in 0..R {
-        for j in 0..C {
-            out.set(t0 + j, r0 + i, vaddvq_f32(acc[i][j]));
-        }
-    }
+    store_rows::<R, C>(acc, [vdupq_n_f32(0.0); R], r0, t0, out);
 }
 
 /// `acc += a * b^T` for `a`, `b` each two rows of 8 int8 values: lanes
@@ -263,10 +293,15 @@ unsafe fn pair_dot<const F: bool>(
     q: [int8x16_t; 4],
     r: [int8x16_t; 4],
 ) -> int32x4_t {
-    let dot = |x: [int8x16_t; 4]| (0..4).fold(vdupq_n_s32(0), |acc, k| smmla(acc, w[k], x[k]));
-    let d = dot(q);
+    let (mut d, mut fine) = (vdupq_n_s32(0), vdupq_n_s32(0));
+    for k in 0..4 {
+        d = smmla(d, w[k], q[k]);
+        if F {
+            fine = smmla(fine, w[k], r[k]);
+        }
+    }
     if F {
-        vaddq_s32(vshlq_n_s32::<8>(d), dot(r))
+        vaddq_s32(vshlq_n_s32::<8>(d), fine)
     } else {
         d
     }
@@ -279,36 +314,64 @@ fn member(p: usize, second: bool, n: usize) -> usize {
     (2 * p + second as usize).min(n - 1)
 }
 
-/// The pairs' scale products `[w0 a0, w0 a1, w1 a0, w1 a1]`.
+/// The pairs' products `[x0 y0, x0 y1, x1 y0, x1 y1]` (of rows' and tokens' scales, or of
+/// offsets and block sums).
 #[inline(always)]
-unsafe fn pair_scales(dw: [f32; 2], da: [f32; 2]) -> float32x4_t {
-    let w = [dw[0], dw[0], dw[1], dw[1]];
-    let a = [da[0], da[1], da[0], da[1]];
-    vmulq_f32(vld1q_f32(w.as_ptr()), vld1q_f32(a.as_ptr()))
+unsafe fn pair_products(x: [f32; 2], y: [f32; 2]) -> float32x4_t {
+    let x = [x[0], x[0], x[1], x[1]];
+    let y = [y[0], y[1], y[0], y[1]];
+    vmulq_f32(vld1q_f32(x.as_ptr()), vld1q_f32(y.as_ptr()))
 }
 
-/// Stores the pairs' lanes that are real (rows below `R`, tokens below `C`), adding each
-/// row and token's `extra`.
+/// Stores the pairs' lanes that are real (rows below `R`, tokens below `C`): `acc + off`.
 #[inline(always)]
 unsafe fn store_pairs<const R: usize, const C: usize, const RP: usize, const CP: usize>(
     acc: &[[float32x4_t; CP]; RP],
+    off: &[[float32x4_t; CP]; RP],
     r0: usize,
     t0: usize,
     out: Out<'_>,
-    extra: impl Fn(usize, usize) -> f32,
 ) {
     for rp in 0..RP {
         for cp in 0..CP {
             let mut v = [0f32; 4];
-            vst1q_f32(v.as_mut_ptr(), acc[rp][cp]);
+            vst1q_f32(v.as_mut_ptr(), vaddq_f32(acc[rp][cp], off[rp][cp]));
             for (lane, &x) in v.iter().enumerate() {
                 let (i, j) = (2 * rp + lane / 2, 2 * cp + lane % 2);
                 if i < R && j < C {
-                    out.set(t0 + j, r0 + i, x + extra(r0 + i, t0 + j));
+                    out.set(t0 + j, r0 + i, x);
                 }
             }
         }
     }
+}
+
+/// Token pair `cp`'s operands for block `b`: codes, and residual codes when fine.
+#[inline(always)]
+unsafe fn token_pair<const C: usize, const F: bool>(
+    a: &QuantizedActs,
+    t0: usize,
+    cp: usize,
+    b: usize,
+) -> [[int8x16_t; 4]; 2] {
+    let [qa, ra] = acts::<F>(a, t0 + member(cp, false, C), b);
+    let [qb, rb] = acts::<F>(a, t0 + member(cp, true, C), b);
+    [pair(qa, qb), pair(ra, rb)]
+}
+
+/// Token pair `cp`'s values of `v` (`[tokens, blocks]`) at block `b`.
+#[inline(always)]
+unsafe fn of_tokens<const C: usize>(
+    v: &[f32],
+    t0: usize,
+    cp: usize,
+    nb: usize,
+    b: usize,
+) -> [f32; 2] {
+    [
+        *v.get_unchecked((t0 + member(cp, false, C)) * nb + b),
+        *v.get_unchecked((t0 + member(cp, true, C)) * nb + b),
+    ]
 }
 
 /// `U4` rows `r0..r0 + R` times tokens `t0..t0 + C` through `smmla`.
@@ -328,32 +391,36 @@ unsafe fn mmla_u4<
 ) {
     let nb = w.blocks;
     prefetch_rows::<R>(w, r0, nb * 16);
-    let mut acc = [[vdupq_n_f32(0.0); CP]; RP];
+    let (mut acc, mut off) = ([[vdupq_n_f32(0.0); CP]; RP], [[vdupq_n_f32(0.0); CP]; RP]);
     for b in (0..nb).step_by(2) {
         for h in 0..2 {
-            // The token pairs' operands for block `b + h`.
-            let x: [[[int8x16_t; 4]; 2]; CP] = std::array::from_fn(|cp| {
-                let [qa, ra] = acts::<F>(a, t0 + member(cp, false, C), b + h);
-                let [qb, rb] = acts::<F>(a, t0 + member(cp, true, C), b + h);
-                [pair(qa, qb), pair(ra, rb)]
-            });
+            let mut x = [[[vdupq_n_s8(0); 4]; 2]; CP];
+            for cp in 0..CP {
+                x[cp] = token_pair::<C, F>(a, t0, cp, b + h);
+            }
             for rp in 0..RP {
-                let rows = [false, true].map(|s| r0 + member(rp, s, R));
-                let codes = rows.map(|r| nibbles(w.data.as_ptr().add((r * nb + b) * 16))[h]);
-                let wz = pair(codes[0], codes[1]);
-                let dw = rows.map(|r| scale(*w.d.get_unchecked(r * nb + b + h)));
+                let (ra, rb) = (r0 + member(rp, false, R), r0 + member(rp, true, R));
+                let codes = |r: usize| nibbles(w.data.as_ptr().add((r * nb + b) * 16))[h];
+                let wz = pair(codes(ra), codes(rb));
+                let of_rows = |v: &[f16]| {
+                    let k = b + h;
+                    [
+                        scale(*v.get_unchecked(ra * nb + k)),
+                        scale(*v.get_unchecked(rb * nb + k)),
+                    ]
+                };
+                let (dw, m) = (of_rows(&w.d), of_rows(&w.m));
                 for cp in 0..CP {
-                    let da = [false, true]
-                        .map(|s| *a.d.get_unchecked((t0 + member(cp, s, C)) * nb + b + h));
-                    let d = pair_dot::<F>(wz, x[cp][0], x[cp][1]);
-                    acc[rp][cp] = vfmaq_f32(acc[rp][cp], vcvtq_f32_s32(d), pair_scales(dw, da));
+                    let d = vcvtq_f32_s32(pair_dot::<F>(wz, x[cp][0], x[cp][1]));
+                    let s = pair_products(dw, of_tokens::<C>(&a.d, t0, cp, nb, b + h));
+                    acc[rp][cp] = vaddq_f32(acc[rp][cp], vmulq_f32(s, d));
+                    let o = pair_products(m, of_tokens::<C>(&a.s, t0, cp, nb, b + h));
+                    off[rp][cp] = vaddq_f32(off[rp][cp], o);
                 }
             }
         }
     }
-    store_pairs::<R, C, RP, CP>(&acc, r0, t0, out, |r, t| {
-        offset_term(w.m.as_ptr().add(r * nb), a.s.as_ptr().add(t * nb), nb)
-    });
+    store_pairs::<R, C, RP, CP>(&acc, &off, r0, t0, out);
 }
 
 /// `U8` rows `r0..r0 + R` times tokens `t0..t0 + C` through `smmla`.
@@ -375,25 +442,27 @@ unsafe fn mmla_u8<
     prefetch_rows::<R>(w, r0, nb * BLOCK);
     let mut acc = [[vdupq_n_f32(0.0); CP]; RP];
     for b in 0..nb {
-        let x: [[[int8x16_t; 4]; 2]; CP] = std::array::from_fn(|cp| {
-            let [qa, ra] = acts::<F>(a, t0 + member(cp, false, C), b);
-            let [qb, rb] = acts::<F>(a, t0 + member(cp, true, C), b);
-            [pair(qa, qb), pair(ra, rb)]
-        });
+        let mut x = [[[vdupq_n_s8(0); 4]; 2]; CP];
+        for cp in 0..CP {
+            x[cp] = token_pair::<C, F>(a, t0, cp, b);
+        }
         for rp in 0..RP {
-            let rows = [false, true].map(|s| r0 + member(rp, s, R));
-            let codes = rows.map(|r| centred(w.data.as_ptr().add((r * nb + b) * BLOCK)));
-            let wz = pair(codes[0], codes[1]);
-            let dw = rows.map(|r| scale(*w.d.get_unchecked(r * nb + b)));
+            let (ra, rb) = (r0 + member(rp, false, R), r0 + member(rp, true, R));
+            let codes = |r: usize| centred(w.data.as_ptr().add((r * nb + b) * BLOCK));
+            let wz = pair(codes(ra), codes(rb));
+            let dw = [
+                scale(*w.d.get_unchecked(ra * nb + b)),
+                scale(*w.d.get_unchecked(rb * nb + b)),
+            ];
             for cp in 0..CP {
-                let da =
-                    [false, true].map(|s| *a.d.get_unchecked((t0 + member(cp, s, C)) * nb + b));
-                let d = pair_dot::<F>(wz, x[cp][0], x[cp][1]);
-                acc[rp][cp] = vfmaq_f32(acc[rp][cp], vcvtq_f32_s32(d), pair_scales(dw, da));
+                let d = vcvtq_f32_s32(pair_dot::<F>(wz, x[cp][0], x[cp][1]));
+                let s = pair_products(dw, of_tokens::<C>(&a.d, t0, cp, nb, b));
+                acc[rp][cp] = vaddq_f32(acc[rp][cp], vmulq_f32(s, d));
             }
         }
     }
-    store_pairs::<R, C, RP, CP>(&acc, r0, t0, out, |_, _| 0.0);
+    let off = [[vdupq_n_f32(0.0); CP]; RP];
+    store_pairs::<R, C, RP, CP>(&acc, &off, r0, t0, out);
 }
 
 /// The tiles each kernel set's dispatch calls (`by_shape!` in the parent module), compiled

@@ -1,5 +1,6 @@
-//! Plain-Rust tiles: exact integer block dots, then the same per-block scaling as the
-//! vector kernels. Any CPU runs it; tests force it to check the others.
+//! Plain-Rust tiles: exact integer block dots, then per block `acc += (dw * da) * dot` in
+//! f32. Any CPU runs it; tests force it to check the others. The Arm sets do the same
+//! arithmetic per (row, token), so they give its bits.
 
 use super::activations::QuantizedActs;
 use super::packed::{PackedWeight, BLOCK};
@@ -74,7 +75,10 @@ fn block_dot<const F: bool>(
     }
 }
 
-/// `sum_b m[b] * s[b]`: the `U4` blocks' offsets times the activation block sums.
+/// `sum_b m[b] * s[b]`: the `U4` blocks' offsets times the activation block sums, added in
+/// block order from +0 (the Arm sets repeat this arithmetic lane by lane).
 fn offset_term(m: &[f16], s: &[f32]) -> f32 {
-    m.iter().zip(s).map(|(m, s)| m.to_f32() * s).sum()
+    m.iter()
+        .zip(s)
+        .fold(0.0, |acc, (m, s)| acc + m.to_f32() * s)
 }
