@@ -1,11 +1,18 @@
-//! With the `cuda` feature: compiles `kernels/ferrite.cu` (which includes the kernel files of each op) into one fat binary holding machine
-//! code for sm_80 and sm_90 and PTX for newer GPUs, so no request waits for a driver JIT.
+//! With the `cuda` feature: compiles `src/backend/cuda/kernels/ferrite.cu` (which includes the
+//! kernel file of each op, beside the Rust file that launches it) into one fat binary holding machine
+//! code for sm_80 (A100), sm_90 (H100, H200) and sm_120 (consumer Blackwell; by CUDA's
+//! binary compatibility within a major version it also runs on sm_121, the DGX Spark's
+//! GB10), and PTX for newer GPUs, so no request waits for a driver JIT where it can be
+//! helped.
 
 use std::path::PathBuf;
 use std::process::Command;
 
+/// The CUDA backend's kernel sources.
+const KERNELS: &str = "src/backend/cuda/kernels";
+
 fn main() {
-    println!("cargo:rerun-if-changed=kernels");
+    println!("cargo:rerun-if-changed={KERNELS}");
     println!("cargo:rerun-if-env-changed=NVCC");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
@@ -19,11 +26,12 @@ fn main() {
         .args(["-fatbin", "-O3", "-std=c++17"])
         .args(["-gencode", "arch=compute_80,code=sm_80"])
         .args(["-gencode", "arch=compute_90,code=sm_90"])
+        .args(["-gencode", "arch=compute_120,code=sm_120"])
         .args(["-gencode", "arch=compute_90,code=compute_90"])
-        .arg("kernels/ferrite.cu")
+        .arg(format!("{KERNELS}/ferrite.cu"))
         .arg("-o")
         .arg(&out)
         .status()
         .unwrap_or_else(|e| panic!("running {}: {e} (set NVCC or CUDA_ROOT)", nvcc.display()));
-    assert!(status.success(), "nvcc failed on kernels/ferrite.cu");
+    assert!(status.success(), "nvcc failed on {KERNELS}/ferrite.cu");
 }

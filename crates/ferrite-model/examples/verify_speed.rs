@@ -46,7 +46,7 @@ fn main() {
     // The context, one prefill step.
     let mut s = PackedStep::default();
     s.push(&ids(ctx, 0), 0, &tables, bs);
-    s.state_slots.push(0);
+    s.state.slots.push(0);
     s.logits_indices.push(ctx as u32 - 1);
     s.finish();
     m.forward_argmax(&s).unwrap();
@@ -57,7 +57,7 @@ fn main() {
     for rows in counts {
         let mut s = PackedStep::default();
         s.push(&ids(rows, ctx), ctx, &tables, bs);
-        s.state_slots.push(0);
+        s.state.slots.push(0);
         s.logits_indices = (0..rows as u32).collect();
         s.finish();
         m.forward_argmax(&s).unwrap();

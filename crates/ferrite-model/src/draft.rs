@@ -5,7 +5,7 @@
 //! token one decode step over all proposing requests.
 
 use crate::backend::Backend;
-use crate::models::Decoder;
+use crate::models::Model;
 use crate::step::PackedStep;
 use crate::step::StepModel;
 use crate::tokenizer::ModelTokenizer;
@@ -17,9 +17,9 @@ use std::collections::HashMap;
 
 /// Refuses a draft model whose tokens are not the target's, or that cannot share its blocks.
 pub fn check_pair<B: Backend>(
-    target: &Decoder<B>,
+    target: &Model<B>,
     target_tokenizer: &ModelTokenizer,
-    draft: &Decoder<B>,
+    draft: &Model<B>,
     draft_tokenizer: &ModelTokenizer,
 ) -> Result<()> {
     let (t, d) = (&target.config, &draft.config);
@@ -49,7 +49,7 @@ pub fn check_pair<B: Backend>(
 }
 
 /// The target's first KV group that keeps every block.
-fn full_group<B: Backend>(target: &Decoder<B>) -> Option<usize> {
+fn full_group<B: Backend>(target: &Model<B>) -> Option<usize> {
     target.layout.groups.iter().position(Option::is_none)
 }
 
@@ -100,8 +100,8 @@ pub(crate) fn draft_on(
         for (row, p) in live.iter_mut().enumerate() {
             let last = *p.tokens.last().expect("drafted above");
             step.push(&[last], p.next_pos, &p.tables, block_size);
-            step.state_slots.extend(p.state_slot);
-            step.hidden_rows.push(p.row);
+            step.state.slots.extend(p.state_slot);
+            step.hidden.rows.push(p.row);
             step.logits_indices.push(row as u32);
             p.next_pos += 1;
             p.row = row as u32;
@@ -114,8 +114,8 @@ pub(crate) fn draft_on(
 impl DraftModel {
     /// `draft` proposing for `target` (checked by [`check_pair`]), its cache allocated.
     pub fn beside<B: Backend + 'static>(
-        target: &Decoder<B>,
-        draft: Decoder<B>,
+        target: &Model<B>,
+        draft: Model<B>,
         block_size: usize,
     ) -> Self {
         Self {

@@ -4,7 +4,7 @@ use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::kv_dtype::KvCacheDtype;
 use crate::memory::{self, DraftShare, MemoryPlan, PlanInputs};
-use crate::models::Decoder;
+use crate::models::Model;
 use crate::pooling::Pooling;
 use crate::runner::ModelRunner;
 pub use crate::settings::{DeviceKind, LoadFormat, RunnerKind, WeightFormat};
@@ -322,7 +322,7 @@ impl EngineArgs {
     }
 
     /// The draft model's weights, and its K/V in each of the target's blocks.
-    pub fn draft_share<B: Backend>(&self, draft: &Decoder<B>) -> DraftShare {
+    pub fn draft_share<B: Backend>(&self, draft: &Model<B>) -> DraftShare {
         DraftShare {
             weight_bytes: draft.weight_bytes() as u64,
             bytes_per_block: self.kv_block_bytes(&draft.config, draft.layout.slots),

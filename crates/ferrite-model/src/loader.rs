@@ -10,7 +10,7 @@ use crate::checkpoint::open_weights;
 use crate::config::ModelConfig;
 pub use crate::engine_args::*;
 use crate::memory::{self, MemoryPlan};
-use crate::models::{self, Decoder};
+use crate::models::{self, Model};
 use crate::start;
 use crate::weights::footprint::{cpu_weight_bytes, cpu_weight_label};
 use anyhow::{bail, Result};
@@ -61,10 +61,7 @@ pub fn check_device(device: DeviceKind) -> Result<()> {
 
 /// A family and its multi-token-prediction head on the CPU backend (f32 or int8 weights per
 /// `format`), KV cache not yet allocated.
-pub fn load_cpu_decoder_with_mtp(
-    model: &Path,
-    format: WeightFormat,
-) -> Result<Decoder<CpuBackend>> {
+pub fn load_cpu_decoder_with_mtp(model: &Path, format: WeightFormat) -> Result<Model<CpuBackend>> {
     let (src, mut weights) = open_weights(model, LoadFormat::Auto)?;
     let max_positions = models::config(&src)?.context_length;
     let backend = CpuBackend::new(format, None);
@@ -79,7 +76,7 @@ pub fn load_cpu_decoder(
     threads: Option<usize>,
     max_positions: Option<usize>,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<Decoder<CpuBackend>> {
+) -> Result<Model<CpuBackend>> {
     let (src, mut weights) = open_weights(model, load_format)?;
     let config = models::config(&src)?;
     let max_positions = max_positions.unwrap_or(config.context_length);

@@ -44,6 +44,18 @@ pub fn physical_memory_bytes() -> Result<u64> {
     Ok(total)
 }
 
+/// Memory the host can give without swapping (`MemAvailable`): what a GPU sharing the
+/// host's memory (DGX Spark's GB10, Jetson) can take.
+pub fn available_memory_bytes() -> Result<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
+    let kb: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("MemAvailable missing from /proc/meminfo")?;
+    Ok(kb * 1024)
+}
+
 fn status_kb(field: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -145,7 +157,7 @@ pub struct PlanInputs {
     pub draft: Option<DraftShare>,
 }
 
-const GIB: f64 = (1u64 << 30) as f64;
+pub(crate) const GIB: f64 = (1u64 << 30) as f64;
 
 pub fn plan(i: &PlanInputs) -> Result<MemoryPlan> {
     if !(i.utilization > 0.0 && i.utilization <= 1.0) {

@@ -49,9 +49,9 @@ pub fn propose(
         tokens.push(next);
         step.push(&tokens, r.start_pos, &r.block_tables, block_size);
         let state_slot = r.state.map(|st| st.slot);
-        step.state_slots.extend(state_slot);
+        step.state.slots.extend(state_slot);
         let first = target.cu_seqlens_q[i];
-        step.hidden_rows.extend(first..first + valid as u32);
+        step.hidden.rows.extend(first..first + valid as u32);
         if run.propose > 0 {
             let row = step.num_tokens() as u32 - 1;
             step.logits_indices.push(row);

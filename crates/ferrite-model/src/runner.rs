@@ -162,13 +162,13 @@ impl ModelRunner {
             let first_row = step.num_tokens();
             step.push(&r.token_ids, r.start_pos, &r.block_tables, bs);
             if let Some(st) = &r.state {
-                step.state_slots.push(st.slot);
-                step.state_restores.push(st.restore.unwrap_or(NO_SLOT));
+                step.state.slots.push(st.slot);
+                step.state.restores.push(st.restore.unwrap_or(NO_SLOT));
                 let save = st.save.map_or([0, NO_SLOT], |(n, s)| [n as u32, s]);
-                step.state_saves.push(save);
+                step.state.saves.push(save);
                 let known = r.token_ids.len() - r.spec.draft.len();
                 let drafts = st.drafts.map_or([0, NO_SLOT], |s| [known as u32, s]);
-                step.state_drafts.push(drafts);
+                step.state.drafts.push(drafts);
             }
             if let Some(pl) = &r.prompt_logprobs {
                 for (j, &target) in pl.targets.iter().enumerate() {
@@ -178,12 +178,12 @@ impl ModelRunner {
                 }
             }
             let types = &r.pooling.token_type_ids;
-            if !types.is_empty() || !step.token_types.is_empty() {
+            if !types.is_empty() || !step.pooling.token_types.is_empty() {
                 // Segments for every token once one request has them (0 for the others).
-                step.token_types.resize(first_row, 0);
+                step.pooling.token_types.resize(first_row, 0);
                 match types.is_empty() {
-                    true => step.token_types.resize(step.num_tokens(), 0),
-                    false => step.token_types.extend(types),
+                    true => step.pooling.token_types.resize(step.num_tokens(), 0),
+                    false => step.pooling.token_types.extend(types),
                 }
             }
             if r.pooling.pool {
@@ -195,7 +195,7 @@ impl ModelRunner {
                 pools.push((i, rows.len()));
                 step.logits_indices
                     .extend(rows.map(|j| (first_row + j) as u32));
-                step.pooling = true;
+                step.pooling.on = true;
             }
             // Prompt-logprob rows end before the last prompt token, so these rows are new:
             // the last known token's and each draft token's.
@@ -216,7 +216,7 @@ impl ModelRunner {
 impl Executor for ModelRunner {
     fn execute(&mut self, out: &SchedulerOutput) -> Result<StepOutput, ExecError> {
         let (mut step, uses, pools) = self.pack(out);
-        step.keep_hidden = matches!(self.proposer, Some(StepProposer::Mtp))
+        step.hidden.keep = matches!(self.proposer, Some(StepProposer::Mtp))
             && out.requests.iter().any(|r| r.spec.mtp_run.is_some());
         let mut result = self.run_step(out, &step, uses, &pools)?;
         result.drafts = match &mut self.proposer {
@@ -245,7 +245,7 @@ impl ModelRunner {
         uses: Vec<RowUse>,
         pools: &[PoolRows],
     ) -> Result<StepOutput, ExecError> {
-        if step.pooling {
+        if step.pooling.on {
             return Ok(self.pool(step, pools, out)?);
         }
         if let Some(specs) = device_specs(out, &uses) {

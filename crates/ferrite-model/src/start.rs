@@ -10,7 +10,7 @@ use crate::config::ModelConfig;
 use crate::draft::{check_pair, DraftModel};
 use crate::engine_args::{EngineArgs, LoadedEngine, ModelBytes};
 use crate::memory::MemoryPlan;
-use crate::models::{self, Decoder};
+use crate::models::{self, Model};
 use crate::parallel::{self, Group};
 use crate::pooling::Pooling;
 use crate::runner::ModelRunner;
@@ -48,7 +48,7 @@ pub trait Startup: Sized {
     fn draft_backend(&self, args: &EngineArgs, main: &Self::Backend) -> Result<Self::Backend>;
 
     /// Runs `step` on `model` and returns the memory it took beyond what was held before.
-    fn measure_step(model: &mut Decoder<Self::Backend>, step: &PackedStep) -> Result<u64>;
+    fn measure_step(model: &mut Model<Self::Backend>, step: &PackedStep) -> Result<u64>;
 
     /// Memory held beside the steps for the engine's life (decode graphs), for the plan.
     fn reserved_bytes(&self, _args: &EngineArgs, _config: &ModelConfig) -> u64 {
@@ -64,7 +64,7 @@ pub trait Startup: Sized {
     /// The last of start-up, the pool allocated (capturing decode graphs).
     fn ready(
         &mut self,
-        _model: &mut Decoder<Self::Backend>,
+        _model: &mut Model<Self::Backend>,
         _args: &EngineArgs,
         _plan: &MemoryPlan,
         _max_model_len: usize,
@@ -156,7 +156,7 @@ pub fn load_rank<S: Startup>(
     args: &EngineArgs,
     max_model_len: usize,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<Decoder<S::Backend>> {
+) -> Result<Model<S::Backend>> {
     Ok(open_rank::<S>(args, max_model_len, progress)?.1)
 }
 
@@ -175,7 +175,7 @@ fn open_rank<S: Startup>(
     args: &EngineArgs,
     max_model_len: usize,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<(S, Decoder<S::Backend>)> {
+) -> Result<(S, Model<S::Backend>)> {
     let group = parallel::join(args.tensor_parallel_size, args.pipeline_parallel_size)?;
     if group.is_some() && args.speculation.is_some() {
         bail!("--speculative-config with --tensor-parallel-size or --pipeline-parallel-size: not built yet");
@@ -196,7 +196,7 @@ fn open_rank<S: Startup>(
 /// measured by running it on a small scratch pool; and the step-cost model fitted to timed
 /// steps on the same pool (`calibrate`).
 fn profile<S: Startup>(
-    model: &mut Decoder<S::Backend>,
+    model: &mut Model<S::Backend>,
     tokens: usize,
     block_size: usize,
     calibrate: bool,

@@ -6,13 +6,13 @@ use ferrite_model::backend::cpu::CpuBackend;
 use ferrite_model::backend::Backend;
 use ferrite_model::loader::load_cpu_decoder;
 use ferrite_model::loader::{LoadFormat, WeightFormat};
-use ferrite_model::models::Decoder;
+use ferrite_model::models::Model;
 use ferrite_model::step::PackedStep;
 use ferrite_model::step::StepModel;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-pub type CpuDecoder = Decoder<CpuBackend>;
+pub type CpuModel = Model<CpuBackend>;
 
 /// The repository: where the tests were built, or `FERRITE_REPO_ROOT` (a test binary run on
 /// another machine).
@@ -45,7 +45,7 @@ pub fn model_path() -> PathBuf {
 }
 
 /// A model on the CPU backend (4096 positions), its KV cache not yet allocated.
-pub fn load_path(path: &Path, format: WeightFormat) -> CpuDecoder {
+pub fn load_path(path: &Path, format: WeightFormat) -> CpuModel {
     load_cpu_decoder(
         path,
         LoadFormat::Auto,
@@ -57,7 +57,7 @@ pub fn load_path(path: &Path, format: WeightFormat) -> CpuDecoder {
     .unwrap()
 }
 
-pub fn load_model(format: WeightFormat) -> CpuDecoder {
+pub fn load_model(format: WeightFormat) -> CpuModel {
     load_path(&model_path(), format)
 }
 
@@ -84,7 +84,7 @@ pub fn fresh_tables(groups: usize, blocks: usize) -> Vec<Vec<u32>> {
 
 /// Logits of every position of `tokens`, run as one prefill in a fresh cache (each KV group
 /// in blocks of its own).
-pub fn all_logits<B: Backend>(model: &mut Decoder<B>, tokens: &[u32]) -> Vec<Vec<f32>> {
+pub fn all_logits<B: Backend>(model: &mut Model<B>, tokens: &[u32]) -> Vec<Vec<f32>> {
     let bs = 16;
     let blocks = tokens.len().div_ceil(bs);
     let groups = model.layout.groups.len();
@@ -93,7 +93,7 @@ pub fn all_logits<B: Backend>(model: &mut Decoder<B>, tokens: &[u32]) -> Vec<Vec
     let mut step = PackedStep::default();
     let tables = fresh_tables(groups, blocks);
     step.push(tokens, 0, &tables, bs);
-    step.state_slots.push(0);
+    step.state.slots.push(0);
     step.logits_indices = (0..tokens.len() as u32).collect();
     step.finish();
     let v = model.config.vocab_size;
@@ -109,7 +109,7 @@ pub fn all_logits<B: Backend>(model: &mut Decoder<B>, tokens: &[u32]) -> Vec<Vec
 /// tokens from that checkpoint in slot 1 (B's first two blocks are A's); B's logits and
 /// the cold ones they should equal.
 pub fn prefix_hit<B: Backend>(
-    model: &mut Decoder<B>,
+    model: &mut Model<B>,
     a: &[u32],
     b: &[u32],
     cold: &[Vec<f32>],
@@ -120,17 +120,17 @@ pub fn prefix_hit<B: Backend>(
     model.allocate_state(3).unwrap();
     let mut first = PackedStep::default();
     first.push(&a[..40], 0, &[vec![0, 1, 2]], bs);
-    first.state_slots = vec![0];
-    first.state_restores = vec![NO_SLOT];
-    first.state_saves = vec![[32, 2]];
+    first.state.slots = vec![0];
+    first.state.restores = vec![NO_SLOT];
+    first.state.saves = vec![[32, 2]];
     first.logits_indices = vec![39];
     first.finish();
     model.forward(&first).unwrap();
     let mut hit = PackedStep::default();
     hit.push(&b[32..], 32, &[vec![0, 1, 3]], bs);
-    hit.state_slots = vec![1];
-    hit.state_restores = vec![2];
-    hit.state_saves = vec![[0, NO_SLOT]];
+    hit.state.slots = vec![1];
+    hit.state.restores = vec![2];
+    hit.state.saves = vec![[0, NO_SLOT]];
     hit.logits_indices = (0..16).collect();
     hit.finish();
     let v = model.config.vocab_size;
@@ -148,7 +148,7 @@ pub fn prefix_hit<B: Backend>(
 /// each target step, the head over the same rows with each token moved one ahead (the last
 /// row's next token is the sequence's first, as the oracle has it).
 pub fn teacher_forced<B: Backend>(
-    model: &mut Decoder<B>,
+    model: &mut Model<B>,
     tokens: &[u32],
     ends: &[usize],
 ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
@@ -162,9 +162,9 @@ pub fn teacher_forced<B: Backend>(
     let step = |ids: &[u32], start: usize| {
         let mut s = PackedStep::default();
         s.push(ids, start, &tables, bs);
-        s.state_slots.push(0);
+        s.state.slots.push(0);
         s.logits_indices = (0..ids.len() as u32).collect();
-        s.keep_hidden = true;
+        s.hidden.keep = true;
         s.finish();
         s
     };
@@ -189,7 +189,7 @@ pub fn teacher_forced<B: Backend>(
 /// `tokens[22..]` from slot 2 (the state after the known token and that draft). Its logits,
 /// and the cold ones they should equal.
 pub fn draft_rollback<B: Backend>(
-    model: &mut Decoder<B>,
+    model: &mut Model<B>,
     tokens: &[u32],
     cold: &[Vec<f32>],
 ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
@@ -203,10 +203,10 @@ pub fn draft_rollback<B: Backend>(
     let step = |ids: &[u32], start: usize, restore: u32, drafts: [u32; 2]| {
         let mut s = PackedStep::default();
         s.push(ids, start, &tables, bs);
-        s.state_slots = vec![0];
-        s.state_restores = vec![restore];
-        s.state_saves = vec![[0, NO_SLOT]];
-        s.state_drafts = vec![drafts];
+        s.state.slots = vec![0];
+        s.state.restores = vec![restore];
+        s.state.saves = vec![[0, NO_SLOT]];
+        s.state.drafts = vec![drafts];
         s.logits_indices = (0..ids.len() as u32).collect();
         s.finish();
         s
@@ -227,7 +227,7 @@ pub fn draft_rollback<B: Backend>(
 /// another request (the tokens reversed) sharing each step in state slot 1, ours in slot 0:
 /// its rows and state must not touch ours.
 pub fn chunked_logits<B: Backend>(
-    model: &mut Decoder<B>,
+    model: &mut Model<B>,
     tokens: &[u32],
     chunk: usize,
 ) -> Vec<Vec<f32>> {
@@ -246,7 +246,7 @@ pub fn chunked_logits<B: Backend>(
         let mut step = PackedStep::default();
         step.push(&other[start..end], start, &tables[1], bs);
         step.push(&tokens[start..end], start, &tables[0], bs);
-        step.state_slots = vec![1, 0];
+        step.state.slots = vec![1, 0];
         let first = (end - start) as u32;
         step.logits_indices = (first..2 * first).collect();
         step.finish();

@@ -22,7 +22,7 @@ use ferrite_model::checkpoint::open_weights;
 use ferrite_model::config::RopeStyle;
 use ferrite_model::kv_dtype::KvCacheDtype;
 use ferrite_model::loader::{load_cpu_decoder, LoadFormat, WeightFormat};
-use ferrite_model::models::{self, Decoder};
+use ferrite_model::models::{self, Model};
 use ferrite_model::rope::{RopeSpec, RopeTable};
 use ferrite_model::sampler::argmax;
 use ferrite_model::step::{PackedStep, NO_SLOT};
@@ -41,7 +41,7 @@ fn device() -> Device {
 
 /// A checkpoint (GGUF or Hugging Face folder) on the GPU, weights bf16 or, with `quantized`,
 /// the GGUF's blocks as they are; KV cache not yet allocated.
-fn gpu_model(path: &std::path::Path, quantized: bool, max_pos: usize) -> Decoder<CudaBackend> {
+fn gpu_model(path: &std::path::Path, quantized: bool, max_pos: usize) -> Model<CudaBackend> {
     let backend = CudaBackend::new(device(), quantized, "cuda:0".into()).unwrap();
     let (src, mut w) = open_weights(path, LoadFormat::Auto).unwrap();
     models::load(backend, &src, &mut w, max_pos, &mut |_, _| {}).unwrap()
@@ -54,12 +54,12 @@ fn test_model() -> String {
 
 /// Decode graphs as the loader sets them up, padding into block `scratch` (and, with
 /// linear-attention layers, state slot 5: the one after the tests' five requests').
-fn enable_graphs(m: &mut Decoder<CudaBackend>, max_batch: usize, scratch: usize, bs: usize) {
+fn enable_graphs(m: &mut Model<CudaBackend>, max_batch: usize, scratch: usize, bs: usize) {
     enable_graphs_with_slot(m, max_batch, scratch, bs, 5);
 }
 
 fn enable_graphs_with_slot(
-    m: &mut Decoder<CudaBackend>,
+    m: &mut Model<CudaBackend>,
     max_batch: usize,
     scratch: usize,
     bs: usize,
@@ -1125,7 +1125,7 @@ const MAX_DLOGIT: f32 = 0.5;
 /// Steps of requests with 1 to `window` rows each, every row's logits, eager against graphs.
 fn graphs_match_eager(path: &std::path::Path, window: usize) {
     let (bs, blocks, max_pos) = (16, 64, 512);
-    let mut models: Vec<Decoder<CudaBackend>> = (0..2)
+    let mut models: Vec<Model<CudaBackend>> = (0..2)
         .map(|_| {
             let mut m = gpu_model(path, false, max_pos);
             m.allocate_cache(blocks + 1, bs).unwrap();
@@ -1145,7 +1145,7 @@ fn graphs_match_eager(path: &std::path::Path, window: usize) {
         let ids: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab as u32)).collect();
         prefill.push(&ids, 0, std::slice::from_ref(t), bs);
         prefill.logits_indices.push(prefill.num_tokens() as u32 - 1);
-        prefill.state_slots.push(prefill.num_seqs() as u32 - 1);
+        prefill.state.slots.push(prefill.num_seqs() as u32 - 1);
     }
     prefill.finish();
     for m in &mut models {
@@ -1166,7 +1166,7 @@ fn graphs_match_eager(path: &std::path::Path, window: usize) {
                 .map(|_| rng.random_range(0..vocab as u32))
                 .collect();
             step.push(&ids, lens[i], std::slice::from_ref(&tables[i]), bs);
-            step.state_slots.push(i as u32);
+            step.state.slots.push(i as u32);
             lens[i] += rows;
         }
         step.logits_indices = (0..step.num_tokens() as u32).collect();
@@ -1677,7 +1677,7 @@ fn logits_alone_and_in_company(path: &std::path::Path) {
     for (i, prompt) in prompts.iter().enumerate() {
         let mut step = PackedStep::default();
         step.push(prompt, 0, &[table(i)], bs);
-        step.state_slots.push(i as u32);
+        step.state.slots.push(i as u32);
         step.logits_indices.push(step.num_tokens() as u32 - 1);
         step.finish();
         let mut logits = vec![m.forward(&step).unwrap().to_vec()];
@@ -1686,7 +1686,7 @@ fn logits_alone_and_in_company(path: &std::path::Path) {
             let next = argmax(logits.last().unwrap());
             let mut step = PackedStep::default();
             step.push(&[next], tokens.len(), &[table(i)], bs);
-            step.state_slots.push(i as u32);
+            step.state.slots.push(i as u32);
             step.logits_indices.push(0);
             step.finish();
             tokens.push(next);
@@ -1711,7 +1711,7 @@ fn logits_alone_and_in_company(path: &std::path::Path) {
             let take = rng.random_range(1..=most).min(tokens.len() - fed[i]);
             let first_row = step.num_tokens();
             step.push(&tokens[fed[i]..fed[i] + take], fed[i], &[table(n + i)], bs);
-            step.state_slots.push((n + i) as u32);
+            step.state.slots.push((n + i) as u32);
             for p in fed[i]..fed[i] + take {
                 if p + 1 >= prompt {
                     step.logits_indices.push((first_row + p - fed[i]) as u32);
@@ -1778,7 +1778,7 @@ fn verify_windows_of_one_request_round_as_its_decode_steps() {
     let tables: Vec<Vec<u32>> = (0..2u32)
         .map(|i| (i * per as u32..(i + 1) * per as u32).collect())
         .collect();
-    let prefill = |m: &mut Decoder<CudaBackend>, table: &Vec<u32>| {
+    let prefill = |m: &mut Model<CudaBackend>, table: &Vec<u32>| {
         let mut step = PackedStep::default();
         step.push(&prompt, 0, std::slice::from_ref(table), bs);
         step.logits_indices.push(step.num_tokens() as u32 - 1);

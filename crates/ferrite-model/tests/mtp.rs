@@ -42,7 +42,7 @@ fn check(family: &str) {
     assert!(err.contains("declares no multi-token-prediction"), "{err}");
 }
 
-fn teacher_forced_error(model: &mut CpuDecoder, tokens: &[u32]) -> String {
+fn teacher_forced_error(model: &mut CpuModel, tokens: &[u32]) -> String {
     let mut s = PackedStep::default();
     model.allocate_cache(4, 16).unwrap();
     model.allocate_state(1).unwrap();
@@ -52,7 +52,7 @@ fn teacher_forced_error(model: &mut CpuDecoder, tokens: &[u32]) -> String {
         &vec![vec![0]; model.layout.groups.len()],
         16,
     );
-    s.state_slots.push(0);
+    s.state.slots.push(0);
     s.logits_indices = vec![3];
     s.finish();
     model.forward(&s).unwrap();
@@ -93,12 +93,13 @@ fn scheduled(tokens: &[u32], start: usize, tables: &[Vec<u32>]) -> ScheduledRequ
 fn target_step(r: &ScheduledRequest, bs: usize) -> PackedStep {
     let mut s = PackedStep::default();
     s.push(&r.token_ids, r.start_pos, &r.block_tables, bs);
-    s.state_slots.push(0);
+    s.state.slots.push(0);
     let st = r.state.expect("a hybrid's request holds a state slot");
-    s.state_restores.push(st.restore.unwrap_or(NO_SLOT));
-    s.state_saves.push([0, NO_SLOT]);
+    s.state.restores.push(st.restore.unwrap_or(NO_SLOT));
+    s.state.saves.push([0, NO_SLOT]);
     let known = (r.token_ids.len() - r.spec.draft.len()) as u32;
-    s.state_drafts
+    s.state
+        .drafts
         .push(st.drafts.map_or([0, NO_SLOT], |d| [known, d]));
     s.logits_indices = (0..r.token_ids.len() as u32).collect();
     s.finish();

@@ -116,7 +116,7 @@ fn step_rows(batch: usize, qlen: usize, ctx: usize, rows: usize) -> PackedStep {
         s.push(&ids, ctx - qlen, std::slice::from_ref(&table), BLOCK);
         let end = s.num_tokens() as u32;
         s.logits_indices.extend(end - rows as u32..end);
-        s.state_slots.push(b as u32);
+        s.state.slots.push(b as u32);
     }
     s.finish();
     s

@@ -408,7 +408,7 @@ pub trait Backend: Send + Sized {
     /// The gated delta-net core of every request of the step, from its input projection
     /// `proj` (`[T, spec.proj_dim()]`) to the input of its output projection (`out`,
     /// `[T, v_heads * v_dim]`): the causal convolution (SiLU), L2-normed Q and K, the gated
-    /// delta rule over each request's state slot (`host.state_slots`; started over at
+    /// delta rule over each request's state slot (`host.state.slots`; started over at
     /// position 0), and the RMSNorm of each head's output gated by `silu(z)`.
     fn gated_delta(
         &mut self,

@@ -244,9 +244,9 @@ impl<B: Backend> Family<B> for Bert<B> {
         let x = &mut ws.x;
         b.embed(s, &self.words, None, x)?;
         b.add_rows(&self.positions, &s.host.positions, x)?;
-        match s.host.token_types.is_empty() {
+        match s.host.pooling.token_types.is_empty() {
             true => b.add_bias(x, &self.type_0, None)?,
-            false => b.add_rows(&self.types, &s.host.token_types, x)?,
+            false => b.add_rows(&self.types, &s.host.pooling.token_types, x)?,
         }
         b.layer_norm(x, &self.emb_norm.weight, &self.emb_norm.bias, eps)?;
         let t = &mut ws.tmp;

@@ -19,7 +19,7 @@ pub trait Family<B: Backend>: Send + Sync {
 
     /// The multi-token-prediction head over `s`, right after [`Family::forward`] (or, when
     /// `chained`, after the head's own last step): row `i` holds the token one past the
-    /// position of row `hidden_rows[i]` of that step, whose residual stream `ws.x` still
+    /// position of row `hidden.rows[i]` of that step, whose residual stream `ws.x` still
     /// holds; leaves the logits of the token after that as `forward` leaves its own.
     fn mtp(
         &self,

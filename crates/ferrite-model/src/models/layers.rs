@@ -383,7 +383,7 @@ pub fn output<B: Backend>(
     head: &B::Linear,
     softcap: Option<f32>,
 ) -> Result<()> {
-    match s.host.pooling {
+    match s.host.pooling.on {
         true => b.hidden(s, x, Some((norm, eps))),
         false => b.logits(s, x, norm, eps, head, softcap),
     }

@@ -1,9 +1,9 @@
 //! From a checkpoint's architecture to its family: the config it reads, its recurrent-state
-//! layers, and the loaded [`Decoder`].
+//! layers, and the loaded [`Model`].
 
-use super::decoder::Decoder;
 use super::family::Family;
-use super::{bert, gemma, layers, llama, qwen3_5};
+use super::model::Model;
+use super::{bert, gemma, layers, llama, qwen_hybrid};
 use crate::backend::{Backend, GdnSpec};
 use crate::config::ModelConfig;
 use crate::weights::config_source::ConfigSource;
@@ -70,7 +70,7 @@ pub fn config(src: &ConfigSource) -> Result<ModelConfig> {
     match kind(src)? {
         Kind::Llama => llama::config(src),
         Kind::Gemma => Ok(gemma::GemmaConfig::read(src)?.common),
-        Kind::Hybrid => Ok(qwen3_5::HybridConfig::read(src)?.common),
+        Kind::Hybrid => Ok(qwen_hybrid::HybridConfig::read(src)?.common),
         Kind::Bert => bert::config(src),
     }
 }
@@ -79,7 +79,7 @@ pub fn config(src: &ConfigSource) -> Result<ModelConfig> {
 /// hybrids').
 pub fn state_layers(src: &ConfigSource) -> Result<Vec<GdnSpec>> {
     Ok(match kind(src)? {
-        Kind::Hybrid => qwen3_5::HybridConfig::read(src)?.state_layers(),
+        Kind::Hybrid => qwen_hybrid::HybridConfig::read(src)?.state_layers(),
         Kind::Llama | Kind::Gemma | Kind::Bert => Vec::new(),
     })
 }
@@ -92,7 +92,7 @@ pub fn load<B: Backend + 'static>(
     weights: &mut WeightSource,
     max_positions: usize,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<Decoder<B>> {
+) -> Result<Model<B>> {
     load_family(backend, src, weights, max_positions, false, progress)
 }
 
@@ -104,7 +104,7 @@ pub fn load_with_mtp<B: Backend + 'static>(
     weights: &mut WeightSource,
     max_positions: usize,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<Decoder<B>> {
+) -> Result<Model<B>> {
     load_family(backend, src, weights, max_positions, true, progress)
 }
 
@@ -115,7 +115,7 @@ fn load_family<B: Backend + 'static>(
     max_positions: usize,
     mtp: bool,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<Decoder<B>> {
+) -> Result<Model<B>> {
     let mut config = config(src)?;
     if backend.group().is_some() {
         // The families whose forward sums their shards; the rest would load them and
@@ -129,7 +129,7 @@ fn load_family<B: Backend + 'static>(
         }
     }
     let hybrid = match kind(src)? {
-        Kind::Hybrid => Some(qwen3_5::HybridConfig::read(src)?.with_mtp(mtp, weights)?),
+        Kind::Hybrid => Some(qwen_hybrid::HybridConfig::read(src)?.with_mtp(mtp, weights)?),
         _ if mtp => bail!(
             "{}: this family has no multi-token-prediction head",
             src.path().display()
@@ -158,7 +158,7 @@ fn load_family<B: Backend + 'static>(
             max_positions,
             progress,
         )?),
-        Kind::Hybrid => Box::new(qwen3_5::Hybrid::load(
+        Kind::Hybrid => Box::new(qwen_hybrid::Hybrid::load(
             &backend,
             hybrid.expect("a hybrid's config, read above"),
             super::moe::MoeConfig::read(src)?,
@@ -179,5 +179,5 @@ fn load_family<B: Backend + 'static>(
     if let Some(v) = layers::embedding_rows(weights)? {
         config.vocab_size = v;
     }
-    Ok(Decoder::new(config, backend, family, layout, max_positions))
+    Ok(Model::new(config, backend, family, layout, max_positions))
 }

@@ -7,4 +7,4 @@ mod packed;
 
 pub use draws::{DeviceDraws, Masks, RowDraw};
 pub use model::StepModel;
-pub use packed::{KvTables, PackedStep, NO_SLOT};
+pub use packed::{KvTables, PackedStep, StepHidden, StepPooling, StepState, NO_SLOT};

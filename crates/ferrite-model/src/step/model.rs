@@ -27,7 +27,7 @@ pub trait StepModel: Send {
         anyhow::bail!("this backend samples on the host")
     }
 
-    /// The model's multi-token-prediction head over `step` (see `Decoder::forward_mtp`).
+    /// The model's multi-token-prediction head over `step` (see `Model::forward_mtp`).
     fn forward_mtp(&mut self, _step: &PackedStep, _chained: bool) -> Result<&mut [f32]> {
         anyhow::bail!("this model has no multi-token-prediction head")
     }

@@ -30,33 +30,55 @@ pub struct PackedStep {
     pub kv: Vec<KvTables>,
     /// Rows whose logits are needed (sampled tokens, prompt logprobs).
     pub logits_indices: Vec<u32>,
-    /// `[B]`: each request's recurrent-state slot (models with linear-attention layers;
-    /// empty otherwise). A request whose chunk starts at position 0 starts its state over.
-    pub state_slots: Vec<u32>,
-    /// `[B]` beside `state_slots` (or empty: none): a checkpoint slot whose state the
-    /// request starts from (a prefix-cache hit), or [`NO_SLOT`].
-    pub state_restores: Vec<u32>,
-    /// `[B]` beside `state_slots` (or empty: none): `[n, slot]`, the state after the chunk's
-    /// first `n` tokens written into checkpoint `slot`, or `[0, NO_SLOT]`.
-    pub state_saves: Vec<[u32; 2]>,
-    /// `[B]` beside `state_slots` (or empty: none): `[n, first]`, the state after each of the
+    /// The requests' recurrent states (models with linear-attention layers).
+    pub state: StepState,
+    /// Hidden states kept for, or read by, an MTP head.
+    pub hidden: StepHidden,
+    /// An embedding or cross-encoder step.
+    pub pooling: StepPooling,
+}
+
+/// The recurrent states a step reads and writes, per request (empty: the model has no
+/// linear-attention layers).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct StepState {
+    /// `[B]`: each request's state slot. A request whose chunk starts at position 0 starts
+    /// its state over.
+    pub slots: Vec<u32>,
+    /// `[B]` beside `slots` (or empty: none): a checkpoint slot whose state the request
+    /// starts from (a prefix-cache hit), or [`NO_SLOT`].
+    pub restores: Vec<u32>,
+    /// `[B]` beside `slots` (or empty: none): `[n, slot]`, the state after the chunk's first
+    /// `n` tokens written into checkpoint `slot`, or `[0, NO_SLOT]`.
+    pub saves: Vec<[u32; 2]>,
+    /// `[B]` beside `slots` (or empty: none): `[n, first]`, the state after each of the
     /// chunk's tokens from the `n`-th on, but the last, written into slots `first`,
     /// `first + 1`, ... (a verify step: the state after each accepted-draft count), or
     /// `[0, NO_SLOT]`.
-    pub state_drafts: Vec<[u32; 2]>,
+    pub drafts: Vec<[u32; 2]>,
+}
+
+/// The hidden states an MTP head continues from.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct StepHidden {
     /// An MTP head's step: the row of the previous step's hidden states each row continues
     /// from (empty: the same rows).
-    pub hidden_rows: Vec<u32>,
+    pub rows: Vec<u32>,
     /// An MTP head reads this step's hidden states after it: a backend that drops its
     /// activations keeps them, and the step runs eagerly (no captured graph).
-    pub keep_hidden: bool,
-    /// A pooling step: the `logits_indices` rows' hidden states are the output, not logits.
-    pub pooling: bool,
+    pub keep: bool,
+}
+
+/// What an encoder's step needs beyond the tokens.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct StepPooling {
+    /// The `logits_indices` rows' hidden states are the output, not logits.
+    pub on: bool,
     /// `[T]` each token's segment (pair inputs of cross-encoders); empty: all 0.
     pub token_types: Vec<u32>,
 }
 
-/// No state slot (see [`PackedStep::state_restores`]).
+/// No state slot (see [`StepState::restores`]).
 pub const NO_SLOT: u32 = u32::MAX;
 
 impl PackedStep {
@@ -70,9 +92,10 @@ impl PackedStep {
 
     /// Whether some request restores or checkpoints its recurrent state this step.
     pub fn moves_state(&self) -> bool {
-        self.state_restores.iter().any(|&r| r != NO_SLOT)
-            || self.state_saves.iter().any(|s| s[1] != NO_SLOT)
-            || self.state_drafts.iter().any(|s| s[1] != NO_SLOT)
+        let s = &self.state;
+        s.restores.iter().any(|&r| r != NO_SLOT)
+            || s.saves.iter().any(|s| s[1] != NO_SLOT)
+            || s.drafts.iter().any(|s| s[1] != NO_SLOT)
     }
 
     /// Positions and token ids within what a model of `max_positions` positions and a
@@ -125,7 +148,7 @@ impl PackedStep {
         let table: Vec<u32> = (0..tokens.div_ceil(block_size) as u32).collect();
         step.push(&ids, 0, &vec![table; groups.max(1)], block_size);
         step.logits_indices.push(tokens as u32 - 1);
-        step.state_slots.push(0);
+        step.state.slots.push(0);
         step.finish();
         step
     }
@@ -181,7 +204,7 @@ impl PackedStep {
             true => Vec::new(),
             false => v[r.clone()].to_vec(),
         };
-        assert!(self.hidden_rows.is_empty(), "an MTP step is not cut");
+        assert!(self.hidden.rows.is_empty(), "an MTP step is not cut");
         PackedStep {
             input_ids: per_token(&self.input_ids),
             positions: per_token(&self.positions),
@@ -207,14 +230,20 @@ impl PackedStep {
                 .filter(|&&i| t.contains(&(i as usize)))
                 .map(|&i| i - t.start as u32)
                 .collect(),
-            state_slots: per_seq(&self.state_slots),
-            state_restores: per_seq(&self.state_restores),
-            state_saves: pairs(&self.state_saves),
-            state_drafts: pairs(&self.state_drafts),
-            hidden_rows: Vec::new(),
-            keep_hidden: self.keep_hidden,
-            pooling: self.pooling,
-            token_types: per_token(&self.token_types),
+            state: StepState {
+                slots: per_seq(&self.state.slots),
+                restores: per_seq(&self.state.restores),
+                saves: pairs(&self.state.saves),
+                drafts: pairs(&self.state.drafts),
+            },
+            hidden: StepHidden {
+                rows: Vec::new(),
+                keep: self.hidden.keep,
+            },
+            pooling: StepPooling {
+                on: self.pooling.on,
+                token_types: per_token(&self.pooling.token_types),
+            },
         }
     }
 }

@@ -1,6 +1,6 @@
 //! What a checkpoint's weights take once the CPU backend has loaded them, read from its
 //! header alone (no tensor data): the figure `ferrite plan` states and the start-up line
-//! measures (`Decoder::weight_bytes`), tested to agree on every family.
+//! measures (`Model::weight_bytes`), tested to agree on every family.
 
 use super::WeightSource;
 use crate::backend::cpu::linear::{matrix_bytes, repacks};
@@ -121,7 +121,7 @@ fn kept(tensors: &[Stored]) -> Vec<Kept<'_>> {
     kept
 }
 
-/// Bytes of `src`'s matrices on the CPU backend in `format` (as `Decoder::weight_bytes`
+/// Bytes of `src`'s matrices on the CPU backend in `format` (as `Model::weight_bytes`
 /// counts them: the embedding table as stored, every matrix as its linear keeps it, a tied
 /// LM head once more as a matrix).
 pub fn cpu_weight_bytes(src: &WeightSource, format: WeightFormat) -> usize {

@@ -228,7 +228,7 @@ fn step(requests: &[(usize, usize)]) -> PackedStep {
         let table: Vec<u32> = (0..per).map(|b| (r * per + b) as u32).collect();
         let ids: Vec<u32> = (0..n).map(|i| (s.input_ids.len() + i) as u32).collect();
         s.push(&ids, start, &[table], BLOCK);
-        s.state_slots.push(r as u32);
+        s.state.slots.push(r as u32);
     }
     s.logits_indices = (0..s.input_ids.len() as u32).collect();
     s.finish();
@@ -648,7 +648,7 @@ impl GatedDelta {
             let t = Tensor::from_vec(rows, (n, spec.proj_dim()), &Device::Cpu)?;
             let table = b.embedding(QTensor::quantize(&t, GgmlDType::F32)?)?;
             let mut s = step(&chunks);
-            s.state_slots = live.iter().map(|&r| r as u32).collect();
+            s.state.slots = live.iter().map(|&r| r as u32).collect();
             let out = observe(b, &s, |b, st| {
                 let proj = as_output.rows(b, st, &table)?;
                 let mut out = B::Act::default();

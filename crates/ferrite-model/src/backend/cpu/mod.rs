@@ -459,10 +459,10 @@ impl Backend for CpuBackend {
         };
         let h = s.host;
         let slots = gdn::Slots {
-            state: &h.state_slots,
-            restores: &h.state_restores,
-            saves: &h.state_saves,
-            drafts: &h.state_drafts,
+            state: &h.state.slots,
+            restores: &h.state.restores,
+            saves: &h.state.saves,
+            drafts: &h.state.drafts,
         };
         gdn::gated_delta(proj, &h.cu_seqlens_q, &h.positions, &slots, &w, state, out)
     }

@@ -4,7 +4,7 @@
 use super::CpuBackend;
 use crate::engine_args::EngineArgs;
 use crate::memory;
-use crate::models::Decoder;
+use crate::models::Model;
 use crate::parallel::Group;
 use crate::start::Startup;
 use crate::step::{PackedStep, StepModel};
@@ -51,7 +51,7 @@ impl Startup for CpuStart {
         Ok(main.sharing_threads(args.weight_format))
     }
 
-    fn measure_step(model: &mut Decoder<CpuBackend>, step: &PackedStep) -> Result<u64> {
+    fn measure_step(model: &mut Model<CpuBackend>, step: &PackedStep) -> Result<u64> {
         let before = memory::rss_bytes();
         let measured = memory::reset_peak_rss();
         model.forward(step)?;

@@ -193,7 +193,7 @@ impl DecodeGraphs {
             || (0..b).any(|i| keys(i) > self.width * self.block_size);
         // A graph moves no state between slots (a prompt's last token can look like a decode),
         // and keeps no hidden states for an MTP head (nor is one).
-        if step.moves_state() || step.keep_hidden || !step.hidden_rows.is_empty() {
+        if step.moves_state() || step.hidden.keep || !step.hidden.rows.is_empty() {
             return Ok(None);
         }
         if self.disabled || b > self.max_batch || too_wide || step.kv.len() != self.kv_groups {
@@ -259,7 +259,7 @@ impl DecodeGraphs {
         copy_in(&stream, &g.inputs.seq_lens_k, &seq_lens)?;
         if let Some(scratch) = self.state_scratch {
             // One slot per request (decodes only: a window graph has no state).
-            let mut slots = step.state_slots.clone();
+            let mut slots = step.state.slots.clone();
             slots.resize(bucket, scratch);
             copy_in(&stream, &g.inputs.state_slots, &slots)?;
         }

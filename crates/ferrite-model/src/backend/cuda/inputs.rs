@@ -70,19 +70,19 @@ impl StepInputs {
             cu_seqlens_q: u32s(&step.cu_seqlens_q, dev)?,
             seq_lens_k: u32s(&step.seq_lens_k, dev)?,
             rows: u32s(&step.logits_indices, dev)?,
-            state_slots: u32s(&step.state_slots, dev)?,
+            state_slots: u32s(&step.state.slots, dev)?,
             state_moves: match step.moves_state() {
                 true => {
-                    let saves: Vec<u32> = step.state_saves.iter().flatten().copied().collect();
-                    let drafts = match step.state_drafts.iter().any(|d| d[1] != NO_SLOT) {
+                    let saves: Vec<u32> = step.state.saves.iter().flatten().copied().collect();
+                    let drafts = match step.state.drafts.iter().any(|d| d[1] != NO_SLOT) {
                         true => {
-                            let d: Vec<u32> = step.state_drafts.iter().flatten().copied().collect();
+                            let d: Vec<u32> = step.state.drafts.iter().flatten().copied().collect();
                             Some(u32s(&d, dev)?)
                         }
                         false => None,
                     };
                     Some(StateMoves {
-                        restores: u32s(&step.state_restores, dev)?,
+                        restores: u32s(&step.state.restores, dev)?,
                         saves: u32s(&saves, dev)?,
                         drafts,
                     })

@@ -6,8 +6,8 @@ use super::graph::{GraphShape, MAX_GRAPH_BATCH, MAX_WINDOW_ROWS};
 use super::CudaBackend;
 use crate::config::ModelConfig;
 use crate::engine_args::EngineArgs;
-use crate::memory::MemoryPlan;
-use crate::models::Decoder;
+use crate::memory::{self, MemoryPlan, GIB};
+use crate::models::Model;
 use crate::parallel::Group;
 use crate::pooling::Pooling;
 use crate::settings::{DeviceKind, WeightFormat};
@@ -15,6 +15,7 @@ use crate::start::Startup;
 use crate::step::{PackedStep, StepModel};
 use crate::weights::WeightSource;
 use anyhow::{bail, Result};
+use candle_core::cuda::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda::cudarc::driver::CudaContext;
 use candle_core::Device;
 
@@ -72,7 +73,19 @@ impl Startup for CudaStart {
         let device = open_device(ordinal)?;
         let ctx = cuda(&device)?.cuda_stream().context().clone();
         let gpu_name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
-        let (_, total) = ctx.mem_get_info()?;
+        let (_, mut total) = ctx.mem_get_info()?;
+        // A GPU sharing the host's memory counts what the host has free (the OS, a
+        // browser, an editor use the same memory): the budget is a share of that.
+        if ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_INTEGRATED)? == 1 {
+            let available = memory::available_memory_bytes()? as usize;
+            tracing::info!(
+                "{gpu_name} shares the host's memory: the budget is a share of the {:.1} GiB \
+                 the host has available, of {:.1} GiB",
+                available as f64 / GIB,
+                total as f64 / GIB
+            );
+            total = total.min(available);
+        }
         let sharing = match (group, own_gpu) {
             (Some(g), false) => g.local_ranks as u64,
             _ => 1,
@@ -138,7 +151,7 @@ impl Startup for CudaStart {
     /// The larger of what the step took from the device and a count of every intermediate
     /// tensor it allocates (cuBLAS picks its algorithms here; nothing is compiled: the
     /// kernels ship as machine code).
-    fn measure_step(model: &mut Decoder<CudaBackend>, step: &PackedStep) -> Result<u64> {
+    fn measure_step(model: &mut Model<CudaBackend>, step: &PackedStep) -> Result<u64> {
         let stream = cuda(model.backend.device())?.cuda_stream();
         let ctx = stream.context().clone();
         let (free_before, _) = ctx.mem_get_info()?;
@@ -170,7 +183,7 @@ impl Startup for CudaStart {
 
     fn ready(
         &mut self,
-        model: &mut Decoder<CudaBackend>,
+        model: &mut Model<CudaBackend>,
         args: &EngineArgs,
         plan: &MemoryPlan,
         max_model_len: usize,

@@ -38,7 +38,7 @@ unsafe fn scale(h: f16) -> f32 {
 
 /// Four f16 values (as bits) widened to f32.
 #[inline(always)]
-pub(in crate::backend::cpu) unsafe fn widen4(bits: uint16x4_t) -> float32x4_t {
+pub(crate) unsafe fn widen4(bits: uint16x4_t) -> float32x4_t {
     let out: float32x4_t;
     asm!("fcvtl {o:v}.4s, {i:v}.4h", o = lateout(vreg) out, i = in(vreg) bits,
         options(pure, nomem, nostack));
@@ -47,7 +47,7 @@ pub(in crate::backend::cpu) unsafe fn widen4(bits: uint16x4_t) -> float32x4_t {
 
 /// Asks for the cache line at `p`; never faults.
 #[inline(always)]
-pub(in crate::backend::cpu) unsafe fn prefetch(p: *const u8) {
+pub(crate) unsafe fn prefetch(p: *const u8) {
     asm!("prfm pldl1keep, [{p}]", p = in(reg) p, options(nostack, preserves_flags, readonly));
 }
 

@@ -497,7 +497,7 @@ impl<B: Backend> Family<B> for Hybrid<B> {
         // The hidden state as vLLM hands it to the head: the target's after its final norm,
         // or the head's own after its norm (a chained draft), at the rows this step continues.
         let norm = if chained { &m.norm } else { &self.final_norm };
-        b.rms_norm_rows(&ws.x, &s.host.hidden_rows, norm, eps, &mut ws.tmp.attn)?;
+        b.rms_norm_rows(&ws.x, &s.host.hidden.rows, norm, eps, &mut ws.tmp.attn)?;
         let hidden = LinearIn::RmsNorm {
             x: &ws.tmp.attn,
             norm: &m.norm_hidden,

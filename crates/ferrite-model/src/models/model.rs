@@ -1,4 +1,4 @@
-//! [`Decoder`]: a loaded family with its KV cache on one backend, what the runner drives each
+//! [`Model`]: a loaded family with its KV cache on one backend, what the runner drives each
 //! step (it serves encoders too: their step pools instead of sampling).
 
 use super::family::{drop_activations, state_bytes, Buffers, Family};
@@ -13,7 +13,7 @@ use ferrite_core::kv_layout::KvLayout;
 use std::borrow::Cow;
 
 /// A family with its weights and KV cache on one backend.
-pub struct Decoder<B: Backend> {
+pub struct Model<B: Backend> {
     pub config: ModelConfig,
     pub backend: B,
     family: Box<dyn Family<B>>,
@@ -32,7 +32,7 @@ pub struct Decoder<B: Backend> {
     logits: Vec<f32>,
 }
 
-impl<B: Backend> Decoder<B> {
+impl<B: Backend> Model<B> {
     /// A loaded family, its KV cache not yet allocated.
     pub(super) fn new(
         config: ModelConfig,
@@ -255,10 +255,10 @@ impl<B: Backend> Decoder<B> {
         if stateful && self.states.is_empty() {
             bail!("recurrent state not allocated");
         }
-        if stateful && step.state_slots.len() != step.num_seqs() {
+        if stateful && step.state.slots.len() != step.num_seqs() {
             bail!(
                 "{} state slots for {} requests",
-                step.state_slots.len(),
+                step.state.slots.len(),
                 step.num_seqs()
             );
         }
@@ -273,7 +273,7 @@ impl<B: Backend> Decoder<B> {
     }
 }
 
-impl<B: Backend> Decoder<B> {
+impl<B: Backend> Model<B> {
     /// The family's forward over `step` on the backend, logits left there (a device may
     /// still be running it).
     pub fn launch(&mut self, step: &PackedStep) -> Result<()> {
@@ -282,7 +282,7 @@ impl<B: Backend> Decoder<B> {
 
     fn run(&mut self, step: &PackedStep, draws: Option<DeviceDraws>) -> Result<()> {
         self.check(step)?;
-        if step.pooling && self.backend.group().is_some() {
+        if step.pooling.on && self.backend.group().is_some() {
             bail!("pooling steps on a model split across ranks");
         }
         self.lead(&Command::Step(Box::new(Cow::Borrowed(step))))?;
@@ -312,8 +312,8 @@ impl<B: Backend> Decoder<B> {
         let kept = &mut self.hidden_kept;
         let mut forward = |b: &mut B, s: &Step<B>| {
             let r = family.forward(b, s, cache, states, ws);
-            drop_activations(ws, s.host.keep_hidden);
-            *kept = r.is_ok() && (B::REUSES_ACTIVATIONS || s.host.keep_hidden);
+            drop_activations(ws, s.host.hidden.keep);
+            *kept = r.is_ok() && (B::REUSES_ACTIVATIONS || s.host.hidden.keep);
             r
         };
         self.backend.step(step, draws, &mut forward)
@@ -325,7 +325,7 @@ impl<B: Backend> Decoder<B> {
     }
 }
 
-impl<B: Backend> StepModel for Decoder<B> {
+impl<B: Backend> StepModel for Model<B> {
     fn forward(&mut self, step: &PackedStep) -> Result<&mut [f32]> {
         self.run(step, None)?;
         match self.backend.group() {
@@ -358,7 +358,7 @@ impl<B: Backend> StepModel for Decoder<B> {
     }
 
     /// The multi-token-prediction head over `step`: rows of the step [`StepModel::forward`]
-    /// just ran (`step.hidden_rows`, or all) with each row's token moved one ahead (the next
+    /// just ran (`step.hidden.rows`, or all) with each row's token moved one ahead (the next
     /// prompt token, or the token sampled after it); `chained`: rows of the head's own last
     /// step instead, each one position on. Its logits on the host. It reads the activations
     /// the last step left, so only on a backend that keeps them.
@@ -367,7 +367,7 @@ impl<B: Backend> StepModel for Decoder<B> {
             bail!("this model has no multi-token-prediction head");
         }
         if !self.hidden_kept {
-            bail!("the MTP head runs after a step that kept its hidden states (keep_hidden)");
+            bail!("the MTP head runs after a step that kept its hidden states (hidden.keep)");
         }
         self.check(step)?;
         let (family, cache, ws) = (&self.family, &mut self.cache, &mut self.buffers);
@@ -393,7 +393,7 @@ impl<B: Backend> StepModel for Decoder<B> {
     }
 }
 
-impl<B: Backend> Drop for Decoder<B> {
+impl<B: Backend> Drop for Model<B> {
     /// The leader of a split model tells the other ranks to stop with it.
     fn drop(&mut self) {
         if let Err(e) = self.lead(&Command::Stop) {
