@@ -67,11 +67,6 @@ pub const DEFAULT_STEP_TARGET: StepTarget = StepTarget::Relative {
     floor_secs: 0.020,
 };
 
-/// On the CPU the "device" is the whole machine's RAM, shared with everything else.
-pub const DEFAULT_CPU_MEMORY_UTILIZATION: f64 = 0.25;
-/// A dedicated GPU, as vLLM's default.
-pub const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
-
 impl EngineArgs {
     pub fn new(model: impl Into<PathBuf>) -> Self {
         Self {
@@ -82,7 +77,7 @@ impl EngineArgs {
             max_num_seqs: 256,
             max_num_batched_tokens: 512,
             block_size: 16,
-            gpu_memory_utilization: DEFAULT_CPU_MEMORY_UTILIZATION,
+            gpu_memory_utilization: DeviceKind::Cpu.default_memory_utilization(),
             kv_cache_memory: None,
             seed: None,
             threads: None,
@@ -235,7 +230,7 @@ impl EngineArgs {
             weight_bytes: bytes.weights + draft.weight_bytes,
             activation_bytes: bytes.activations,
             bytes_per_block,
-            kv_dtype: self.kv_cache_dtype.resolve(self.device),
+            kv_dtype: self.kv_cache_dtype.resolve(self.device.auto_kv_dtype()),
             block_size: self.block_size,
             max_model_len,
             max_num_seqs: self.max_num_seqs,
@@ -290,12 +285,10 @@ pub struct ModelBytes {
 impl EngineArgs {
     /// Bytes of one KV block of a model with this config, `slots` layers a block.
     pub(crate) fn kv_block_bytes(&self, config: &ModelConfig, slots: usize) -> u64 {
-        self.kv_cache_dtype.resolve(self.device).block_bytes(
-            self.block_size,
-            config.num_kv_heads,
-            config.head_dim,
-            slots,
-        ) as u64
+        self.kv_cache_dtype
+            .resolve(self.device.auto_kv_dtype())
+            .block_bytes(self.block_size, config.num_kv_heads, config.head_dim, slots)
+            as u64
     }
 }
 

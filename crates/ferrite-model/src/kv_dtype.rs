@@ -2,8 +2,6 @@
 //! per token and KV head (`amax / 127` for int8, `amax / 448` for fp8 e4m3), written with
 //! the token, so a block never needs re-quantizing as it fills.
 
-use crate::settings::DeviceKind;
-
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KvCacheDtype {
     /// The device's own: f16 on the CPU, bf16 on CUDA.
@@ -40,12 +38,11 @@ impl std::str::FromStr for KvCacheDtype {
 }
 
 impl KvCacheDtype {
-    /// `Auto` as `device` stores it.
-    pub fn resolve(self, device: DeviceKind) -> Self {
-        match (self, device) {
-            (Self::Auto, DeviceKind::Cpu) => Self::Fp16,
-            (Self::Auto, DeviceKind::Cuda(_)) => Self::Bf16,
-            (d, _) => d,
+    /// `Auto` as a device stores it (`DeviceKind::auto_kv_dtype`).
+    pub fn resolve(self, auto: KvCacheDtype) -> Self {
+        match self {
+            Self::Auto => auto,
+            d => d,
         }
     }
 

@@ -2,12 +2,54 @@
 //! its weights are obtained and kept, and what it is run for. No module below the CLI's
 //! settings asks `engine_args` for them.
 
+use crate::kv_dtype::KvCacheDtype;
+
 /// Where the model runs (`--device`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceKind {
     Cpu,
     /// A CUDA GPU by ordinal.
     Cuda(usize),
+}
+
+/// What each device takes where the user says nothing, and what it computes in: a new
+/// backend states its own here, beside its variant.
+impl DeviceKind {
+    /// The backend's name in messages.
+    pub fn backend_name(self) -> &'static str {
+        match self {
+            Self::Cpu => "CPU",
+            Self::Cuda(_) => "CUDA",
+        }
+    }
+
+    /// `--gpu-memory-utilization` where none is given: on the CPU the "device" is the whole
+    /// machine's RAM, shared with everything else; a dedicated GPU takes vLLM's default.
+    pub fn default_memory_utilization(self) -> f64 {
+        match self {
+            Self::Cpu => 0.25,
+            Self::Cuda(_) => 0.9,
+        }
+    }
+
+    /// How `--kv-cache-dtype auto` stores K/V here.
+    pub fn auto_kv_dtype(self) -> KvCacheDtype {
+        match self {
+            Self::Cpu => KvCacheDtype::Fp16,
+            Self::Cuda(_) => KvCacheDtype::Bf16,
+        }
+    }
+
+    /// The `--dtype` values beside `auto` this backend computes in, and what `auto` is.
+    pub fn dtypes(self) -> (&'static [&'static str], &'static str) {
+        match self {
+            Self::Cpu => (
+                &["float32", "float"],
+                "auto: int8 activations; float32: f32",
+            ),
+            Self::Cuda(_) => (&["bfloat16"], "auto or bfloat16"),
+        }
+    }
 }
 
 impl std::str::FromStr for DeviceKind {

@@ -6,10 +6,7 @@ use ferrite_core::sampling::SamplingParams;
 use ferrite_core::spec_decode::{Speculation, SpeculativeConfig};
 use ferrite_model::kv_dtype::KvCacheDtype;
 use ferrite_model::loader::WeightFormat;
-use ferrite_model::loader::{
-    DeviceKind, EngineArgs, LoadFormat, RunnerKind, DEFAULT_CPU_MEMORY_UTILIZATION,
-    DEFAULT_GPU_MEMORY_UTILIZATION,
-};
+use ferrite_model::loader::{DeviceKind, EngineArgs, LoadFormat, RunnerKind};
 use std::path::PathBuf;
 
 #[derive(Args, Debug, Clone)]
@@ -164,26 +161,18 @@ fn parse_weight_format(s: &str) -> Result<WeightFormat, String> {
 impl EngineFlags {
     /// `--dtype` as this device computes, folded into the weight format.
     pub fn check_dtype(&self) -> anyhow::Result<()> {
-        let cuda = matches!(self.device, DeviceKind::Cuda(_));
+        let (dtypes, says) = self.device.dtypes();
         match self.dtype.as_str() {
             "auto" => Ok(()),
-            "float32" | "float" if !cuda => match self.weight_format {
-                WeightFormat::Native => anyhow::bail!(
-                    "--dtype {} needs f32 weights, not --weight-format native",
-                    self.dtype
-                ),
-                _ => Ok(()),
-            },
-            "bfloat16" if cuda => Ok(()),
-            d => anyhow::bail!(
-                "--dtype {d} is not a type the {} backend computes in ({})",
-                if cuda { "CUDA" } else { "CPU" },
-                if cuda {
-                    "auto or bfloat16"
-                } else {
-                    "auto: int8 activations; float32: f32"
-                }
+            d if !dtypes.contains(&d) => anyhow::bail!(
+                "--dtype {d} is not a type the {} backend computes in ({says})",
+                self.device.backend_name()
             ),
+            "float32" | "float" if self.weight_format == WeightFormat::Native => anyhow::bail!(
+                "--dtype {} needs f32 weights, not --weight-format native",
+                self.dtype
+            ),
+            _ => Ok(()),
         }
     }
 
@@ -202,10 +191,9 @@ impl EngineFlags {
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
             block_size: self.block_size,
-            gpu_memory_utilization: self.gpu_memory_utilization.unwrap_or(match self.device {
-                DeviceKind::Cpu => DEFAULT_CPU_MEMORY_UTILIZATION,
-                DeviceKind::Cuda(_) => DEFAULT_GPU_MEMORY_UTILIZATION,
-            }),
+            gpu_memory_utilization: self
+                .gpu_memory_utilization
+                .unwrap_or(self.device.default_memory_utilization()),
             kv_cache_memory: self.kv_cache_memory,
             seed: self.seed,
             threads: self.threads.map(usize::from),

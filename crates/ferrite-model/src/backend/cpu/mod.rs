@@ -236,7 +236,10 @@ impl Backend for CpuBackend {
             num_kv_heads: kv_heads,
             head_dim,
         };
-        Ok(LayerCache::new(shape, dtype.resolve(DeviceKind::Cpu)))
+        Ok(LayerCache::new(
+            shape,
+            dtype.resolve(DeviceKind::Cpu.auto_kv_dtype()),
+        ))
     }
 
     fn state_cache(&self, slots: usize, spec: &GdnSpec) -> Result<gdn::StateCache> {

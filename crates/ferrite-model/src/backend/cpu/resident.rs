@@ -91,7 +91,15 @@ fn populate_in_background<T>(buf: &[T]) -> bool {
 const PAGE: usize = 4096;
 const POPULATE_STEP: usize = 64 << 20;
 
+/// Makes `[from, to)` resident as if written, writing nothing; false on failure (and on
+/// kernels other than Linux: then every page is touched at start-up).
+#[cfg(not(target_os = "linux"))]
+fn populate(_from: usize, _to: usize) -> bool {
+    false
+}
+
 /// Makes `[from, to)` resident as if written, writing nothing; false on failure.
+#[cfg(target_os = "linux")]
 fn populate(from: usize, to: usize) -> bool {
     // SAFETY: the advice only makes pages of this process resident (ENOMEM once the range is
     // unmapped); no byte is read or written.
@@ -105,8 +113,16 @@ fn populate(from: usize, to: usize) -> bool {
 }
 
 /// Asks for transparent huge pages over `buf`'s whole 2 MiB pages (a hint: where the kernel
-/// has them off, nothing changes).
+/// has them off, or is not Linux, nothing changes).
 fn huge_pages<T>(buf: &mut [T]) {
+    #[cfg(not(target_os = "linux"))]
+    let _ = buf;
+    #[cfg(target_os = "linux")]
+    huge_pages_linux(buf);
+}
+
+#[cfg(target_os = "linux")]
+fn huge_pages_linux<T>(buf: &mut [T]) {
     const HUGE: usize = 2 << 20;
     let start = buf.as_mut_ptr() as usize;
     let end = start + std::mem::size_of_val(buf);

@@ -302,7 +302,7 @@ impl Backend for CudaBackend {
             kv_heads,
             block_size,
             head_dim,
-            dtype.resolve(DeviceKind::Cuda(0)),
+            dtype.resolve(DeviceKind::Cuda(0).auto_kv_dtype()),
             &self.device,
         )
     }
