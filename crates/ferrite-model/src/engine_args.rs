@@ -1,19 +1,14 @@
-//! Engine settings (named after vLLM's flags) and the memory plan they imply.
+//! Engine settings, named after vLLM's flags: plain data, and what follows from the flags
+//! alone. What they imply once a model is opened: `start.rs` (the model resolved, its task),
+//! `budget.rs` (the memory plan).
 
-use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::kv_dtype::KvCacheDtype;
-use crate::memory::{self, DraftShare, MemoryPlan, PlanInputs};
-use crate::models::Model;
 use crate::pooling::Pooling;
-use crate::runner::ModelRunner;
 pub use crate::settings::{DeviceKind, LoadFormat, RunnerKind, WeightFormat};
-use crate::tokenizer::ModelTokenizer;
-use crate::{checkpoint, models};
 use anyhow::{bail, Result};
-use ferrite_core::kv_layout::KvLayout;
 use ferrite_core::prefix_hash::HashAlgo;
-use ferrite_core::scheduler::{SchedulerConfig, StepTarget};
+use ferrite_core::scheduler::StepTarget;
 use ferrite_core::spec_decode::{Proposer, Speculation};
 use std::path::PathBuf;
 
@@ -100,56 +95,6 @@ impl EngineArgs {
     pub fn world_size(&self) -> usize {
         self.tensor_parallel_size * self.pipeline_parallel_size
     }
-}
-
-impl EngineArgs {
-    /// These args with a Hugging Face id resolved to its file or folder in the cache.
-    pub fn resolved(&self) -> Result<Self> {
-        let model = crate::weights::hub::resolve(
-            &self.model,
-            self.revision.as_deref(),
-            self.download_dir.as_deref(),
-        )?;
-        if model != self.model {
-            tracing::info!("{} is {}", self.model.display(), model.display());
-        }
-        Ok(Self {
-            model,
-            ..self.clone()
-        })
-    }
-
-    /// How the model pools, when it serves embeddings (`None`: it generates). An encoder
-    /// cannot generate; a folder's sentence-transformers description says how to pool.
-    pub fn pooling(&self) -> Result<Option<Pooling>> {
-        let src = checkpoint::config_source(&self.model)?;
-        let encoder = models::is_encoder(&src)?;
-        if encoder && crate::models::bert::is_cross_encoder(&src)? {
-            if self.runner == RunnerKind::Generate {
-                bail!(
-                    "{} is a cross-encoder: it scores pairs (--runner pooling)",
-                    self.model.display()
-                );
-            }
-            return Ok(Some(Pooling::cross_encoder()));
-        }
-        let dir = checkpoint::hf_config_path(&self.model);
-        let described = match dir.parent().filter(|_| !checkpoint::is_gguf(&self.model)) {
-            Some(dir) => Pooling::read(dir)?,
-            None => None,
-        };
-        Ok(match self.runner {
-            RunnerKind::Generate if encoder => {
-                bail!(
-                    "{} is an encoder: it serves embeddings (--runner pooling)",
-                    self.model.display()
-                )
-            }
-            RunnerKind::Generate => None,
-            RunnerKind::Auto if !encoder && described.is_none() => None,
-            _ => Some(described.unwrap_or_else(|| Pooling::default_for(encoder))),
-        })
-    }
 
     /// The step-time target (`None`: off).
     pub fn step_target(&self) -> Result<Option<StepTarget>> {
@@ -158,19 +103,6 @@ impl EngineArgs {
             Some(0.0) => Ok(None),
             Some(ms) if ms > 0.0 && ms.is_finite() => Ok(Some(StepTarget::Fixed(ms / 1e3))),
             Some(ms) => bail!("--max-step-ms must be a positive number of ms (0: off), got {ms}"),
-        }
-    }
-
-    /// These args as a pooling model runs: no prefix caching (a prompt's states are all
-    /// pooled, and an encoder's depend on the tokens after them) and no speculation.
-    pub fn for_pooling(&self) -> Self {
-        if self.prefix_caching.is_some() {
-            tracing::info!("prefix caching is off for an embedding model");
-        }
-        Self {
-            prefix_caching: None,
-            speculation: None,
-            ..self.clone()
         }
     }
 
@@ -197,112 +129,6 @@ impl EngineArgs {
         Ok(max_model_len)
     }
 
-    /// Requests that speculate at once (at most the batch size speculation pauses above):
-    /// with recurrent state, each holds `k` more state slots.
-    fn draft_state_sets(&self) -> usize {
-        self.speculation
-            .as_ref()
-            .map_or(0, |s| s.disable_by_batch_size.min(self.max_num_seqs))
-    }
-
-    /// The KV pool sized from `device_bytes` of memory once weights and activations are
-    /// counted, and the scheduler configuration that hands it out.
-    pub(crate) fn plan(
-        &self,
-        config: &ModelConfig,
-        max_model_len: usize,
-        device_bytes: u64,
-        bytes: ModelBytes,
-    ) -> Result<(MemoryPlan, SchedulerConfig)> {
-        let layout = KvLayout::new(&config.layer_windows);
-        let draft = bytes.draft.unwrap_or(DraftShare {
-            weight_bytes: 0,
-            bytes_per_block: 0,
-        });
-        // A pipeline stage stores the pages of its own layers.
-        let slots = bytes.kv_slots.unwrap_or(layout.slots);
-        let bytes_per_block = self.kv_block_bytes(config, slots) + draft.bytes_per_block;
-        let state_bytes_per_slot = bytes.state_per_slot;
-        let plan = memory::plan(&PlanInputs {
-            device_bytes,
-            utilization: self.gpu_memory_utilization,
-            kv_cache_memory: self.kv_cache_memory,
-            weight_bytes: bytes.weights + draft.weight_bytes,
-            activation_bytes: bytes.activations,
-            bytes_per_block,
-            kv_dtype: self.kv_cache_dtype.resolve(self.device.auto_kv_dtype()),
-            block_size: self.block_size,
-            max_model_len,
-            max_num_seqs: self.max_num_seqs,
-            kv_groups: layout.groups.clone(),
-            layers_per_block: slots,
-            chunk: self.max_num_batched_tokens,
-            state_bytes_per_slot,
-            // A hit restores the recurrent state from a checkpoint: as many as requests.
-            state_checkpoints: match self.prefix_caching {
-                Some(_) => self.max_num_seqs,
-                None => 0,
-            },
-            state_draft_slots: self.draft_state_sets()
-                * self.speculation.as_ref().map_or(0, |s| s.k),
-            draft: bytes.draft,
-        })?;
-        let scheduler = SchedulerConfig {
-            max_num_batched_tokens: self.max_num_batched_tokens,
-            max_num_seqs: self.max_num_seqs,
-            max_model_len,
-            block_size: self.block_size,
-            num_blocks: plan.num_blocks,
-            prefix_caching: self.prefix_caching,
-            kv_groups: layout.groups,
-            state_slots: plan.state_slots,
-            state_checkpoints: plan.state_checkpoints,
-            whole_prompts: false,
-            step_time: None,
-            speculation: self.speculation.clone(),
-            draft_state_sets: match plan.state_slots {
-                0 => 0,
-                _ => self.draft_state_sets(),
-            },
-        };
-        Ok((plan, scheduler))
-    }
-}
-
-/// What a loaded model takes besides its KV pool, for [`EngineArgs::plan`].
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ModelBytes {
-    pub weights: u64,
-    pub activations: u64,
-    /// One request's recurrent state (0 without linear-attention layers).
-    pub state_per_slot: u64,
-    /// A draft model's weights and K/V per block (speculation with a draft model).
-    pub draft: Option<DraftShare>,
-    /// Layers of a page this rank stores (a pipeline stage's); `None`: all.
-    pub kv_slots: Option<usize>,
-}
-
-impl EngineArgs {
-    /// Bytes of one KV block of a model with this config, `slots` layers a block.
-    pub(crate) fn kv_block_bytes(&self, config: &ModelConfig, slots: usize) -> u64 {
-        self.kv_cache_dtype
-            .resolve(self.device.auto_kv_dtype())
-            .block_bytes(self.block_size, config.num_kv_heads, config.head_dim, slots)
-            as u64
-    }
-}
-
-pub struct LoadedEngine {
-    pub runner: ModelRunner,
-    pub tokenizer: ModelTokenizer,
-    pub scheduler: SchedulerConfig,
-    pub plan: MemoryPlan,
-    pub config: ModelConfig,
-    /// An embedding model's pooling (`None`: the model generates).
-    pub pooling: Option<Pooling>,
-}
-
-impl EngineArgs {
     /// The draft model `--speculative-config` names, if it names one.
     pub fn draft_model_path(&self) -> Option<&std::path::Path> {
         match &self.speculation {
@@ -311,14 +137,6 @@ impl EngineArgs {
                 ..
             }) => Some(model),
             _ => None,
-        }
-    }
-
-    /// The draft model's weights, and its K/V in each of the target's blocks.
-    pub fn draft_share<B: Backend>(&self, draft: &Model<B>) -> DraftShare {
-        DraftShare {
-            weight_bytes: draft.weight_bytes() as u64,
-            bytes_per_block: self.kv_block_bytes(&draft.config, draft.layout.slots),
         }
     }
 }

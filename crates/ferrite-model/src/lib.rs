@@ -3,6 +3,7 @@
 //! the paged KV cache and attention, the memory budget, the sampler and the model runner.
 
 pub mod backend;
+pub mod budget;
 pub mod calibrate;
 pub mod checkpoint;
 pub mod config;

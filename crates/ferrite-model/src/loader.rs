@@ -6,44 +6,59 @@ use crate::backend::cpu::start::CpuStart;
 use crate::backend::cpu::CpuBackend;
 #[cfg(feature = "cuda")]
 use crate::backend::cuda::start::CudaStart;
+use crate::budget::ModelBytes;
 use crate::checkpoint::open_weights;
 use crate::config::ModelConfig;
 pub use crate::engine_args::*;
 use crate::memory::{self, MemoryPlan};
 use crate::models::{self, Model};
-use crate::start;
+pub use crate::start::LoadedEngine;
+use crate::start::{self, Startup};
 use crate::weights::footprint::{cpu_weight_bytes, cpu_weight_label};
 use anyhow::{bail, Result};
 use std::path::Path;
 
 /// Loads everything on `--device`. `progress(done, total)` follows weight loading.
-pub fn load(args: &EngineArgs, mut progress: impl FnMut(usize, usize)) -> Result<LoadedEngine> {
+pub fn load(args: &EngineArgs, progress: impl FnMut(usize, usize)) -> Result<LoadedEngine> {
     if args.block_size == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
         bail!("--block-size, --max-num-seqs and --max-num-batched-tokens must be positive");
     }
-    check_device(args.device)?;
-    match args.device {
-        DeviceKind::Cpu => {
-            if args.batch_invariant {
-                tracing::info!("--batch-invariant: the CPU kernels are batch-invariant already (a token's result never depends on what shares its step)");
-            }
-            start::load::<CpuStart>(args, &mut progress)
+    struct Load<'a, P>(&'a EngineArgs, P);
+    impl<P: FnMut(usize, usize)> OnDevice for Load<'_, P> {
+        type Out = LoadedEngine;
+        fn run<S: Startup>(mut self) -> Result<LoadedEngine> {
+            start::load::<S>(self.0, &mut self.1)
         }
-        #[cfg(feature = "cuda")]
-        DeviceKind::Cuda(_) => start::load::<CudaStart>(args, &mut progress),
-        #[cfg(not(feature = "cuda"))]
-        DeviceKind::Cuda(_) => unreachable!("refused by check_device"),
     }
+    on_device(args.device, Load(args, progress))
 }
 
 /// A following rank of a split model: loads its share and does what the leading rank
 /// commands until it stops.
 pub fn follow(args: &EngineArgs) -> Result<()> {
-    check_device(args.device)?;
-    match args.device {
-        DeviceKind::Cpu => start::follow::<CpuStart>(args),
+    struct Follow<'a>(&'a EngineArgs);
+    impl OnDevice for Follow<'_> {
+        type Out = ();
+        fn run<S: Startup>(self) -> Result<()> {
+            start::follow::<S>(self.0)
+        }
+    }
+    on_device(args.device, Follow(args))
+}
+
+/// Work generic over the device's start-up, run by [`on_device`].
+trait OnDevice {
+    type Out;
+    fn run<S: Startup>(self) -> Result<Self::Out>;
+}
+
+/// Runs `job` with `device`'s start-up: the one place a backend is registered.
+fn on_device<J: OnDevice>(device: DeviceKind, job: J) -> Result<J::Out> {
+    check_device(device)?;
+    match device {
+        DeviceKind::Cpu => job.run::<CpuStart>(),
         #[cfg(feature = "cuda")]
-        DeviceKind::Cuda(_) => start::follow::<CudaStart>(args),
+        DeviceKind::Cuda(_) => job.run::<CudaStart>(),
         #[cfg(not(feature = "cuda"))]
         DeviceKind::Cuda(_) => unreachable!("refused by check_device"),
     }

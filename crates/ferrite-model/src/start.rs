@@ -5,19 +5,22 @@
 //! `--device`.
 
 use crate::backend::Backend;
-use crate::checkpoint::{open_tokenizer, open_weights, read_config};
+use crate::budget::ModelBytes;
+use crate::checkpoint::{self, open_tokenizer, open_weights, read_config};
 use crate::config::ModelConfig;
 use crate::draft::{check_pair, DraftModel};
-use crate::engine_args::{EngineArgs, LoadedEngine, ModelBytes};
+use crate::engine_args::EngineArgs;
 use crate::memory::MemoryPlan;
 use crate::models::{self, Model};
 use crate::parallel::{self, Group};
 use crate::pooling::Pooling;
 use crate::runner::ModelRunner;
+use crate::settings::RunnerKind;
 use crate::step::PackedStep;
+use crate::tokenizer::ModelTokenizer;
 use crate::weights::WeightSource;
 use anyhow::{bail, Result};
-use ferrite_core::scheduler::{StepTarget, StepTime};
+use ferrite_core::scheduler::{SchedulerConfig, StepTarget, StepTime};
 use ferrite_core::spec_decode::Proposer;
 use ferrite_core::step_cost::StepCost;
 
@@ -247,4 +250,78 @@ pub(crate) fn resolved_for_task(args: &EngineArgs) -> Result<(EngineArgs, Option
         Some(_) => (args.for_pooling(), pooling),
         None => (args, None),
     })
+}
+
+/// What start-up hands back: the runner, and what the engine and the server need beside it.
+pub struct LoadedEngine {
+    pub runner: ModelRunner,
+    pub tokenizer: ModelTokenizer,
+    pub scheduler: SchedulerConfig,
+    pub plan: MemoryPlan,
+    pub config: ModelConfig,
+    /// An embedding model's pooling (`None`: the model generates).
+    pub pooling: Option<Pooling>,
+}
+
+impl EngineArgs {
+    /// These args with a Hugging Face id resolved to its file or folder in the cache.
+    pub fn resolved(&self) -> Result<Self> {
+        let model = crate::weights::hub::resolve(
+            &self.model,
+            self.revision.as_deref(),
+            self.download_dir.as_deref(),
+        )?;
+        if model != self.model {
+            tracing::info!("{} is {}", self.model.display(), model.display());
+        }
+        Ok(Self {
+            model,
+            ..self.clone()
+        })
+    }
+
+    /// How the model pools, when it serves embeddings (`None`: it generates). An encoder
+    /// cannot generate; a folder's sentence-transformers description says how to pool.
+    pub fn pooling(&self) -> Result<Option<Pooling>> {
+        let src = checkpoint::config_source(&self.model)?;
+        let encoder = models::is_encoder(&src)?;
+        if encoder && crate::models::bert::is_cross_encoder(&src)? {
+            if self.runner == RunnerKind::Generate {
+                bail!(
+                    "{} is a cross-encoder: it scores pairs (--runner pooling)",
+                    self.model.display()
+                );
+            }
+            return Ok(Some(Pooling::cross_encoder()));
+        }
+        let dir = checkpoint::hf_config_path(&self.model);
+        let described = match dir.parent().filter(|_| !checkpoint::is_gguf(&self.model)) {
+            Some(dir) => Pooling::read(dir)?,
+            None => None,
+        };
+        Ok(match self.runner {
+            RunnerKind::Generate if encoder => {
+                bail!(
+                    "{} is an encoder: it serves embeddings (--runner pooling)",
+                    self.model.display()
+                )
+            }
+            RunnerKind::Generate => None,
+            RunnerKind::Auto if !encoder && described.is_none() => None,
+            _ => Some(described.unwrap_or_else(|| Pooling::default_for(encoder))),
+        })
+    }
+
+    /// These args as a pooling model runs: no prefix caching (a prompt's states are all
+    /// pooled, and an encoder's depend on the tokens after them) and no speculation.
+    pub fn for_pooling(&self) -> Self {
+        if self.prefix_caching.is_some() {
+            tracing::info!("prefix caching is off for an embedding model");
+        }
+        Self {
+            prefix_caching: None,
+            speculation: None,
+            ..self.clone()
+        }
+    }
 }

@@ -10,23 +10,19 @@ mod suite;
 
 use candle_core::{DType, Device, Tensor};
 use ferrite_model::backend::cuda::graph::GraphShape;
-use ferrite_model::backend::cuda::kernels::attention::{AttentionMeta, AttentionShape, QkvParams};
-use ferrite_model::backend::cuda::kernels::gdn::GdnStep;
+use ferrite_model::backend::cuda::kernels::attention::{AttentionMeta, AttentionShape};
 use ferrite_model::backend::cuda::kernels::matmul::MatIn;
-use ferrite_model::backend::cuda::kernels::sample::draw_params;
 use ferrite_model::backend::cuda::kernels::Kernels;
 use ferrite_model::backend::cuda::linear::Linear;
 use ferrite_model::backend::cuda::{CudaBackend, KvPages};
-use ferrite_model::backend::{Activation, GdnSpec};
+use ferrite_model::backend::Activation;
 use ferrite_model::checkpoint::open_weights;
 use ferrite_model::config::RopeStyle;
 use ferrite_model::kv_dtype::KvCacheDtype;
 use ferrite_model::loader::{load_cpu_decoder, LoadFormat, WeightFormat};
 use ferrite_model::models::{self, Model};
-use ferrite_model::rope::{RopeSpec, RopeTable};
 use ferrite_model::sampler::argmax;
-use ferrite_model::step::{PackedStep, NO_SLOT};
-use ferrite_model::step::{RowDraw, StepModel};
+use ferrite_model::step::{PackedStep, StepModel};
 use ferrite_model::tokenizer::ModelTokenizer;
 use ferrite_model::weights::gguf::GgufFile;
 use rand::rngs::StdRng;
@@ -786,135 +782,6 @@ fn batch_invariant_matmuls_round_a_row_alike_at_any_row_count() {
     }
 }
 
-#[test]
-fn qkv_rope_write_matches_host() {
-    let dev = device();
-    let k = kernels(&dev);
-    let (h, hkv, d, bs, t, blocks) = (6, 2, 64, 16, 37, 8);
-    let mut rng = StdRng::seed_from_u64(3);
-    for (style, norm, bias) in [
-        (RopeStyle::Interleaved, false, false),
-        (RopeStyle::Neox, true, true),
-    ] {
-        let width = (h + 2 * hkv) * d;
-        let qkv = Tensor::randn(0f32, 1.0, (t, width), &dev)
-            .unwrap()
-            .to_dtype(DType::BF16)
-            .unwrap();
-        let positions: Vec<u32> = (0..t).map(|_| rng.random_range(0..500)).collect();
-        let mut slots: Vec<u32> = (0..(blocks * bs) as u32).collect();
-        slots.shuffle(&mut rng);
-        slots.truncate(t);
-        let spec = RopeSpec {
-            dim: d,
-            theta: 10000.0,
-            style,
-            scaling: ferrite_model::config::RopeScaling::None,
-        };
-        let rope = RopeTable::new(&spec, 512);
-        let (cos, sin) = rope.tables();
-        let cos_t = Tensor::from_slice(cos, (512, d / 2), &dev).unwrap();
-        let sin_t = Tensor::from_slice(sin, (512, d / 2), &dev).unwrap();
-        let rand_vec = |n: usize| {
-            Tensor::randn(0f32, 1.0, n, &dev)
-                .unwrap()
-                .to_dtype(DType::BF16)
-                .unwrap()
-        };
-        let bias_t = bias.then(|| rand_vec(width));
-        let qn = norm.then(|| rand_vec(d));
-        let kn = norm.then(|| rand_vec(d));
-        let pages = KvPages::zeros(blocks, hkv, bs, d, KvCacheDtype::Bf16, &dev).unwrap();
-        let shape = AttentionShape {
-            num_heads: h,
-            num_kv_heads: hkv,
-            head_dim: d,
-            block_size: bs,
-            scale: 1.0,
-            sliding_window: 0,
-            softcap: 0.0,
-        };
-        let q = k
-            .qkv_rope_write(
-                &qkv,
-                &u32s(&positions, &dev),
-                &u32s(&slots, &dev),
-                &pages,
-                &shape,
-                &QkvParams {
-                    bias: bias_t.as_ref(),
-                    q_norm: qn.as_ref(),
-                    k_norm: kn.as_ref(),
-                    eps: 1e-6,
-                    rope_cos: &cos_t,
-                    rope_sin: &sin_t,
-                    rope_dim: d,
-                    neox: style == RopeStyle::Neox,
-                },
-            )
-            .unwrap();
-        let (qh, kh, vh, x) = (host(&q), host(&pages.k), host(&pages.v), host(&qkv));
-        let b = bias_t.as_ref().map(host);
-        let (qnh, knh) = (qn.as_ref().map(host), kn.as_ref().map(host));
-        let mut worst = 0f64;
-        for tok in 0..t {
-            for head in 0..h + 2 * hkv {
-                let mut v: Vec<f64> = (0..d)
-                    .map(|i| {
-                        let j = head * d + i;
-                        x[tok * width + j] as f64 + b.as_ref().map_or(0.0, |b| b[j] as f64)
-                    })
-                    .collect();
-                let w = if head < h {
-                    qnh.as_ref()
-                } else if head < h + hkv {
-                    knh.as_ref()
-                } else {
-                    None
-                };
-                if let Some(w) = w {
-                    let inv = 1.0 / (v.iter().map(|x| x * x).sum::<f64>() / d as f64 + 1e-6).sqrt();
-                    v.iter_mut().zip(w).for_each(|(x, w)| *x *= inv * *w as f64);
-                }
-                if head < h + hkv {
-                    let p = positions[tok] as usize;
-                    let rotated: Vec<f64> = (0..d)
-                        .map(|i| {
-                            let (pair, partner, sign) = match style {
-                                RopeStyle::Neox if i < d / 2 => (i, i + d / 2, -1.0),
-                                RopeStyle::Neox => (i - d / 2, i - d / 2, 1.0),
-                                RopeStyle::Interleaved => {
-                                    (i / 2, i ^ 1, if i % 2 == 1 { 1.0 } else { -1.0 })
-                                }
-                            };
-                            let (c, s) =
-                                (cos[p * d / 2 + pair] as f64, sin[p * d / 2 + pair] as f64);
-                            v[i] * c + sign * v[partner] * s
-                        })
-                        .collect();
-                    v = rotated;
-                }
-                let got: Vec<f32> = if head < h {
-                    qh[(tok * h + head) * d..][..d].to_vec()
-                } else {
-                    let kvh = (head - h) % hkv;
-                    let slot = slots[tok] as usize;
-                    let at = ((slot / bs * hkv + kvh) * bs + slot % bs) * d;
-                    let src = if head < h + hkv { &kh } else { &vh };
-                    src[at..at + d].to_vec()
-                };
-                for (g, r) in got.iter().zip(&v) {
-                    worst = worst.max((*g as f64 - r).abs() / (1.0 + r.abs()));
-                }
-            }
-        }
-        println!(
-            "qkv_rope_write {style:?} norm={norm} bias={bias}: max |err|/(1+|ref|) {worst:.2e}"
-        );
-        assert!(worst < 1e-2, "{style:?}: {worst}");
-    }
-}
-
 /// The whole CUDA model (GGUF dequantized to bf16) against the CPU backend (f32 weights) on a
 /// real GGUF, teacher-forced: three requests packed together, prefilled in chunks, then
 /// decoded token by token.
@@ -1349,137 +1216,6 @@ fn safetensors_checkpoint_matches_gguf() {
     // tokens carry that to a few hundredths of a logit on average (seen: 0.025, max 0.35).
     assert!(agree as f64 >= 0.99 * rows as f64, "{agree} of {rows}");
     assert!(mean < 0.05, "mean |dlogit| {mean}");
-}
-
-/// Draws on the device follow softmax(logits / T) cut as the CPU sampler cuts it (top-k,
-/// then top-p, then min-p; checked by frequency over many rows with their own keys), never
-/// pick -inf or a cut token, repeat for the same key, and greedy rows take the first of tied
-/// maxima.
-#[test]
-fn device_draws_follow_the_distribution() {
-    let dev = device();
-    let k = kernels(&dev);
-    let row = [2.0f32, 1.0, 0.5, 0.0, -1.0, f32::NEG_INFINITY, 1.5, -3.0];
-    let (n, rows) = (row.len(), 16384);
-    let logits = Tensor::from_vec(row.repeat(rows), (rows, n), &dev).unwrap();
-    // (temperature, top_k, top_p, min_p)
-    for (t, top_k, top_p, min_p) in [
-        (0.7f32, 0u32, 1.0f32, 0.0f32),
-        (1.3, 0, 1.0, 0.2),
-        (1.0, 3, 1.0, 0.0),
-        (1.0, 0, 0.8, 0.0),
-        (1.5, 5, 0.9, 0.1),
-    ] {
-        let draws: Vec<RowDraw> = (0..rows as u64)
-            .map(|i| RowDraw::Sample {
-                temperature: t,
-                top_k,
-                top_p,
-                min_p,
-                key: i * 0x2545_F491_4F6C_DD1D + 17,
-            })
-            .collect();
-        let params = draw_params(&draws, rows, &[]);
-        let params = Tensor::from_vec(params.clone(), params.len(), &dev).unwrap();
-        let tokens: Vec<u32> = k
-            .sample_rows(&logits, &params, None)
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let again: Vec<u32> = k
-            .sample_rows(&logits, &params, None)
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        assert_eq!(tokens, again, "same keys, same tokens");
-        // The CPU sampler's cut, on the sorted finite logits.
-        let mut order: Vec<usize> = (0..n).filter(|&i| row[i].is_finite()).collect();
-        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
-        if top_k > 0 {
-            order.truncate(top_k as usize);
-        }
-        let m = row[order[0]];
-        let w: Vec<f64> = order
-            .iter()
-            .map(|&i| ((row[i] - m) / t).exp() as f64)
-            .collect();
-        let z: f64 = w.iter().sum();
-        let mut keep = order.len();
-        let mut acc = 0.0;
-        for (j, w) in w.iter().enumerate() {
-            acc += w / z;
-            if acc >= top_p as f64 {
-                keep = keep.min(j + 1);
-                break;
-            }
-        }
-        let mut want = vec![0f64; n];
-        for (j, &i) in order.iter().enumerate().take(keep) {
-            if w[j] >= min_p as f64 {
-                want[i] = w[j];
-            }
-        }
-        let total: f64 = want.iter().sum();
-        let mut hist = vec![0usize; n];
-        tokens.iter().for_each(|&t| hist[t as usize] += 1);
-        for i in 0..n {
-            let (want, got) = (want[i] / total, hist[i] as f64 / rows as f64);
-            println!(
-                "T={t} top_k={top_k} top_p={top_p} min_p={min_p} token {i}: want {want:.4} got {got:.4}"
-            );
-            if want == 0.0 {
-                assert_eq!(hist[i], 0, "token {i} is excluded");
-            } else {
-                // Binomial standard deviation at 16384 draws is at most 0.004.
-                assert!((want - got).abs() < 0.02, "token {i}: {want} vs {got}");
-            }
-        }
-    }
-    let ties = Tensor::from_vec(vec![1f32, 3.0, 3.0, 0.0], (1, 4), &dev).unwrap();
-    let greedy = draw_params(&[RowDraw::Greedy], 1, &[]);
-    let greedy = Tensor::from_vec(greedy.clone(), greedy.len(), &dev).unwrap();
-    let t: Vec<u32> = k
-        .sample_rows(&ties, &greedy, None)
-        .unwrap()
-        .to_vec1()
-        .unwrap();
-    assert_eq!(t, vec![1]);
-    // Grammar masks: a masked row draws only tokens its mask allows (greedy: the best of
-    // them), an unmasked row beside it is untouched.
-    let two = Tensor::from_vec(row.repeat(4), (4, n), &dev).unwrap();
-    // One word per row; row 1's is never read.
-    let only_1_and_3 = 0b1010u32;
-    let flat = vec![only_1_and_3, 0, only_1_and_3, only_1_and_3];
-    let masked = [true, false, true, true];
-    let draws = [
-        RowDraw::Greedy,
-        RowDraw::Greedy,
-        RowDraw::Sample {
-            temperature: 5.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            key: 3,
-        },
-        RowDraw::Sample {
-            temperature: 5.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            key: 4,
-        },
-    ];
-    let params = draw_params(&draws, 4, &masked);
-    let params = Tensor::from_vec(params.clone(), params.len(), &dev).unwrap();
-    let flat = Tensor::from_vec(flat.clone(), flat.len(), &dev).unwrap();
-    let t: Vec<u32> = k
-        .sample_rows(&two, &params, Some(&flat))
-        .unwrap()
-        .to_vec1()
-        .unwrap();
-    println!("masked draws: {t:?}");
-    assert_eq!(&t[..2], &[1, 0]);
-    assert!(t[2..].iter().all(|x| *x == 1 || *x == 3), "{t:?}");
 }
 
 /// Every family of `models/` on the GPU against Hugging Face transformers (f32), on the tiny
@@ -2005,96 +1741,6 @@ fn speculation_on_a_hybrid_through_the_engine() {
             assert!(stats.num_drafts > 100, "{stats:?}");
             assert!(same >= least, "{same}/16 identical");
         }
-    }
-}
-
-/// The delta rule's chunk-parallel form (steps with prefill chunks) against its recurrent form
-/// (decode steps) on the same random inputs: requests over several chunks, one resuming from a
-/// state, checkpoints inside a chunk and at a chunk's end, at the real models' key heads of 128
-/// and a tiny shape with value heads that are not a multiple of 32.
-#[test]
-fn gated_delta_chunked_form_matches_the_recurrent_form() {
-    let dev = device();
-    let k = kernels(&dev);
-    let randn = |shape: &[usize], mean: f32, std: f32| {
-        Tensor::randn(mean, std, shape, &dev)
-            .unwrap()
-            .to_dtype(DType::BF16)
-            .unwrap()
-    };
-    for (nk, nv, dk, dv) in [(2, 4, 128, 128), (1, 2, 16, 40)] {
-        let spec = GdnSpec {
-            num_k_heads: nk,
-            num_v_heads: nv,
-            k_dim: dk,
-            v_dim: dv,
-            conv_kernel: 4,
-            eps: 1e-6,
-        };
-        // (tokens, first position, checkpoint after n tokens into slot)
-        let reqs = [
-            (200, 0, Some((100, 4))),
-            (77, 64, None),
-            (1, 5, None),
-            (130, 0, Some((64, 5))),
-        ];
-        let mut cu = vec![0u32];
-        let mut positions = Vec::new();
-        let mut saves = Vec::new();
-        for (n, p0, save) in reqs {
-            cu.push(cu.last().unwrap() + n);
-            positions.extend(p0..p0 + n);
-            let (at, slot) = save.unwrap_or((0, NO_SLOT));
-            saves.extend([at, slot]);
-        }
-        let t = *cu.last().unwrap() as usize;
-        let proj = randn(&[t, spec.proj_dim()], 0.0, 1.0);
-        let conv = randn(&[spec.conv_dim(), spec.conv_kernel], 0.0, 0.5);
-        // Slow decays (A = e^a_log around 0.05), so a request's early tokens and its starting
-        // state still count at its end.
-        let a_log = randn(&[nv], -3.0, 0.5);
-        let dt_bias = randn(&[nv], 0.0, 0.5);
-        let norm = randn(&[dv], 1.0, 0.1);
-        let start = Tensor::randn(0f32, 0.1, (6, spec.state_elems()), &dev).unwrap();
-        let (cu, positions) = (u32s(&cu, &dev), u32s(&positions, &dev));
-        let slots = u32s(&[0, 1, 2, 3], &dev);
-        let restores = u32s(&[NO_SLOT; 4], &dev);
-        let saves = u32s(&saves, &dev);
-        let run = |prefill: bool| {
-            let state = start.copy().unwrap();
-            let step = GdnStep {
-                cu_seqlens: &cu,
-                positions: &positions,
-                slots: &slots,
-                restores: Some(&restores),
-                saves: Some(&saves),
-                drafts: None,
-                num_seqs: 4,
-                prefill,
-            };
-            let out = k
-                .gated_delta(&step, &proj, &spec, &state, &conv, &a_log, &dt_bias, &norm)
-                .unwrap();
-            (host(&out), host(&state))
-        };
-        let (chunked, chunked_state) = run(true);
-        let (recurrent, recurrent_state) = run(false);
-        let worst = |a: &[f32], b: &[f32]| {
-            let d = a
-                .iter()
-                .zip(b)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max);
-            (d, b.iter().map(|x| x.abs()).fold(0f32, f32::max))
-        };
-        let (d_out, out_scale) = worst(&chunked, &recurrent);
-        let (d_state, state_scale) = worst(&chunked_state, &recurrent_state);
-        println!(
-            "delta rule dk {dk} dv {dv}: chunked vs recurrent max |d out| {d_out:.2e} (largest {out_scale:.2}), max |d state| {d_state:.2e} (largest {state_scale:.2})"
-        );
-        // The output is bf16 (its rounding: 2^-8 relative); the states stay f32.
-        assert!(d_out <= 1e-2 * out_scale, "output differs by {d_out}");
-        assert!(d_state <= 1e-4 * state_scale, "state differs by {d_state}");
     }
 }
 

@@ -3,7 +3,7 @@
 use crate::error::ApiError;
 use crate::generation::{
     check_model, check_n, check_prompt_logprobs, collect, model_sampling_params,
-    prompt_logprobs_json, start_choices, Choice,
+    prompt_logprobs_json, start_choices, Choice, Finished,
 };
 use crate::prompt_work::{check_choices, check_text_len, off_runtime};
 use crate::protocol::*;
@@ -61,25 +61,7 @@ fn legacy_logprobs(
 
 pub async fn completions(state: SharedState, req: CompletionRequest) -> Result<Response, ApiError> {
     check_model(&state, &req.common.model)?;
-    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
-        return Err(ApiError::bad_request("`suffix` is not supported").with_param("suffix"));
-    }
-    let n = check_n(req.common.n)?;
-    if let Some(b) = req.best_of {
-        if b as usize != n {
-            return Err(
-                ApiError::bad_request("`best_of` other than `n` is not supported")
-                    .with_param("best_of"),
-            );
-        }
-    }
-    check_prompt_logprobs(req.common.stream, req.prompt_logprobs)?;
-    if req.echo && req.common.stream && req.logprobs.is_some() {
-        return Err(ApiError::bad_request(
-            "`echo` with `logprobs` is not supported when streaming",
-        )
-        .with_param("echo"));
-    }
+    let n = check_request(&req)?;
     // OpenAI's legacy default is 16 tokens.
     let max_tokens = Some(req.common.max_tokens.unwrap_or(16));
     let prompt_lp = req
@@ -136,38 +118,7 @@ pub async fn completions(state: SharedState, req: CompletionRequest) -> Result<R
             i if i % n == 0 => usage.and(&f.usage).with_prompt(&f.usage),
             _ => usage.and(&f.usage),
         };
-        let prompt_text = if req.echo {
-            state.tokenizer.decode(&prompt, false)?
-        } else {
-            String::new()
-        };
-        let logprobs = req.logprobs.map(|_| {
-            let gen: Vec<Option<TokenLogprob>> = f.logprobs.iter().cloned().map(Some).collect();
-            let gen_lp = legacy_logprobs(&state, &gen, &f.token_ids, prompt_text.chars().count());
-            if !req.echo {
-                return gen_lp;
-            }
-            let mut all = legacy_logprobs(
-                &state,
-                &f.prompt_logprobs.clone().unwrap_or_default(),
-                &prompt,
-                0,
-            );
-            all.text_offset.extend(gen_lp.text_offset);
-            all.token_logprobs.extend(gen_lp.token_logprobs);
-            all.tokens.extend(gen_lp.tokens);
-            all.top_logprobs.extend(gen_lp.top_logprobs);
-            all
-        });
-        out.push(CompletionChoice {
-            index,
-            text: prompt_text + &f.text,
-            logprobs,
-            finish_reason: Some(f.finish_reason),
-            prompt_logprobs: req
-                .prompt_logprobs
-                .map(|_| prompt_logprobs_json(&state, f.prompt_logprobs.as_deref().unwrap_or(&[]))),
-        });
+        out.push(whole_choice(&state, &req, index, &prompt, f)?);
     }
     let usage = serde_json::to_value(usage).unwrap();
     Ok(Json(Completion {
@@ -179,6 +130,72 @@ pub async fn completions(state: SharedState, req: CompletionRequest) -> Result<R
         usage: Some(usage),
     })
     .into_response())
+}
+
+/// Refuses what `/v1/completions` does not serve; the number of choices per prompt.
+fn check_request(req: &CompletionRequest) -> Result<usize, ApiError> {
+    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::bad_request("`suffix` is not supported").with_param("suffix"));
+    }
+    let n = check_n(req.common.n)?;
+    if let Some(b) = req.best_of {
+        if b as usize != n {
+            return Err(
+                ApiError::bad_request("`best_of` other than `n` is not supported")
+                    .with_param("best_of"),
+            );
+        }
+    }
+    check_prompt_logprobs(req.common.stream, req.prompt_logprobs)?;
+    if req.echo && req.common.stream && req.logprobs.is_some() {
+        return Err(ApiError::bad_request(
+            "`echo` with `logprobs` is not supported when streaming",
+        )
+        .with_param("echo"));
+    }
+    Ok(n)
+}
+
+/// One choice of a whole (not streamed) reply: echo, legacy logprobs, prompt logprobs.
+fn whole_choice(
+    state: &AppState,
+    req: &CompletionRequest,
+    index: usize,
+    prompt: &[u32],
+    f: Finished,
+) -> Result<CompletionChoice, ApiError> {
+    let prompt_text = if req.echo {
+        state.tokenizer.decode(prompt, false)?
+    } else {
+        String::new()
+    };
+    let logprobs = req.logprobs.map(|_| {
+        let gen: Vec<Option<TokenLogprob>> = f.logprobs.iter().cloned().map(Some).collect();
+        let gen_lp = legacy_logprobs(state, &gen, &f.token_ids, prompt_text.chars().count());
+        if !req.echo {
+            return gen_lp;
+        }
+        let mut all = legacy_logprobs(
+            state,
+            &f.prompt_logprobs.clone().unwrap_or_default(),
+            prompt,
+            0,
+        );
+        all.text_offset.extend(gen_lp.text_offset);
+        all.token_logprobs.extend(gen_lp.token_logprobs);
+        all.tokens.extend(gen_lp.tokens);
+        all.top_logprobs.extend(gen_lp.top_logprobs);
+        all
+    });
+    Ok(CompletionChoice {
+        index,
+        text: prompt_text + &f.text,
+        logprobs,
+        finish_reason: Some(f.finish_reason),
+        prompt_logprobs: req
+            .prompt_logprobs
+            .map(|_| prompt_logprobs_json(state, f.prompt_logprobs.as_deref().unwrap_or(&[]))),
+    })
 }
 
 async fn stream_choice(

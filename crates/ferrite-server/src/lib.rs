@@ -72,8 +72,11 @@ pub fn flag_list(v: &str) -> Vec<String> {
     })
 }
 
-pub fn cors(c: &Cors) -> anyhow::Result<tower_http::cors::CorsLayer> {
-    use tower_http::cors::{AllowHeaders, AllowMethods, AllowOrigin, Any, CorsLayer};
+/// The CORS layer [`cors`] builds, for the binary that serves it.
+pub use tower_http::cors::CorsLayer;
+
+pub fn cors(c: &Cors) -> anyhow::Result<CorsLayer> {
+    use tower_http::cors::{AllowHeaders, AllowMethods, AllowOrigin, Any};
     let any = |l: &[String]| l.iter().any(|o| o == "*");
     let values = |flag: &str, l: &[String]| {
         l.iter()

@@ -122,90 +122,82 @@ impl Metrics {
     pub fn render(&self, model: &str, s: &EngineStats, info: &EngineInfo) -> String {
         let l = format!("model_name=\"{model}\"");
         let mut out = String::new();
-        let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
+        let gauges = [
+            (
+                "vllm:num_requests_running",
+                "Number of requests in model execution batches.",
+                s.num_running as f64,
+            ),
+            (
+                "vllm:num_requests_waiting",
+                "Number of requests waiting to be processed.",
+                s.num_waiting as f64,
+            ),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage.",
+                s.kv_usage,
+            ),
+        ];
+        for (name, help, v) in gauges {
             let _ = writeln!(
                 out,
                 "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{l}}} {v}"
             );
-        };
-        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
+        }
+        let counters = [
+            (
+                "vllm:num_preemptions_total",
+                "Cumulative number of preemptions from the engine.",
+                s.num_preemptions,
+            ),
+            (
+                "vllm:prompt_tokens_total",
+                "Number of prefill tokens processed.",
+                s.prompt_tokens_total,
+            ),
+            (
+                "ferrite:prompt_tokens_computed_total",
+                "Prompt tokens run through the model: prefill tokens less prefix-cache hits.",
+                s.prompt_tokens_computed,
+            ),
+            (
+                "vllm:generation_tokens_total",
+                "Number of generation tokens processed.",
+                s.generation_tokens_total,
+            ),
+            (
+                "vllm:prefix_cache_queries_total",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                s.prefix_cache_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits_total",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                s.prefix_cache_hits,
+            ),
+            (
+                "vllm:spec_decode_num_drafts_total",
+                "Number of spec decoding drafts.",
+                s.spec.num_drafts,
+            ),
+            (
+                "vllm:spec_decode_num_draft_tokens_total",
+                "Number of draft tokens.",
+                s.spec.num_draft_tokens,
+            ),
+            (
+                "vllm:spec_decode_num_accepted_tokens_total",
+                "Number of accepted tokens.",
+                s.spec.num_accepted_tokens,
+            ),
+        ];
+        for (name, help, v) in counters {
             let _ = writeln!(
                 out,
                 "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{l}}} {v}"
             );
-        };
-        gauge(
-            &mut out,
-            "vllm:num_requests_running",
-            "Number of requests in model execution batches.",
-            s.num_running as f64,
-        );
-        gauge(
-            &mut out,
-            "vllm:num_requests_waiting",
-            "Number of requests waiting to be processed.",
-            s.num_waiting as f64,
-        );
-        gauge(
-            &mut out,
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            s.kv_usage,
-        );
-        counter(
-            &mut out,
-            "vllm:num_preemptions_total",
-            "Cumulative number of preemptions from the engine.",
-            s.num_preemptions,
-        );
-        counter(
-            &mut out,
-            "vllm:prompt_tokens_total",
-            "Number of prefill tokens processed.",
-            s.prompt_tokens_total,
-        );
-        counter(
-            &mut out,
-            "ferrite:prompt_tokens_computed_total",
-            "Prompt tokens run through the model: prefill tokens less prefix-cache hits.",
-            s.prompt_tokens_computed,
-        );
-        counter(
-            &mut out,
-            "vllm:generation_tokens_total",
-            "Number of generation tokens processed.",
-            s.generation_tokens_total,
-        );
-        counter(
-            &mut out,
-            "vllm:prefix_cache_queries_total",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            s.prefix_cache_queries,
-        );
-        counter(
-            &mut out,
-            "vllm:prefix_cache_hits_total",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            s.prefix_cache_hits,
-        );
-        counter(
-            &mut out,
-            "vllm:spec_decode_num_drafts_total",
-            "Number of spec decoding drafts.",
-            s.spec.num_drafts,
-        );
-        counter(
-            &mut out,
-            "vllm:spec_decode_num_draft_tokens_total",
-            "Number of draft tokens.",
-            s.spec.num_draft_tokens,
-        );
-        counter(
-            &mut out,
-            "vllm:spec_decode_num_accepted_tokens_total",
-            "Number of accepted tokens.",
-            s.spec.num_accepted_tokens,
-        );
+        }
         let _ = writeln!(out, "# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.\n# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter");
         for (pos, v) in s.spec.accepted_per_pos.iter().enumerate() {
             let _ = writeln!(
@@ -213,6 +205,21 @@ impl Metrics {
                 "vllm:spec_decode_num_accepted_tokens_per_pos_total{{{l},position=\"{pos}\"}} {v}"
             );
         }
+        self.render_requests(&mut out, &l, s);
+        render_iteration_tokens(&mut out, &l, s);
+        let _ = writeln!(
+            out,
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\n\
+             vllm:cache_config_info{{block_size=\"{}\",cache_dtype=\"auto\",enable_prefix_caching=\"{}\",num_gpu_blocks=\"{}\",num_cpu_blocks=\"0\"}} 1.0",
+            info.block_size,
+            if info.prefix_caching { "True" } else { "False" },
+            info.num_blocks,
+        );
+        out
+    }
+
+    /// Finished requests by reason, and the per-request histograms.
+    fn render_requests(&self, out: &mut String, l: &str, s: &EngineStats) {
         let m = self.inner.lock().unwrap();
         let _ = writeln!(out, "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter");
         for reason in ["stop", "length", "abort"] {
@@ -226,81 +233,71 @@ impl Metrics {
                 "vllm:request_success_total{{{l},finished_reason=\"{reason}\"}} {v}"
             );
         }
-        m.ttft.render(
-            &mut out,
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            &l,
-        );
-        m.itl.render(
-            &mut out,
-            "vllm:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            &l,
-        );
-        m.e2e.render(
-            &mut out,
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of end to end request latency in seconds.",
-            &l,
-        );
-        m.queue.render(
-            &mut out,
-            "vllm:request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.",
-            &l,
-        );
-        m.itl.render(
-            &mut out,
-            "vllm:time_per_output_token_seconds",
-            "Histogram of time per output token in seconds.",
-            &l,
-        );
-        m.prefill.render(
-            &mut out,
-            "vllm:request_prefill_time_seconds",
-            "Histogram of time spent in PREFILL phase for request.",
-            &l,
-        );
-        m.decode.render(
-            &mut out,
-            "vllm:request_decode_time_seconds",
-            "Histogram of time spent in DECODE phase for request.",
-            &l,
-        );
-        m.prompt_tokens.render(
-            &mut out,
-            "vllm:request_prompt_tokens",
-            "Number of prefill tokens processed.",
-            &l,
-        );
-        m.generation_tokens.render(
-            &mut out,
-            "vllm:request_generation_tokens",
-            "Number of generation tokens processed.",
-            &l,
-        );
-        drop(m);
-        let name = "vllm:iteration_tokens_total";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Histogram of number of tokens per engine_step.\n# TYPE {name} histogram"
-        );
-        for (count, le) in s.iteration_tokens.iter().zip(ITERATION_TOKEN_BUCKETS) {
-            let _ = writeln!(out, "{name}_bucket{{{l},le=\"{le}.0\"}} {count}");
+        let histograms = [
+            (
+                &m.ttft,
+                "vllm:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+            ),
+            (
+                &m.itl,
+                "vllm:inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+            ),
+            (
+                &m.e2e,
+                "vllm:e2e_request_latency_seconds",
+                "Histogram of end to end request latency in seconds.",
+            ),
+            (
+                &m.queue,
+                "vllm:request_queue_time_seconds",
+                "Histogram of time spent in WAITING phase for request.",
+            ),
+            (
+                &m.itl,
+                "vllm:time_per_output_token_seconds",
+                "Histogram of time per output token in seconds.",
+            ),
+            (
+                &m.prefill,
+                "vllm:request_prefill_time_seconds",
+                "Histogram of time spent in PREFILL phase for request.",
+            ),
+            (
+                &m.decode,
+                "vllm:request_decode_time_seconds",
+                "Histogram of time spent in DECODE phase for request.",
+            ),
+            (
+                &m.prompt_tokens,
+                "vllm:request_prompt_tokens",
+                "Number of prefill tokens processed.",
+            ),
+            (
+                &m.generation_tokens,
+                "vllm:request_generation_tokens",
+                "Number of generation tokens processed.",
+            ),
+        ];
+        for (h, name, help) in histograms {
+            h.render(out, name, help, l);
         }
-        let n = s.iteration_tokens_count;
-        let _ = writeln!(out, "{name}_bucket{{{l},le=\"+Inf\"}} {n}");
-        let _ = writeln!(out, "{name}_sum{{{l}}} {}.0", s.iteration_tokens_sum);
-        let _ = writeln!(out, "{name}_count{{{l}}} {n}");
-        let _ = writeln!(
-            out,
-            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n# TYPE vllm:cache_config_info gauge\n\
-             vllm:cache_config_info{{block_size=\"{}\",cache_dtype=\"auto\",enable_prefix_caching=\"{}\",num_gpu_blocks=\"{}\",num_cpu_blocks=\"0\"}} 1.0",
-            info.block_size,
-            if info.prefix_caching { "True" } else { "False" },
-            info.num_blocks,
-        );
-        out
     }
+}
+
+/// Tokens per engine step, as vLLM's histogram.
+fn render_iteration_tokens(out: &mut String, l: &str, s: &EngineStats) {
+    let name = "vllm:iteration_tokens_total";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Histogram of number of tokens per engine_step.\n# TYPE {name} histogram"
+    );
+    for (count, le) in s.iteration_tokens.iter().zip(ITERATION_TOKEN_BUCKETS) {
+        let _ = writeln!(out, "{name}_bucket{{{l},le=\"{le}.0\"}} {count}");
+    }
+    let n = s.iteration_tokens_count;
+    let _ = writeln!(out, "{name}_bucket{{{l},le=\"+Inf\"}} {n}");
+    let _ = writeln!(out, "{name}_sum{{{l}}} {}.0", s.iteration_tokens_sum);
+    let _ = writeln!(out, "{name}_count{{{l}}} {n}");
 }

@@ -1,10 +1,11 @@
 //! `ferrite serve`: the OpenAI-compatible HTTP server.
 
 use crate::args::EngineFlags;
-use crate::start::start;
+use crate::start::{start, Started};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use ferrite_model::chat_template::ChatTemplate;
+use ferrite_model::tokenizer::ModelTokenizer;
 use ferrite_server::metrics::Metrics;
 use ferrite_server::reasoning::ReasoningParser;
 use ferrite_server::state::AppState;
@@ -92,27 +93,7 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
-    let tool_parser = match &args.tool_call_parser {
-        Some(name) => Some(ToolParser::from_name(name).ok_or_else(|| {
-            anyhow!(
-                "unknown --tool-call-parser `{name}` (known: {})",
-                ToolParser::NAMES
-            )
-        })?),
-        None => None,
-    };
-    let reasoning_parser = match &args.reasoning_parser {
-        Some(name) => Some(ReasoningParser::from_name(name).ok_or_else(|| {
-            anyhow!(
-                "unknown --reasoning-parser `{name}` (known: {})",
-                ReasoningParser::NAMES
-            )
-        })?),
-        None => None,
-    };
-    if args.enable_auto_tool_choice && tool_parser.is_none() {
-        bail!("--enable-auto-tool-choice needs --tool-call-parser");
-    }
+    let (tool_parser, reasoning_parser) = parsers(&args)?;
     if args.generation_config != "vllm" && args.generation_config != "auto" {
         bail!("--generation-config: only `vllm` and `auto` are supported for GGUF models");
     }
@@ -130,23 +111,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     })?;
     let started = start(&args.engine)?;
     let tok = started.tokenizer.clone();
-    let source = match &args.chat_template {
-        Some(t) if std::path::Path::new(t).is_file() => {
-            Some(std::fs::read_to_string(t).with_context(|| format!("reading chat template {t}"))?)
-        }
-        Some(t) => Some(t.clone()),
-        None => tok.chat_template.clone(),
-    };
-    let text_of = |id: Option<u32>| id.map(|i| tok.token_text(i)).unwrap_or_default();
-    let template = source
-        .map(|s| {
-            ChatTemplate::new(
-                &s,
-                text_of(tok.bos_token_id),
-                text_of(tok.eos_token_ids.first().copied()),
-            )
-        })
-        .transpose()?;
+    let template = chat_template(&args, &tok)?;
     let model_name = args.served_model_name.clone().unwrap_or_else(|| {
         args.engine
             .model()
@@ -154,28 +119,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".into())
     });
-    let t0 = std::time::Instant::now();
-    let grammars = match started.pooling {
-        // An embedding model generates nothing for a grammar to constrain.
-        Some(_) => Err("an embedding model generates no text".into()),
-        None => {
-            let g = ferrite_grammar::Grammars::new(
-                &tok.tokenizer,
-                started.vocab_size,
-                &tok.eos_token_ids,
-            )
-            .map(Arc::new)
-            .map_err(|e| format!("{e:#}"));
-            match &g {
-                Ok(_) => tracing::info!(
-                    "structured output (llguidance) ready in {:.2} s",
-                    t0.elapsed().as_secs_f64()
-                ),
-                Err(e) => tracing::warn!("structured output unavailable: {e}"),
-            }
-            g
-        }
-    };
+    let grammars = grammars(&started);
     let state = Arc::new(AppState {
         engine: started.engine.clone(),
         tokenizer: tok.clone(),
@@ -203,6 +147,16 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 cross_encoder: p.pairs,
             }),
     });
+    serve_http(args, state, cors, model_name)
+}
+
+/// Serves `state` over HTTP until a signal drains it.
+fn serve_http(
+    args: ServeArgs,
+    state: Arc<AppState>,
+    cors: ferrite_server::CorsLayer,
+    model_name: String,
+) -> Result<()> {
     // Two runtime threads: HTTP and tokenization must not take the compute cores.
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -240,6 +194,80 @@ pub fn run(args: ServeArgs) -> Result<()> {
         shutdown_state.engine.shutdown();
         Ok(())
     })
+}
+
+/// The tool-call and reasoning parsers the flags name.
+fn parsers(args: &ServeArgs) -> Result<(Option<ToolParser>, Option<ReasoningParser>)> {
+    let tool_parser = match &args.tool_call_parser {
+        Some(name) => Some(ToolParser::from_name(name).ok_or_else(|| {
+            anyhow!(
+                "unknown --tool-call-parser `{name}` (known: {})",
+                ToolParser::NAMES
+            )
+        })?),
+        None => None,
+    };
+    let reasoning_parser = match &args.reasoning_parser {
+        Some(name) => Some(ReasoningParser::from_name(name).ok_or_else(|| {
+            anyhow!(
+                "unknown --reasoning-parser `{name}` (known: {})",
+                ReasoningParser::NAMES
+            )
+        })?),
+        None => None,
+    };
+    if args.enable_auto_tool_choice && tool_parser.is_none() {
+        bail!("--enable-auto-tool-choice needs --tool-call-parser");
+    }
+    Ok((tool_parser, reasoning_parser))
+}
+
+/// The chat template: `--chat-template`'s file or text, else the model's own.
+fn chat_template(args: &ServeArgs, tok: &ModelTokenizer) -> Result<Option<ChatTemplate>> {
+    let source = match &args.chat_template {
+        Some(t) if std::path::Path::new(t).is_file() => {
+            Some(std::fs::read_to_string(t).with_context(|| format!("reading chat template {t}"))?)
+        }
+        Some(t) => Some(t.clone()),
+        None => tok.chat_template.clone(),
+    };
+    let text_of = |id: Option<u32>| id.map(|i| tok.token_text(i)).unwrap_or_default();
+    source
+        .map(|s| {
+            ChatTemplate::new(
+                &s,
+                text_of(tok.bos_token_id),
+                text_of(tok.eos_token_ids.first().copied()),
+            )
+        })
+        .transpose()
+}
+
+/// Structured output's grammars for the model's vocabulary (none for an embedding model).
+fn grammars(started: &Started) -> Result<Arc<ferrite_grammar::Grammars>, String> {
+    let tok = &started.tokenizer;
+    let t0 = std::time::Instant::now();
+    match started.pooling {
+        // An embedding model generates nothing for a grammar to constrain.
+        Some(_) => Err("an embedding model generates no text".into()),
+        None => {
+            let g = ferrite_grammar::Grammars::new(
+                &tok.tokenizer,
+                started.vocab_size,
+                &tok.eos_token_ids,
+            )
+            .map(Arc::new)
+            .map_err(|e| format!("{e:#}"));
+            match &g {
+                Ok(_) => tracing::info!(
+                    "structured output (llguidance) ready in {:.2} s",
+                    t0.elapsed().as_secs_f64()
+                ),
+                Err(e) => tracing::warn!("structured output unavailable: {e}"),
+            }
+            g
+        }
+    }
 }
 
 /// A positive, finite number of seconds.

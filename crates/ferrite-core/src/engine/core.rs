@@ -3,9 +3,9 @@
 
 use super::contract::{EngineError, EngineStats, Executor, OutputSink, ITERATION_TOKEN_BUCKETS};
 use crate::detokenizer::IncrementalDetokenizer;
-use crate::output::{RequestOutput, StepOutput, TokenLogprob};
+use crate::output::{RequestOutput, SampledToken, StepOutput, TokenLogprob};
 use crate::request::{FinishReason, Request, RequestId};
-use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerOutput};
+use crate::scheduler::{RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput};
 use crate::stop::StopStrings;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -214,69 +214,74 @@ impl<E: Executor> EngineCore<E> {
                 }
                 continue;
             }
-            let Some(st) = self.states.get_mut(&u.req_id) else {
-                continue;
-            };
-            let mut sampled = result.sampled.remove(&u.req_id).unwrap_or_default();
-            let mut text = String::new();
-            let mut matched = None;
-            let mut emitted = 0;
-            for &token in &u.new_tokens {
-                emitted += 1;
-                let piece = st.detok.push(&self.tokenizer, token);
-                let check = st.stop.push(&piece);
-                text += &check.text;
-                if check.matched.is_some() {
-                    // A stop string inside an accepted draft: the tokens after it are dropped.
-                    matched = check.matched;
-                    break;
-                }
-            }
-            let mut finish = u.finished;
-            if matched.is_some() {
-                finish = Some(FinishReason::Stop);
-                self.scheduler.finish(u.req_id, FinishReason::Stop);
-            } else if finish.is_some() {
-                let tail = st.detok.flush(&self.tokenizer);
-                let c = st.stop.push(&tail);
-                text += &c.text;
-                if c.matched.is_none() {
-                    text += &st.stop.flush();
-                }
-            }
-            generated += emitted as u64;
-            st.num_output_tokens += emitted;
-            sampled.truncate(emitted);
-            let out = RequestOutput {
-                text,
-                token_ids: u.new_tokens[..emitted].to_vec(),
-                logprobs: sampled.into_iter().filter_map(|s| s.logprobs).collect(),
-                prompt_logprobs: if st.first_output_sent || !st.wants_prompt_logprobs {
-                    None
-                } else {
-                    st.prompt_logprobs.take()
-                },
-                finish_reason: finish,
-                stop_str: matched,
-                num_prompt_tokens: st.num_prompt_tokens,
-                num_output_tokens: st.num_output_tokens,
-                num_cached_tokens: st.num_cached_tokens,
-                queue_time: if st.first_output_sent {
-                    None
-                } else {
-                    st.queue_time
-                },
-                embedding: None,
-            };
-            st.first_output_sent = true;
-            let delivered = st.sink.send(Ok(out)).is_ok();
-            if finish.is_some() {
-                self.states.remove(&u.req_id);
-            } else if !delivered {
-                self.abort(u.req_id);
-            }
+            let sampled = result.sampled.remove(&u.req_id).unwrap_or_default();
+            generated += self.deliver(&u, sampled) as u64;
         }
         self.stats.lock().unwrap().generation_tokens_total += generated;
+    }
+
+    /// Streams a request's new tokens as text, cut at a stop string (tokens after it, in an
+    /// accepted draft, are dropped); the number of tokens delivered.
+    fn deliver(&mut self, u: &RequestUpdate, mut sampled: Vec<SampledToken>) -> usize {
+        let Some(st) = self.states.get_mut(&u.req_id) else {
+            return 0;
+        };
+        let mut text = String::new();
+        let mut matched = None;
+        let mut emitted = 0;
+        for &token in &u.new_tokens {
+            emitted += 1;
+            let piece = st.detok.push(&self.tokenizer, token);
+            let check = st.stop.push(&piece);
+            text += &check.text;
+            if check.matched.is_some() {
+                matched = check.matched;
+                break;
+            }
+        }
+        let mut finish = u.finished;
+        if matched.is_some() {
+            finish = Some(FinishReason::Stop);
+            self.scheduler.finish(u.req_id, FinishReason::Stop);
+        } else if finish.is_some() {
+            let tail = st.detok.flush(&self.tokenizer);
+            let c = st.stop.push(&tail);
+            text += &c.text;
+            if c.matched.is_none() {
+                text += &st.stop.flush();
+            }
+        }
+        st.num_output_tokens += emitted;
+        sampled.truncate(emitted);
+        let out = RequestOutput {
+            text,
+            token_ids: u.new_tokens[..emitted].to_vec(),
+            logprobs: sampled.into_iter().filter_map(|s| s.logprobs).collect(),
+            prompt_logprobs: if st.first_output_sent || !st.wants_prompt_logprobs {
+                None
+            } else {
+                st.prompt_logprobs.take()
+            },
+            finish_reason: finish,
+            stop_str: matched,
+            num_prompt_tokens: st.num_prompt_tokens,
+            num_output_tokens: st.num_output_tokens,
+            num_cached_tokens: st.num_cached_tokens,
+            queue_time: if st.first_output_sent {
+                None
+            } else {
+                st.queue_time
+            },
+            embedding: None,
+        };
+        st.first_output_sent = true;
+        let delivered = st.sink.send(Ok(out)).is_ok();
+        if finish.is_some() {
+            self.states.remove(&u.req_id);
+        } else if !delivered {
+            self.abort(u.req_id);
+        }
+        emitted
     }
 
     /// A pooling request's one output; it finished in the scheduler's update.

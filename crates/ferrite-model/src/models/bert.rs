@@ -113,6 +113,78 @@ fn layer_norm<B: Backend>(b: &B, w: &mut WeightSource, p: &str, h: usize) -> Res
     })
 }
 
+impl<B: Backend> Layer<B> {
+    /// Encoder layer `p` (`encoder.layer.N`, under the checkpoint's root).
+    fn load(
+        b: &B,
+        c: &ModelConfig,
+        w: &mut WeightSource,
+        p: &str,
+        spec: AttentionSpec,
+    ) -> Result<Self> {
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let a = format!("{p}.attention.self");
+        let qkv: Vec<(String, usize)> = ["query", "key", "value"]
+            .iter()
+            .map(|n| (format!("{a}.{n}.weight"), h))
+            .collect();
+        let mut qkv_bias = Vec::with_capacity(3 * h);
+        for n in ["query", "key", "value"] {
+            qkv_bias.extend(w.vector(&format!("{a}.{n}.bias"))?);
+        }
+        let linear = |w: &mut WeightSource, name: &str, rows: usize, cols: usize| {
+            matrix(
+                b,
+                w,
+                &[(format!("{p}.{name}.weight"), rows)],
+                cols,
+                Stack::Concat,
+                Rounding::Coarse,
+            )
+        };
+        Ok(Layer {
+            qkv: matrix(b, w, &qkv, h, Stack::Concat, Rounding::Fine)?,
+            qkv_bias: b.vector(qkv_bias)?,
+            spec,
+            o: linear(w, "attention.output.dense", h, h)?,
+            o_bias: vector(b, w, &format!("{p}.attention.output.dense.bias"), h)?,
+            attn_norm: layer_norm(b, w, &format!("{p}.attention.output.LayerNorm"), h)?,
+            up: linear(w, "intermediate.dense", inter, h)?,
+            up_bias: vector(b, w, &format!("{p}.intermediate.dense.bias"), inter)?,
+            down: linear(w, "output.dense", h, inter)?,
+            down_bias: vector(b, w, &format!("{p}.output.dense.bias"), h)?,
+            out_norm: layer_norm(b, w, &format!("{p}.output.LayerNorm"), h)?,
+        })
+    }
+}
+
+impl<B: Backend> Classifier<B> {
+    /// The pooler and classification head of a cross-encoder checkpoint, if it has them.
+    fn load(b: &B, w: &mut WeightSource, root: &str, h: usize) -> Result<Option<Self>> {
+        Ok(match w.has("classifier.weight") {
+            false => None,
+            true => {
+                let m = |w: &mut WeightSource, name: &str, rows: usize| {
+                    matrix(
+                        b,
+                        w,
+                        &[(format!("{name}.weight"), rows)],
+                        h,
+                        Stack::Concat,
+                        Rounding::Coarse,
+                    )
+                };
+                Some(Classifier {
+                    pooler: m(w, &format!("{root}pooler.dense"), h)?,
+                    pooler_bias: vector(b, w, &format!("{root}pooler.dense.bias"), h)?,
+                    out: m(w, "classifier", 1)?,
+                    out_bias: vector(b, w, "classifier.bias", 1)?,
+                })
+            }
+        })
+    }
+}
+
 impl<B: Backend> Bert<B> {
     pub fn load(
         b: &B,
@@ -133,7 +205,7 @@ impl<B: Backend> Bert<B> {
                 c.context_length
             );
         }
-        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let h = c.hidden_size;
         // BertModel checkpoints name tensors from `embeddings.`; task heads' from `bert.`.
         let root = match w.has("bert.embeddings.word_embeddings.weight") {
             true => "bert.",
@@ -163,61 +235,10 @@ impl<B: Backend> Bert<B> {
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let p = format!("{root}encoder.layer.{i}");
-            let a = format!("{p}.attention.self");
-            let qkv: Vec<(String, usize)> = ["query", "key", "value"]
-                .iter()
-                .map(|n| (format!("{a}.{n}.weight"), h))
-                .collect();
-            let mut qkv_bias = Vec::with_capacity(3 * h);
-            for n in ["query", "key", "value"] {
-                qkv_bias.extend(w.vector(&format!("{a}.{n}.bias"))?);
-            }
-            let linear = |w: &mut WeightSource, name: &str, rows: usize, cols: usize| {
-                matrix(
-                    b,
-                    w,
-                    &[(format!("{p}.{name}.weight"), rows)],
-                    cols,
-                    Stack::Concat,
-                    Rounding::Coarse,
-                )
-            };
-            layers.push(Layer {
-                qkv: matrix(b, w, &qkv, h, Stack::Concat, Rounding::Fine)?,
-                qkv_bias: b.vector(qkv_bias)?,
-                spec: spec.clone().at(layout, i),
-                o: linear(w, "attention.output.dense", h, h)?,
-                o_bias: vector(b, w, &format!("{p}.attention.output.dense.bias"), h)?,
-                attn_norm: layer_norm(b, w, &format!("{p}.attention.output.LayerNorm"), h)?,
-                up: linear(w, "intermediate.dense", inter, h)?,
-                up_bias: vector(b, w, &format!("{p}.intermediate.dense.bias"), inter)?,
-                down: linear(w, "output.dense", h, inter)?,
-                down_bias: vector(b, w, &format!("{p}.output.dense.bias"), h)?,
-                out_norm: layer_norm(b, w, &format!("{p}.output.LayerNorm"), h)?,
-            });
+            layers.push(Layer::load(b, c, w, &p, spec.clone().at(layout, i))?);
             progress(i + 1, c.num_layers);
         }
-        let classifier = match w.has("classifier.weight") {
-            false => None,
-            true => {
-                let m = |w: &mut WeightSource, name: &str, rows: usize| {
-                    matrix(
-                        b,
-                        w,
-                        &[(format!("{name}.weight"), rows)],
-                        h,
-                        Stack::Concat,
-                        Rounding::Coarse,
-                    )
-                };
-                Some(Classifier {
-                    pooler: m(w, &format!("{root}pooler.dense"), h)?,
-                    pooler_bias: vector(b, w, &format!("{root}pooler.dense.bias"), h)?,
-                    out: m(w, "classifier", 1)?,
-                    out_bias: vector(b, w, "classifier.bias", 1)?,
-                })
-            }
-        };
+        let classifier = Classifier::load(b, w, root, h)?;
         Ok(Self {
             words,
             positions,

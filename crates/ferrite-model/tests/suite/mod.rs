@@ -5,9 +5,12 @@
 //! back through `Backend::hidden` or `Backend::logits`, and compares: the error is the
 //! largest absolute difference over the largest absolute reference value. A backend may
 //! refuse an op it does not serve (CUDA: the encoders' ops): the suite lists it as refused.
+//! Tokens drawn from logits rows are checked against their distribution (`draws.rs`).
 //! `tests/conformance.rs` runs it on the CPU backend's int8 path; `tests/cuda.rs` on CUDA.
 
 #![allow(dead_code)]
+
+mod draws;
 
 use anyhow::Result;
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -106,11 +109,13 @@ pub fn run<B: Backend>(make: &dyn Fn() -> B, tol: &Tolerances) -> Vec<Outcome> {
     }
     // Every chunking against the reference's whole prompts: the chunked form (prefills) and
     // the recurrent one (decodes) agree.
-    let whole = GatedDelta { chunk: 64 }.run(&mut reference());
-    for chunk in [1, 5, 64] {
-        let case = format!("gated delta-net, steps of {chunk} tokens");
-        let got = GatedDelta { chunk }.run(&mut make());
-        check(case, tol.gated_delta, got, clone(&whole));
+    for k_dim in [32, 128] {
+        let whole = GatedDelta { chunk: 64, k_dim }.run(&mut reference());
+        for chunk in [1, 5, 64] {
+            let case = format!("gated delta-net, heads of {k_dim}, steps of {chunk} tokens");
+            let got = GatedDelta { chunk, k_dim }.run(&mut make());
+            check(case, tol.gated_delta, got, clone(&whole));
+        }
     }
     for op in [
         Pointwise::GateSigmoid,
@@ -130,6 +135,7 @@ pub fn run<B: Backend>(make: &dyn Fn() -> B, tol: &Tolerances) -> Vec<Outcome> {
             op.run(&mut reference()),
         );
     }
+    out.extend(draws::cases(make));
     print_table(&out);
     out
 }
@@ -217,13 +223,15 @@ impl Rng {
 }
 
 const BLOCK: usize = 16;
+/// Blocks in each request's table: room for 512 tokens.
+const TABLE: usize = 32;
 
 /// A step of requests given as (tokens already cached, new tokens), each in blocks of its
 /// own; every row observed. Token ids are the rows' indices, for an embedding table whose
 /// rows are the inputs.
 fn step(requests: &[(usize, usize)]) -> PackedStep {
     let mut s = PackedStep::default();
-    let per = 8;
+    let per = TABLE;
     for (r, &(start, n)) in requests.iter().enumerate() {
         let table: Vec<u32> = (0..per).map(|b| (r * per + b) as u32).collect();
         let ids: Vec<u32> = (0..n).map(|i| (s.input_ids.len() + i) as u32).collect();
@@ -448,6 +456,8 @@ struct Attention {
     normed: bool,
     rope: Option<RopeStyle>,
     kv: KvCacheDtype,
+    /// Prompts of hundreds of tokens (keys over many tiles, rotary far from 0).
+    long: bool,
 }
 
 fn attention_cases(kv: KvCacheDtype) -> Vec<Attention> {
@@ -460,6 +470,7 @@ fn attention_cases(kv: KvCacheDtype) -> Vec<Attention> {
         normed: false,
         rope: Some(RopeStyle::Neox),
         kv,
+        long: false,
     };
     vec![
         plain.clone(),
@@ -480,6 +491,14 @@ fn attention_cases(kv: KvCacheDtype) -> Vec<Attention> {
             heads: 2,
             kv_heads: 2,
             head_dim: 256,
+            ..plain.clone()
+        },
+        Attention {
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 128,
+            window: Some(200),
+            long: true,
             ..plain
         },
     ]
@@ -487,17 +506,19 @@ fn attention_cases(kv: KvCacheDtype) -> Vec<Attention> {
 
 impl Attention {
     /// Two steps on the same pages: ragged prompts, then decodes beside a prompt's next
-    /// chunk; the second step's output is read.
+    /// chunk (a long one where `long`); the second step's output is read.
     fn run<B: Backend>(&self, b: &mut B) -> Result<Vec<f32>> {
         let (h, hkv, d) = (self.heads, self.kv_heads, self.head_dim);
         let width = (h + 2 * hkv) * d;
-        let first = [(0, 37), (0, 5), (0, 20)];
-        let second = [(37, 1), (5, 9), (20, 1)];
+        let (first, second) = match self.long {
+            false => ([(0, 37), (0, 5), (0, 20)], [(37, 1), (5, 9), (20, 1)]),
+            true => ([(0, 300), (0, 5), (0, 90)], [(300, 1), (5, 190), (90, 1)]),
+        };
         let mut rng = Rng::new(d as u64 + h as u64);
         let rows = |steps: &[(usize, usize)]| steps.iter().map(|r| r.1).sum::<usize>();
         let tables = [first.as_slice(), second.as_slice()]
             .map(|st| b.embedding(rng.matrix(rows(st), width, 1.0, GgmlDType::F32)));
-        let mut cache = b.layer_cache(3 * 8, BLOCK, hkv, d, self.kv)?;
+        let mut cache = b.layer_cache(3 * TABLE, BLOCK, hkv, d, self.kv)?;
         let as_output = AsOutput::new(b, width)?;
         let rope = match self.rope {
             Some(style) => Some(b.rope(
@@ -507,7 +528,7 @@ impl Attention {
                     style,
                     scaling: RopeScaling::None,
                 },
-                256,
+                512,
             )?),
             None => None,
         };
@@ -595,19 +616,21 @@ impl Mixture {
 }
 
 /// Two requests through the delta rule in steps of `chunk` tokens each (the first 40
-/// tokens long, the second 9): the state carries over between steps.
+/// tokens long, the second 9): the state carries over between steps. Heads of `k_dim`: 32,
+/// or the real models' 128.
 struct GatedDelta {
     chunk: usize,
+    k_dim: usize,
 }
 
 impl GatedDelta {
     fn run<B: Backend>(&self, b: &mut B) -> Result<Vec<f32>> {
         // A projection a multiple of 32 wide, as the int8 path's matmuls take.
         let spec = GdnSpec {
-            num_k_heads: 4,
+            num_k_heads: 128 / self.k_dim,
             num_v_heads: 16,
-            k_dim: 32,
-            v_dim: 32,
+            k_dim: self.k_dim,
+            v_dim: self.k_dim,
             conv_kernel: 4,
             eps: 1e-6,
         };

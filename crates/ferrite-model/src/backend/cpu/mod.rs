@@ -256,6 +256,7 @@ impl Backend for CpuBackend {
             bail!("the CPU backend samples on the host");
         }
         let pool = self.pool.clone();
+        let _running = resident::step_running();
         pool.install(|| forward(self, &Step { host, inputs: &() }))
     }
 

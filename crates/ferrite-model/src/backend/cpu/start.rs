@@ -6,6 +6,7 @@ use crate::engine_args::EngineArgs;
 use crate::memory;
 use crate::models::Model;
 use crate::parallel::Group;
+use crate::pooling::Pooling;
 use crate::start::Startup;
 use crate::step::{PackedStep, StepModel};
 use crate::weights::WeightSource;
@@ -24,6 +25,13 @@ impl Startup for CpuStart {
         Ok(Self {
             memory: memory::physical_memory_bytes()? / local_ranks,
         })
+    }
+
+    fn check(args: &EngineArgs, _pooling: Option<&Pooling>) -> Result<()> {
+        if args.batch_invariant {
+            tracing::info!("--batch-invariant: the CPU kernels are batch-invariant already (a token's result never depends on what shares its step)");
+        }
+        Ok(())
     }
 
     fn memory_bytes(&self) -> u64 {

@@ -135,6 +135,92 @@ pub struct GraphShape {
     pub kv_groups: usize,
 }
 
+/// A step laid out in a graph's rows: row `j` of request `i` at `i * w + j`, `b` requests
+/// padded to `bucket`.
+struct Rows<'a> {
+    step: &'a PackedStep,
+    b: usize,
+    w: usize,
+    bucket: usize,
+}
+
+impl Rows<'_> {
+    fn q_len(&self, i: usize) -> usize {
+        (self.step.cu_seqlens_q[i + 1] - self.step.cu_seqlens_q[i]) as usize
+    }
+
+    /// Keys request `i` reads: a whole window of them, its padding rows' included.
+    fn keys(&self, i: usize) -> usize {
+        self.step.seq_lens_k[i] as usize + self.w - self.q_len(i)
+    }
+
+    /// `v`'s rows placed; rows past a request's own take `fill`, or repeat the request's
+    /// last row's value.
+    fn place(&self, v: &[u32], fill: Option<u32>) -> Vec<u32> {
+        let (step, w) = (self.step, self.w);
+        let mut p = vec![fill.unwrap_or(0); self.bucket * w];
+        for i in 0..self.b {
+            let rows = &v[step.cu_seqlens_q[i] as usize..step.cu_seqlens_q[i + 1] as usize];
+            let out = &mut p[i * w..(i + 1) * w];
+            out[..rows.len()].copy_from_slice(rows);
+            if fill.is_none() {
+                out[rows.len()..].fill(rows[rows.len() - 1]);
+            }
+        }
+        p
+    }
+
+    /// The step's ids, positions, slots, block tables, key lengths and state slots into
+    /// the graph's inputs.
+    fn copy_inputs(
+        &self,
+        stream: &Arc<CudaStream>,
+        inputs: &StepInputs,
+        scratch_slot: u32,
+        width: usize,
+        state_scratch: Option<u32>,
+    ) -> Result<()> {
+        let step = self.step;
+        copy_in(stream, &inputs.ids, &self.place(&step.input_ids, Some(0)))?;
+        // Padding rows' positions stay inside the rotary tables.
+        copy_in(
+            stream,
+            &inputs.positions,
+            &self.place(&step.positions, None),
+        )?;
+        for (kv, gi) in step.kv.iter().zip(&inputs.groups) {
+            let slots = self.place(&kv.slot_mapping, Some(scratch_slot));
+            copy_in(stream, &gi.slots, &slots)?;
+            copy_table(stream, &gi.block_tables, kv, self.b, width)?;
+        }
+        let mut seq_lens: Vec<u32> = (0..self.b).map(|i| self.keys(i) as u32).collect();
+        seq_lens.resize(self.bucket, self.w as u32);
+        copy_in(stream, &inputs.seq_lens_k, &seq_lens)?;
+        if let Some(scratch) = state_scratch {
+            // One slot per request (decodes only: a window graph has no state).
+            let mut slots = step.state.slots.clone();
+            slots.resize(self.bucket, scratch);
+            copy_in(stream, &inputs.state_slots, &slots)?;
+        }
+        Ok(())
+    }
+
+    /// Each graph row's draw parameters (a verify window's padding rows greedy).
+    fn draw_params(&self, draws: &DeviceDraws) -> Vec<u32> {
+        let (step, w) = (self.step, self.w);
+        if w == 1 {
+            let masked = draws.masks.map_or(&[][..], |m| m.rows);
+            return draw_params(draws.rows, self.bucket, masked);
+        }
+        let mut rows = vec![RowDraw::Greedy; self.bucket * w];
+        for (row, &d) in draws.rows.iter().enumerate() {
+            let i = step.cu_seqlens_q.partition_point(|&c| c as usize <= row) - 1;
+            rows[i * w + row - step.cu_seqlens_q[i] as usize] = d;
+        }
+        draw_params(&rows, self.bucket * w, &[])
+    }
+}
+
 /// Requests and window (the most rows one has) of a step every row of which makes logits,
 /// in order: decodes (window 1) and verify steps (1 + the longest draft).
 fn window_shape(step: &PackedStep) -> Option<(usize, usize)> {
@@ -182,33 +268,10 @@ impl DecodeGraphs {
         draws: DeviceDraws,
         forward: Launch,
     ) -> Result<Option<(Tensor, Tensor)>> {
-        let Some((b, w)) = window_shape(step) else {
+        let Some((b, w)) = self.graph_shape(step, &draws) else {
             return Ok(None);
         };
         let bucket = b.next_power_of_two();
-        let q_len = |i: usize| (step.cu_seqlens_q[i + 1] - step.cu_seqlens_q[i]) as usize;
-        // Every request reads a whole window of keys, its padding rows' included.
-        let keys = |i: usize| step.seq_lens_k[i] as usize + w - q_len(i);
-        let too_wide = step.kv.iter().any(|kv| kv.max_blocks > self.width)
-            || (0..b).any(|i| keys(i) > self.width * self.block_size);
-        // A graph moves no state between slots (a prompt's last token can look like a decode),
-        // and keeps no hidden states for an MTP head (nor is one).
-        if step.moves_state() || step.hidden.keep || !step.hidden.rows.is_empty() {
-            return Ok(None);
-        }
-        if self.disabled || b > self.max_batch || too_wide || step.kv.len() != self.kv_groups {
-            return Ok(None);
-        }
-        // Verify windows: grammar masks are written row by row in the step's order, and a
-        // recurrent state steps once per request.
-        let window = w > 1;
-        if window
-            && (bucket * w > MAX_WINDOW_ROWS
-                || draws.masks.is_some()
-                || self.state_scratch.is_some())
-        {
-            return Ok(None);
-        }
         if !self.graphs.contains_key(&(bucket, w)) {
             match self.capture(kernels, dev, bucket, w, forward) {
                 Ok(g) => {
@@ -227,54 +290,12 @@ impl DecodeGraphs {
             unreachable!("a CUDA device")
         };
         let stream = cuda.cuda_stream();
+        let rows = Rows { step, b, w, bucket };
         let scratch_slot = self.scratch_block * self.block_size as u32;
-        // Row `j` of request `i` at `i * w + j`; rows past a request's own take `fill`, or
-        // repeat the request's last row's value.
-        let place = |v: &[u32], fill: Option<u32>| -> Vec<u32> {
-            let mut p = vec![fill.unwrap_or(0); bucket * w];
-            for i in 0..b {
-                let rows = &v[step.cu_seqlens_q[i] as usize..step.cu_seqlens_q[i + 1] as usize];
-                let out = &mut p[i * w..(i + 1) * w];
-                out[..rows.len()].copy_from_slice(rows);
-                if fill.is_none() {
-                    out[rows.len()..].fill(rows[rows.len() - 1]);
-                }
-            }
-            p
-        };
+        let (width, state_scratch) = (self.width, self.state_scratch);
         let g = self.graphs.get_mut(&(bucket, w)).expect("captured above");
-        copy_in(&stream, &g.inputs.ids, &place(&step.input_ids, Some(0)))?;
-        // Padding rows' positions stay inside the rotary tables.
-        copy_in(&stream, &g.inputs.positions, &place(&step.positions, None))?;
-        for (kv, gi) in step.kv.iter().zip(&g.inputs.groups) {
-            copy_in(
-                &stream,
-                &gi.slots,
-                &place(&kv.slot_mapping, Some(scratch_slot)),
-            )?;
-            copy_table(&stream, &gi.block_tables, kv, b, self.width)?;
-        }
-        let mut seq_lens: Vec<u32> = (0..b).map(|i| keys(i) as u32).collect();
-        seq_lens.resize(bucket, w as u32);
-        copy_in(&stream, &g.inputs.seq_lens_k, &seq_lens)?;
-        if let Some(scratch) = self.state_scratch {
-            // One slot per request (decodes only: a window graph has no state).
-            let mut slots = step.state.slots.clone();
-            slots.resize(bucket, scratch);
-            copy_in(&stream, &g.inputs.state_slots, &slots)?;
-        }
-        let masked = draws.masks.map_or(&[][..], |m| m.rows);
-        let params = if window {
-            let mut rows = vec![RowDraw::Greedy; bucket * w];
-            for (row, &d) in draws.rows.iter().enumerate() {
-                let i = step.cu_seqlens_q.partition_point(|&c| c as usize <= row) - 1;
-                rows[i * w + row - step.cu_seqlens_q[i] as usize] = d;
-            }
-            draw_params(&rows, bucket * w, &[])
-        } else {
-            draw_params(draws.rows, bucket, masked)
-        };
-        copy_in(&stream, &g.draws, &params)?;
+        rows.copy_inputs(&stream, &g.inputs, scratch_slot, width, state_scratch)?;
+        copy_in(&stream, &g.draws, &rows.draw_params(&draws))?;
         g.forward.launch()?;
         if let Some(m) = draws.masks {
             let n = b * g.words;
@@ -285,17 +306,49 @@ impl DecodeGraphs {
             unsafe { result::memcpy_htod_async(ptr(&g.masks)?, &src[..n], stream.cu_stream()) }?;
         }
         g.draw.launch()?;
-        if !window {
+        if w == 1 {
             return Ok(Some((g.logits.narrow(0, 0, b)?, g.tokens.narrow(0, 0, b)?)));
         }
         let real: Vec<u32> = (0..b)
-            .flat_map(|i| (0..q_len(i) as u32).map(move |j| (i * w) as u32 + j))
+            .flat_map(|i| (0..rows.q_len(i) as u32).map(move |j| (i * w) as u32 + j))
             .collect();
         let real = u32s(&real, dev)?;
         Ok(Some((
             g.logits.index_select(&real, 0)?,
             g.tokens.index_select(&real, 0)?,
         )))
+    }
+
+    /// The step's (requests, window) when a graph can run it: a decode or verify step that
+    /// moves no state, keeps no hidden rows, and fits the graphs' batch and block tables.
+    fn graph_shape(&self, step: &PackedStep, draws: &DeviceDraws) -> Option<(usize, usize)> {
+        let (b, w) = window_shape(step)?;
+        let rows = Rows {
+            step,
+            b,
+            w,
+            bucket: b.next_power_of_two(),
+        };
+        let too_wide = step.kv.iter().any(|kv| kv.max_blocks > self.width)
+            || (0..b).any(|i| rows.keys(i) > self.width * self.block_size);
+        // A graph moves no state between slots (a prompt's last token can look like a decode),
+        // and keeps no hidden states for an MTP head (nor is one).
+        if step.moves_state() || step.hidden.keep || !step.hidden.rows.is_empty() {
+            return None;
+        }
+        if self.disabled || b > self.max_batch || too_wide || step.kv.len() != self.kv_groups {
+            return None;
+        }
+        // Verify windows: grammar masks are written row by row in the step's order, and a
+        // recurrent state steps once per request.
+        if w > 1
+            && (rows.bucket * w > MAX_WINDOW_ROWS
+                || draws.masks.is_some()
+                || self.state_scratch.is_some())
+        {
+            return None;
+        }
+        Some((b, w))
     }
 
     fn capture(

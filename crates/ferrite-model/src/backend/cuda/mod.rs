@@ -13,6 +13,7 @@ pub mod kernels;
 pub mod linear;
 pub mod moe;
 pub mod start;
+mod step;
 
 use super::{
     AttentionSpec, Backend, Epilogue, Forward, GdnParams, GdnSpec, LinearIn, MoeBytes, MoeMatrices,
@@ -37,7 +38,6 @@ pub use kernels::attention::KvPages;
 use kernels::attention::{AttentionShape, QkvParams};
 use kernels::gdn::GdnStep;
 use kernels::matmul::MatIn;
-use kernels::sample::{draw_params, mask_words};
 use kernels::Kernels;
 use linear::Linear;
 use std::sync::Arc;
@@ -137,34 +137,6 @@ impl CudaBackend {
     /// The last step's logits on the device.
     pub fn device_logits(&self) -> Result<&Tensor> {
         self.logits.as_ref().context("no step has run")
-    }
-
-    /// The step from its bucket's graph; false when no graph serves it.
-    fn replay(
-        &mut self,
-        host: &PackedStep,
-        draws: DeviceDraws,
-        forward: &mut Forward<Self>,
-    ) -> Result<bool> {
-        let mut graphs = std::mem::take(&mut self.graphs);
-        let (kernels, device) = (self.kernels.clone(), self.device.clone());
-        // Taken, not cloned: a capture must not drop a tensor allocated outside it.
-        let mut launch = |inputs: &StepInputs| -> Result<Tensor> {
-            forward(self, &Step { host, inputs })?;
-            self.logits
-                .take()
-                .context("the forward pass made no logits")
-        };
-        let out = graphs.replay(&kernels, &device, host, draws, &mut launch);
-        self.graphs = graphs;
-        Ok(match out? {
-            Some((logits, tokens)) => {
-                self.logits = Some(logits);
-                self.tokens = Some(tokens);
-                true
-            }
-            None => false,
-        })
     }
 }
 
@@ -327,53 +299,9 @@ impl Backend for CudaBackend {
         &mut self,
         host: &PackedStep,
         draws: Option<DeviceDraws>,
-        mut forward: Forward<Self>,
+        forward: Forward<Self>,
     ) -> Result<()> {
-        // Steps run on the engine's thread, not the loader's: the raw copies and graph
-        // launches of a replay need the context current here.
-        cuda(&self.device)?
-            .cuda_stream()
-            .context()
-            .bind_to_thread()?;
-        // Dropped here, before a capture could see them go.
-        (self.logits, self.tokens) = (None, None);
-        self.kernels.set_fused_rows(match host.num_seqs() {
-            1 => kernels::matmul::GEMV_MAX_ROWS,
-            _ => kernels::matmul::GEMV_BATCH_ROWS,
-        });
-        let none = DeviceDraws {
-            rows: &[],
-            masks: None,
-        };
-        if self.replay(host, draws.unwrap_or(none), &mut forward)? {
-            return Ok(());
-        }
-        let inputs = StepInputs::upload(host, &self.device)?;
-        forward(
-            self,
-            &Step {
-                host,
-                inputs: &inputs,
-            },
-        )?;
-        if let Some(d) = draws {
-            let logits = self.device_logits()?;
-            let words = mask_words(logits.dim(1)?);
-            let masked = d.masks.map_or(&[][..], |m| m.rows);
-            let params = u32s(&draw_params(d.rows, d.rows.len(), masked), &self.device)?;
-            // The kernels above are still running: the masks are made meanwhile.
-            let masks = d
-                .masks
-                .map(|m| {
-                    let mut out = vec![0u32; d.rows.len() * words];
-                    (m.fill)(&mut out, words);
-                    u32s(&out, &self.device)
-                })
-                .transpose()?;
-            let tokens = self.kernels.sample_rows(logits, &params, masks.as_ref())?;
-            self.tokens = Some(tokens);
-        }
-        Ok(())
+        self.run_step(host, draws, forward)
     }
 
     fn embed(

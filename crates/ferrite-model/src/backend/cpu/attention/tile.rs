@@ -2,7 +2,7 @@
 //! values, portable (the compiler vectorizes the 16-lane loops) with the AVX-512 pieces of
 //! `avx512.rs` plugged in where the CPU has them.
 
-use super::work::{row_span, Item, LayerInputs, ScoreBlock, TileScratch};
+use super::work::{row_span, AttentionParams, Item, LayerInputs, ScoreBlock, TileScratch};
 use crate::backend::cpu::ops::exp_nonpositive;
 
 /// The scores of each query vector of `b` against consecutive LANES-key pieces of K^T (`k`:
@@ -43,14 +43,7 @@ pub(super) fn attend_tile(
     scores: impl Fn(&ScoreBlock, &[f32], &mut [f32]),
     sums: impl Fn(&mut [f32], &[f32], usize, std::ops::Range<usize>, &[f32], bool, usize),
 ) {
-    let LayerInputs {
-        isa,
-        q,
-        k_cache,
-        v_cache,
-        meta,
-        p,
-    } = *x;
+    let LayerInputs { q, meta, p, .. } = *x;
     let (rows, kvh, keys) = (it.rows.clone(), it.kvh, it.keys.clone());
     let d = p.head_dim;
     let nh = p.num_heads / p.num_kv_heads;
@@ -75,28 +68,7 @@ pub(super) fn attend_tile(
             buf.resize(len, 0.0);
         }
     }
-    for bi in b0..b1 {
-        let head = table[bi] as usize * p.num_kv_heads + kvh;
-        if let Some(&ahead) = table[..b1].get(bi + PREFETCH_BLOCKS) {
-            let head = ahead as usize * p.num_kv_heads + kvh;
-            k_cache.prefetch(head, d, bs);
-            v_cache.prefetch(head, d, bs);
-        }
-        let col = bi * bs - c0;
-        if bs == LANES && col.is_multiple_of(LANES) {
-            k_cache.widen_k(head, d, bs, &mut kt[col * d..][..d * bs], isa);
-        } else {
-            blk.resize(d * bs, 0.0);
-            k_cache.widen_k(head, d, bs, blk, isa);
-            for dd in 0..d {
-                for k in 0..bs {
-                    let (pc, lane) = ((col + k) / LANES, (col + k) % LANES);
-                    kt[(pc * d + dd) * LANES + lane] = blk[dd * bs + k];
-                }
-            }
-        }
-        v_cache.widen_v(head, d, bs, &mut vb[col * d..][..bs * d], isa);
-    }
+    widen_chunk(x, table, kvh, b0..b1, c0, kt, vb, blk);
     // Rows in groups whose query vectors share each K^T load (up to 12 vectors; `w` holds a group).
     let group_rows = (12 / nh).max(1);
     for i0 in (0..n).step_by(group_rows) {
@@ -138,49 +110,7 @@ pub(super) fn attend_tile(
             for h in 0..nh {
                 let s_idx = i * nh + h;
                 let wh = &mut w[h * cols..][..cols];
-                let mut mv = [f32::NEG_INFINITY; LANES];
-                for pc in pieces.clone() {
-                    // A copy in registers, the row's keys as a lane range (masked only in edge
-                    // pieces), selects for the max: per-key branches, or `f32::max` with its
-                    // NaN rule, kept this loop scalar (most of the softmax's time).
-                    let at = pc * LANES;
-                    let mut sc: [f32; LANES] = wh[at..][..LANES].try_into().unwrap();
-                    sc.iter_mut().for_each(|s| *s *= p.scale);
-                    if let Some(cap) = p.softcap {
-                        sc.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
-                    }
-                    let base = c0 + at;
-                    let (from, to) = (lo.saturating_sub(base), hi.saturating_sub(base));
-                    if from > 0 || to < LANES {
-                        let (from, to) = (from as u32, to.min(LANES) as u32);
-                        for (lane, s) in (0..LANES as u32).zip(sc.iter_mut()) {
-                            let keep = (lane >= from) & (lane < to);
-                            *s = if keep { *s } else { f32::NEG_INFINITY };
-                        }
-                    }
-                    for (m, &s) in mv.iter_mut().zip(&sc) {
-                        *m = if s > *m { s } else { *m };
-                    }
-                    wh[at..][..LANES].copy_from_slice(&sc);
-                }
-                let mx = mv
-                    .iter()
-                    .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
-                let mut lv = [0f32; LANES];
-                for pc in pieces.clone() {
-                    let wp: &mut [f32; LANES] =
-                        (&mut wh[pc * LANES..][..LANES]).try_into().unwrap();
-                    for j in 0..LANES {
-                        let e = if wp[j] == f32::NEG_INFINITY {
-                            0.0
-                        } else {
-                            exp_nonpositive(wp[j] - mx)
-                        };
-                        wp[j] = e;
-                        lv[j] += e;
-                    }
-                }
-                (m[s_idx], l[s_idx]) = (mx, lv.iter().sum());
+                (m[s_idx], l[s_idx]) = softmax_weights(wh, pieces.clone(), c0, lo..hi, p);
             }
             let keys_in = (lo - c0)..(hi - c0);
             let vk = &vb[keys_in.start * d..keys_in.end * d];
@@ -188,6 +118,109 @@ pub(super) fn attend_tile(
             sums(o_row, w, cols, keys_in, vk, odd, d);
         }
     }
+}
+
+/// The chunk's blocks `blocks` of KV head `kvh`, widened to f32: K^T as LANES-key pieces
+/// into `kt`, V rows into `vb`, columns from the chunk start `c0`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn widen_chunk(
+    x: &LayerInputs,
+    table: &[u32],
+    kvh: usize,
+    blocks: std::ops::Range<usize>,
+    c0: usize,
+    kt: &mut [f32],
+    vb: &mut [f32],
+    blk: &mut Vec<f32>,
+) {
+    let LayerInputs {
+        isa,
+        k_cache,
+        v_cache,
+        meta,
+        p,
+        ..
+    } = *x;
+    let (d, bs, b1) = (p.head_dim, meta.block_size, blocks.end);
+    for bi in blocks {
+        let head = table[bi] as usize * p.num_kv_heads + kvh;
+        if let Some(&ahead) = table[..b1].get(bi + PREFETCH_BLOCKS) {
+            let head = ahead as usize * p.num_kv_heads + kvh;
+            k_cache.prefetch(head, d, bs);
+            v_cache.prefetch(head, d, bs);
+        }
+        let col = bi * bs - c0;
+        if bs == LANES && col.is_multiple_of(LANES) {
+            k_cache.widen_k(head, d, bs, &mut kt[col * d..][..d * bs], isa);
+        } else {
+            blk.resize(d * bs, 0.0);
+            k_cache.widen_k(head, d, bs, blk, isa);
+            for dd in 0..d {
+                for k in 0..bs {
+                    let (pc, lane) = ((col + k) / LANES, (col + k) % LANES);
+                    kt[(pc * d + dd) * LANES + lane] = blk[dd * bs + k];
+                }
+            }
+        }
+        v_cache.widen_v(head, d, bs, &mut vb[col * d..][..bs * d], isa);
+    }
+}
+
+/// One query head's scores in `wh` (the pieces of keys `keys`, columns from `c0`) scaled,
+/// soft-capped and masked, then turned into the weights `e^(s - m)`; returns (m, the sum of
+/// the weights).
+#[inline(always)]
+fn softmax_weights(
+    wh: &mut [f32],
+    pieces: std::ops::Range<usize>,
+    c0: usize,
+    keys: std::ops::Range<usize>,
+    p: &AttentionParams,
+) -> (f32, f32) {
+    let (lo, hi) = (keys.start, keys.end);
+    let mut mv = [f32::NEG_INFINITY; LANES];
+    for pc in pieces.clone() {
+        // A copy in registers, the row's keys as a lane range (masked only in edge
+        // pieces), selects for the max: per-key branches, or `f32::max` with its
+        // NaN rule, kept this loop scalar (most of the softmax's time).
+        let at = pc * LANES;
+        let mut sc: [f32; LANES] = wh[at..][..LANES].try_into().unwrap();
+        sc.iter_mut().for_each(|s| *s *= p.scale);
+        if let Some(cap) = p.softcap {
+            sc.iter_mut().for_each(|s| *s = cap * (*s / cap).tanh());
+        }
+        let base = c0 + at;
+        let (from, to) = (lo.saturating_sub(base), hi.saturating_sub(base));
+        if from > 0 || to < LANES {
+            let (from, to) = (from as u32, to.min(LANES) as u32);
+            for (lane, s) in (0..LANES as u32).zip(sc.iter_mut()) {
+                let keep = (lane >= from) & (lane < to);
+                *s = if keep { *s } else { f32::NEG_INFINITY };
+            }
+        }
+        for (m, &s) in mv.iter_mut().zip(&sc) {
+            *m = if s > *m { s } else { *m };
+        }
+        wh[at..][..LANES].copy_from_slice(&sc);
+    }
+    let mx = mv
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    let mut lv = [0f32; LANES];
+    for pc in pieces.clone() {
+        let wp: &mut [f32; LANES] = (&mut wh[pc * LANES..][..LANES]).try_into().unwrap();
+        for j in 0..LANES {
+            let e = if wp[j] == f32::NEG_INFINITY {
+                0.0
+            } else {
+                exp_nonpositive(wp[j] - mx)
+            };
+            wp[j] = e;
+            lv[j] += e;
+        }
+    }
+    (mx, lv.iter().sum())
 }
 
 /// `o_row`'s `heads x d` outputs as [`sum_rows`] computes them, the heads in groups that

@@ -67,13 +67,30 @@ impl Kernels {
             "gated delta-net input is {:?}, a matmul's bf16 output expected",
             proj.dtype()
         );
-        let (conv_dim, k) = (spec.conv_dim(), spec.conv_kernel);
-        let elems = state.dim(1)?;
         let vd = spec.num_v_heads * spec.v_dim;
         let out = self.output((t, vd), DType::BF16)?;
         if t == 0 {
             return Ok(out);
         }
+        let y = self.gdn_convolve(s, proj, spec, state, conv)?;
+        let o = self.gdn_rule(s, &y, proj, spec, state, a_log, dt_bias)?;
+        self.gdn_gated_norm(&o, proj, spec, norm, &out)?;
+        Ok(out)
+    }
+
+    /// The state's restores, then the causal convolution of `proj`'s Q|K|V columns
+    /// (`[T, conv_dim]` f32) and its window's slide into `state`.
+    fn gdn_convolve(
+        &self,
+        s: &GdnStep,
+        proj: &Tensor,
+        spec: &GdnSpec,
+        state: &Tensor,
+        conv: &Tensor,
+    ) -> Result<Tensor> {
+        let (t, p) = proj.dims2()?;
+        let (conv_dim, k) = (spec.conv_dim(), spec.conv_kernel);
+        let elems = state.dim(1)?;
         if let Some(restores) = s.restores {
             self.launch_chained(
                 &self.gdn_state_restore,
@@ -123,6 +140,26 @@ impl Kernels {
                 opt(s.drafts)?,
             ],
         )?;
+        Ok(y)
+    }
+
+    /// The delta rule over the convolved `y`: chunk-parallel for prefills, recurrent
+    /// otherwise; `[T, v_heads * v_dim]` f32.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_rule(
+        &self,
+        s: &GdnStep,
+        y: &Tensor,
+        proj: &Tensor,
+        spec: &GdnSpec,
+        state: &Tensor,
+        a_log: &Tensor,
+        dt_bias: &Tensor,
+    ) -> Result<Tensor> {
+        let (t, p) = proj.dims2()?;
+        let (conv_dim, k) = (spec.conv_dim(), spec.conv_kernel);
+        let elems = state.dim(1)?;
+        let vd = spec.num_v_heads * spec.v_dim;
         let rule = RULE_KEY_DIMS
             .iter()
             .position(|&d| d == spec.k_dim)
@@ -149,7 +186,7 @@ impl Kernels {
             false => (&self.gdn_rule[rule], cfg(grid, 32, 0)),
         };
         let mut args = vec![
-            Arg::P(ptr(&y)?),
+            Arg::P(ptr(y)?),
             Arg::P(ptr(proj)?),
             Arg::I(p as i32),
             Arg::P(ptr(state)?),
@@ -170,6 +207,20 @@ impl Kernels {
         }
         args.push(Arg::P(ptr(&o)?));
         self.launch_chained(rule, launch, &args)?;
+        Ok(o)
+    }
+
+    /// The rule's output `o` RMS-normed per head and gated by `proj`'s z columns, into `out`.
+    fn gdn_gated_norm(
+        &self,
+        o: &Tensor,
+        proj: &Tensor,
+        spec: &GdnSpec,
+        norm: &Tensor,
+        out: &Tensor,
+    ) -> Result<()> {
+        let (t, p) = proj.dims2()?;
+        let conv_dim = spec.conv_dim();
         ensure!(
             spec.v_dim <= 1024,
             "linear-attention value heads of {}",
@@ -183,7 +234,7 @@ impl Kernels {
                 0,
             ),
             &[
-                Arg::P(ptr(&o)?),
+                Arg::P(ptr(o)?),
                 Arg::P(ptr(proj)?),
                 Arg::I(p as i32),
                 Arg::I(conv_dim as i32),
@@ -191,10 +242,10 @@ impl Kernels {
                 Arg::F(spec.eps),
                 Arg::I(spec.num_v_heads as i32),
                 Arg::I(spec.v_dim as i32),
-                Arg::P(ptr(&out)?),
+                Arg::P(ptr(out)?),
             ],
         )?;
-        Ok(out)
+        Ok(())
     }
 
     /// `x *= sigmoid(gate)` in place, bf16 of one shape.

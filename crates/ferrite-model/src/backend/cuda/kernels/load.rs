@@ -27,24 +27,22 @@ impl Kernels {
                 .load_function(name)
                 .with_context(|| format!("kernel {name}"))
         };
-        let gemv = (1..=matmul::GEMV_MAX_ROWS)
-            .map(|r| f(&format!("gemv_r{r}_bf16")))
-            .collect::<Result<Vec<_>>>()?;
-        for g in &gemv {
+        let shared = |name: &str, bytes: usize| -> Result<CudaFunction> {
+            let g = f(name)?;
             g.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                matmul::GEMV_MAX_SHARED as i32,
+                bytes as i32,
             )?;
-        }
+            Ok(g)
+        };
+        let gemv = (1..=matmul::GEMV_MAX_ROWS)
+            .map(|r| shared(&format!("gemv_r{r}_bf16"), matmul::GEMV_MAX_SHARED))
+            .collect::<Result<Vec<_>>>()?;
         let gemm_invariant = ["m16", "m64", "m128"]
             .iter()
             .zip(matmul::GEMM_INVARIANT_SHARED)
-            .map(|(name, shared)| {
-                let g = f(&format!("gemm_bi_{name}"))?;
-                g.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    shared as i32,
-                )?;
+            .map(|(name, bytes)| {
+                let g = shared(&format!("gemm_bi_{name}"), bytes)?;
                 let threads =
                     g.get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?;
                 Ok((g, threads as u32))
@@ -52,27 +50,17 @@ impl Kernels {
             .collect::<Result<Vec<_>>>()?
             .try_into()
             .map_err(|_| anyhow::anyhow!("three batch-invariant matmul kernels"))?;
-        let gdn_chunked: Vec<CudaFunction> = gdn::RULE_KEY_DIMS
+        let gdn_chunked = gdn::RULE_KEY_DIMS
             .iter()
-            .map(|&d| {
-                let g = f(&format!("gdn_chunked_k{d}_f32"))?;
-                g.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    gdn::chunk_shared_bytes(d) as i32,
-                )?;
-                Ok(g)
-            })
-            .collect::<Result<_>>()?;
-        let gdn_chunked = gdn_chunked
+            .map(|&d| shared(&format!("gdn_chunked_k{d}_f32"), gdn::chunk_shared_bytes(d)))
+            .collect::<Result<Vec<_>>>()?
             .try_into()
             .map_err(|_| anyhow::anyhow!("one chunked delta-rule kernel per key head size"))?;
-        let multiprocessors = stream
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
-            as u32;
-        let major = stream
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let context = stream.context();
+        let multiprocessors =
+            context.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        let major =
+            context.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let chained = major >= 9 && std::env::var("FERRITE_CUDA_CHAINED").as_deref() != Ok("0");
         Ok(Self {
             dev: dev.clone(),
