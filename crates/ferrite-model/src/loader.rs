@@ -61,6 +61,10 @@ fn on_device<J: OnDevice>(device: DeviceKind, job: J) -> Result<J::Out> {
         DeviceKind::Cuda(_) => job.run::<CudaStart>(),
         #[cfg(not(feature = "cuda"))]
         DeviceKind::Cuda(_) => unreachable!("refused by check_device"),
+        #[cfg(feature = "wgpu")]
+        DeviceKind::Wgpu(..) => job.run::<crate::backend::wgpu::start::WgpuStart>(),
+        #[cfg(not(feature = "wgpu"))]
+        DeviceKind::Wgpu(..) => unreachable!("refused by check_device"),
     }
 }
 
@@ -70,6 +74,14 @@ pub fn check_device(device: DeviceKind) -> Result<()> {
         bail!(
             "--device cuda: this ferrite was built without CUDA support (build with `cargo build --release --features cuda`)"
         );
+    }
+    if let DeviceKind::Wgpu(api, _) = device {
+        if !cfg!(feature = "wgpu") {
+            bail!(
+                "--device {}: this ferrite was built without the wgpu backend (build with `cargo build --release --features wgpu`)",
+                api.name()
+            );
+        }
     }
     Ok(())
 }

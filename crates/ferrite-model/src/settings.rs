@@ -10,6 +10,28 @@ pub enum DeviceKind {
     Cpu,
     /// A CUDA GPU by ordinal.
     Cuda(usize),
+    /// A GPU through wgpu (WGSL kernels): Metal on macOS, Vulkan elsewhere; the N-th adapter
+    /// of that API.
+    Wgpu(GpuApi, usize),
+}
+
+/// Which of wgpu's graphics APIs `--device` asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuApi {
+    /// `wgpu[:N]`: the platform's own (Metal on macOS, Vulkan elsewhere).
+    Native,
+    Vulkan,
+    Metal,
+}
+
+impl GpuApi {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Native => "wgpu",
+            Self::Vulkan => "vulkan",
+            Self::Metal => "metal",
+        }
+    }
 }
 
 /// What each device takes where the user says nothing, and what it computes in: a new
@@ -20,6 +42,7 @@ impl DeviceKind {
         match self {
             Self::Cpu => "CPU",
             Self::Cuda(_) => "CUDA",
+            Self::Wgpu(..) => "wgpu",
         }
     }
 
@@ -28,7 +51,7 @@ impl DeviceKind {
     pub fn default_memory_utilization(self) -> f64 {
         match self {
             Self::Cpu => 0.25,
-            Self::Cuda(_) => 0.9,
+            Self::Cuda(_) | Self::Wgpu(..) => 0.9,
         }
     }
 
@@ -37,6 +60,8 @@ impl DeviceKind {
         match self {
             Self::Cpu => KvCacheDtype::Fp16,
             Self::Cuda(_) => KvCacheDtype::Bf16,
+            // WGSL has no bf16.
+            Self::Wgpu(..) => KvCacheDtype::Fp16,
         }
     }
 
@@ -48,6 +73,7 @@ impl DeviceKind {
                 "auto: int8 activations; float32: f32",
             ),
             Self::Cuda(_) => (&["bfloat16"], "auto or bfloat16"),
+            Self::Wgpu(..) => (&["float16", "half"], "auto or float16"),
         }
     }
 }
@@ -56,15 +82,22 @@ impl std::str::FromStr for DeviceKind {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "cpu" => Ok(Self::Cpu),
-            "cuda" => Ok(Self::Cuda(0)),
-            _ => s
-                .strip_prefix("cuda:")
-                .and_then(|n| n.parse().ok())
-                .map(Self::Cuda)
-                .ok_or_else(|| format!("unknown device `{s}` (cpu, cuda, cuda:N)")),
-        }
+        let (name, index) = match s.split_once(':') {
+            Some((name, n)) => (name, n.parse().ok()),
+            None => (s, Some(0)),
+        };
+        let api = |a| index.map(|i| Self::Wgpu(a, i));
+        let device = match name {
+            "cpu" if index == Some(0) && !s.contains(':') => Some(Self::Cpu),
+            "cuda" => index.map(Self::Cuda),
+            "wgpu" => api(GpuApi::Native),
+            "vulkan" => api(GpuApi::Vulkan),
+            "metal" => api(GpuApi::Metal),
+            _ => None,
+        };
+        device.ok_or_else(|| {
+            format!("unknown device `{s}` (cpu, cuda[:N], metal[:N], vulkan[:N], wgpu[:N])")
+        })
     }
 }
 

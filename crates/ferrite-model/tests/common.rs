@@ -85,11 +85,19 @@ pub fn fresh_tables(groups: usize, blocks: usize) -> Vec<Vec<u32>> {
 /// Logits of every position of `tokens`, run as one prefill in a fresh cache (each KV group
 /// in blocks of its own).
 pub fn all_logits<B: Backend>(model: &mut Model<B>, tokens: &[u32]) -> Vec<Vec<f32>> {
+    try_all_logits(model, tokens).unwrap()
+}
+
+/// [`all_logits`], or the backend's refusal (an op or a cache it does not serve).
+pub fn try_all_logits<B: Backend>(
+    model: &mut Model<B>,
+    tokens: &[u32],
+) -> anyhow::Result<Vec<Vec<f32>>> {
     let bs = 16;
     let blocks = tokens.len().div_ceil(bs);
     let groups = model.layout.groups.len();
-    model.allocate_cache(blocks * groups, bs).unwrap();
-    model.allocate_state(1).unwrap();
+    model.allocate_cache(blocks * groups, bs)?;
+    model.allocate_state(1)?;
     let mut step = PackedStep::default();
     let tables = fresh_tables(groups, blocks);
     step.push(tokens, 0, &tables, bs);
@@ -97,12 +105,11 @@ pub fn all_logits<B: Backend>(model: &mut Model<B>, tokens: &[u32]) -> Vec<Vec<f
     step.logits_indices = (0..tokens.len() as u32).collect();
     step.finish();
     let v = model.config.vocab_size;
-    model
-        .forward(&step)
-        .unwrap()
+    Ok(model
+        .forward(&step)?
         .chunks(v)
         .map(|r| r.to_vec())
-        .collect()
+        .collect())
 }
 
 /// Runs A = `a[..40]` in slot 0, checkpointing after 32 tokens into slot 2, then B's last 16

@@ -6,6 +6,8 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "wgpu")]
+pub mod wgpu;
 
 use crate::kv_dtype::KvCacheDtype;
 use crate::parallel::{Group, PipelineStage, TensorParallel};

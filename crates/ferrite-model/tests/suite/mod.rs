@@ -818,5 +818,5 @@ fn prompt_logits<B: Backend + 'static>(
     let (src, mut weights) = open_weights(dir, LoadFormat::Auto)?;
     let mut m = ferrite_model::models::load(backend, &src, &mut weights, 256, &mut |_, _| {})?;
     m.set_kv_dtype(kv);
-    Ok(crate::common::all_logits(&mut m, tokens).concat())
+    Ok(crate::common::try_all_logits(&mut m, tokens)?.concat())
 }

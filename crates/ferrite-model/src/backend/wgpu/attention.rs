@@ -1,0 +1,160 @@
+//! The paged K/V cache of one layer and the launches that write it (Q/K/V preparation) and
+//! read it (attention).
+
+use super::device::Gpu;
+use super::kernels::{launch, Kernels};
+use super::tensors::zeros;
+use crate::backend::AttentionSpec;
+use crate::kv_dtype::KvCacheDtype;
+use anyhow::{bail, Result};
+
+/// Most dimensions of a head the kernels hold in workgroup memory.
+pub const MAX_HEAD_DIM: usize = 512;
+
+/// One layer's K pages, then its V pages: `[num_blocks * block_size, kv_heads, head_dim]`
+/// each, f32 or f16 packed two to a word.
+pub struct KvPages {
+    pub buf: wgpu::Buffer,
+    pub block_size: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Elements of K before V's first.
+    pub v_at: usize,
+    pub f16: bool,
+}
+
+impl KvPages {
+    pub fn zeros(
+        gpu: &Gpu,
+        num_blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        dtype: KvCacheDtype,
+    ) -> Result<Self> {
+        let f16 = match dtype {
+            KvCacheDtype::Fp16 => true,
+            KvCacheDtype::Fp32 => false,
+            other => bail!(
+                "--kv-cache-dtype {}: the wgpu backend stores K/V as fp16 or fp32 (WGSL has no bf16; 8-bit K/V is not written yet)",
+                other.name()
+            ),
+        };
+        if head_dim > MAX_HEAD_DIM || head_dim % 2 == 1 {
+            bail!("heads of {head_dim}: the wgpu kernels take even sizes up to {MAX_HEAD_DIM}");
+        }
+        let v_at = num_blocks * block_size * kv_heads * head_dim;
+        let bytes = 2 * v_at * if f16 { 2 } else { 4 };
+        Ok(Self {
+            buf: zeros(gpu, "K/V pages", bytes as u64)?,
+            block_size,
+            kv_heads,
+            head_dim,
+            v_at,
+            f16,
+        })
+    }
+}
+
+/// Q/K/V preparation's inputs beside the projection.
+pub struct QkvArgs<'a> {
+    pub qkv: &'a wgpu::Buffer,
+    pub bias: Option<&'a wgpu::Buffer>,
+    pub q_norm: Option<&'a wgpu::Buffer>,
+    pub k_norm: Option<&'a wgpu::Buffer>,
+    pub eps: f32,
+    /// cos then sin, `[positions, half]` each, the offset of sin, and whether halves pair
+    /// (NeoX) rather than neighbours.
+    pub rope: Option<(&'a wgpu::Buffer, usize, usize, bool)>,
+    pub step: &'a wgpu::Buffer,
+    pub positions: u32,
+    pub slots: u32,
+    pub tokens: usize,
+}
+
+pub fn prepare_qkv(
+    gpu: &Gpu,
+    k: &Kernels,
+    pass: &mut wgpu::ComputePass<'static>,
+    a: &QkvArgs,
+    spec: &AttentionSpec,
+    cache: &KvPages,
+    q: &wgpu::Buffer,
+) {
+    let e = &k.empty;
+    let flags = a.bias.is_some() as u32
+        | (a.q_norm.is_some() as u32) << 1
+        | (a.k_norm.is_some() as u32) << 2;
+    let (rope, half, sin_at, neox) = a.rope.unwrap_or((e, 0, 0, false));
+    let params = [
+        spec.num_heads as u32,
+        spec.num_kv_heads as u32,
+        spec.head_dim as u32,
+        half as u32,
+        neox as u32,
+        flags,
+        a.eps.to_bits(),
+        a.positions,
+        a.slots,
+        sin_at as u32,
+        cache.v_at as u32,
+        cache.f16 as u32,
+    ];
+    let buffers = [
+        a.qkv,
+        a.bias.unwrap_or(e),
+        a.q_norm.unwrap_or(e),
+        a.k_norm.unwrap_or(e),
+        rope,
+        a.step,
+        q,
+        &cache.buf,
+    ];
+    let heads = spec.num_heads + 2 * spec.num_kv_heads;
+    let groups = [heads as u32, a.tokens as u32, 1];
+    launch(&gpu.device, pass, &k.qkv, &buffers, &params, groups);
+}
+
+/// Attention's view of the step: offsets of its arrays in the step's words.
+pub struct StepView<'a> {
+    pub step: &'a wgpu::Buffer,
+    pub cu_seqlens_q: u32,
+    pub seq_lens_k: u32,
+    pub tables: u32,
+    pub max_blocks: u32,
+    pub seqs: usize,
+    pub tokens: usize,
+}
+
+pub fn attention(
+    gpu: &Gpu,
+    k: &Kernels,
+    pass: &mut wgpu::ComputePass<'static>,
+    s: &StepView,
+    q: &wgpu::Buffer,
+    cache: &KvPages,
+    spec: &AttentionSpec,
+    sinks: Option<&wgpu::Buffer>,
+    out: &wgpu::Buffer,
+) {
+    let flags = spec.causal as u32 | (sinks.is_some() as u32) << 1 | (cache.f16 as u32) << 2;
+    let params = [
+        spec.num_heads as u32,
+        spec.num_kv_heads as u32,
+        spec.head_dim as u32,
+        cache.block_size as u32,
+        spec.scale.to_bits(),
+        spec.sliding_window.unwrap_or(0) as u32,
+        spec.softcap.unwrap_or(0.0).to_bits(),
+        flags,
+        cache.v_at as u32,
+        s.cu_seqlens_q,
+        s.seq_lens_k,
+        s.tables,
+        s.max_blocks,
+        s.seqs as u32,
+    ];
+    let buffers = [q, &cache.buf, s.step, sinks.unwrap_or(&k.empty), out];
+    let groups = [spec.num_heads as u32, s.tokens as u32, 1];
+    launch(&gpu.device, pass, &k.attention, &buffers, &params, groups);
+}

@@ -1,0 +1,62 @@
+//! A step's index arrays (see [`PackedStep`]) in one buffer of u32 words: each kernel gets
+//! the offsets of the arrays it reads.
+
+use super::device::Gpu;
+use super::tensors::upload_words;
+use crate::step::PackedStep;
+
+/// One KV group's slots and block tables, as offsets into the step's words.
+pub struct GroupAt {
+    pub slots: u32,
+    pub tables: u32,
+    pub max_blocks: u32,
+}
+
+pub struct StepInputs {
+    pub buf: wgpu::Buffer,
+    pub ids: u32,
+    pub positions: u32,
+    pub cu_seqlens_q: u32,
+    pub seq_lens_k: u32,
+    /// The rows that need logits.
+    pub rows: u32,
+    pub groups: Vec<GroupAt>,
+    pub num_seqs: usize,
+    pub num_tokens: usize,
+}
+
+impl StepInputs {
+    pub fn upload(gpu: &Gpu, step: &PackedStep) -> Self {
+        let mut words = Vec::new();
+        let mut put = |a: &[u32]| {
+            let at = words.len() as u32;
+            words.extend_from_slice(a);
+            at
+        };
+        let ids = put(&step.input_ids);
+        let positions = put(&step.positions);
+        let cu_seqlens_q = put(&step.cu_seqlens_q);
+        let seq_lens_k = put(&step.seq_lens_k);
+        let rows = put(&step.logits_indices);
+        let groups = step
+            .kv
+            .iter()
+            .map(|kv| GroupAt {
+                slots: put(&kv.slot_mapping),
+                tables: put(&kv.block_tables),
+                max_blocks: kv.max_blocks as u32,
+            })
+            .collect();
+        Self {
+            buf: upload_words(gpu, "step inputs", &words),
+            ids,
+            positions,
+            cu_seqlens_q,
+            seq_lens_k,
+            rows,
+            groups,
+            num_seqs: step.num_seqs(),
+            num_tokens: step.num_tokens(),
+        }
+    }
+}

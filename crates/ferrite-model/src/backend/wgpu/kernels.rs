@@ -1,0 +1,166 @@
+//! The compute pipelines, one per WGSL entry point, and how a launch binds its buffers:
+//! parameters go in immediates, buffers in one bind group made per launch.
+
+use anyhow::Result;
+use wgpu::util::DeviceExt;
+
+/// A pipeline and the layout of its buffers.
+pub struct Kernel {
+    pipeline: wgpu::ComputePipeline,
+    layout: wgpu::BindGroupLayout,
+    name: &'static str,
+}
+
+/// Every kernel, built once per device.
+pub struct Kernels {
+    pub rms_norm: Kernel,
+    pub layer_norm: Kernel,
+    pub embed: Kernel,
+    pub matmul: Kernel,
+    pub gated: Kernel,
+    pub gate_sigmoid: Kernel,
+    pub add_bias: Kernel,
+    pub softcap: Kernel,
+    pub qkv: Kernel,
+    pub attention: Kernel,
+    /// Bound where a kernel's optional input is absent.
+    pub empty: wgpu::Buffer,
+}
+
+/// Bytes of the largest parameter block.
+const IMMEDIATES: u32 = 64;
+
+/// `access`: one letter per binding, `r` read-only storage, `w` read-write.
+fn kernel(
+    device: &wgpu::Device,
+    module: &wgpu::ShaderModule,
+    name: &'static str,
+    entry: &str,
+    access: &str,
+) -> Kernel {
+    let entries: Vec<_> = access
+        .bytes()
+        .enumerate()
+        .map(|(i, a)| wgpu::BindGroupLayoutEntry {
+            binding: i as u32,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty: wgpu::BufferBindingType::Storage {
+                    read_only: a == b'r',
+                },
+                has_dynamic_offset: false,
+                min_binding_size: None,
+            },
+            count: None,
+        })
+        .collect();
+    let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+        label: Some(name),
+        entries: &entries,
+    });
+    let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+        label: Some(name),
+        bind_group_layouts: &[Some(&layout)],
+        immediate_size: IMMEDIATES,
+    });
+    let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some(name),
+        layout: Some(&pipeline_layout),
+        module,
+        entry_point: Some(entry),
+        compilation_options: Default::default(),
+        cache: None,
+    });
+    Kernel {
+        pipeline,
+        layout,
+        name,
+    }
+}
+
+/// The WGSL sources, by file.
+pub const SHADERS: [(&str, &str); 7] = [
+    ("rms_norm", include_str!("shaders/rms_norm.wgsl")),
+    ("layer_norm", include_str!("shaders/layer_norm.wgsl")),
+    ("embed", include_str!("shaders/embed.wgsl")),
+    ("matmul", include_str!("shaders/matmul.wgsl")),
+    ("pointwise", include_str!("shaders/pointwise.wgsl")),
+    ("qkv", include_str!("shaders/qkv.wgsl")),
+    ("attention", include_str!("shaders/attention.wgsl")),
+];
+
+fn module(device: &wgpu::Device, name: &str) -> wgpu::ShaderModule {
+    let source = SHADERS.iter().find(|(n, _)| *n == name).map(|s| s.1);
+    device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some(name),
+        source: wgpu::ShaderSource::Wgsl(source.unwrap_or_default().into()),
+    })
+}
+
+impl Kernels {
+    pub fn new(device: &wgpu::Device) -> Result<Self> {
+        let one = |file: &'static str, access: &str| {
+            kernel(device, &module(device, file), file, "main", access)
+        };
+        let pointwise = module(device, "pointwise");
+        let pw = |entry: &'static str| kernel(device, &pointwise, entry, entry, "rw");
+        Ok(Self {
+            rms_norm: one("rms_norm", "rrrw"),
+            layer_norm: one("layer_norm", "rrw"),
+            embed: one("embed", "rrw"),
+            matmul: one("matmul", "rrw"),
+            gated: pw("gated"),
+            gate_sigmoid: pw("gate_sigmoid"),
+            add_bias: pw("add_bias"),
+            softcap: pw("softcap"),
+            qkv: one("qkv", "rrrrrrww"),
+            attention: one("attention", "rrrrw"),
+            empty: device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("empty"),
+                contents: &[0; 16],
+                usage: wgpu::BufferUsages::STORAGE,
+            }),
+        })
+    }
+}
+
+/// Records `k` over `groups` workgroups with `buffers` bound in order and `params` (u32 words,
+/// f32 as their bits) as immediates.
+pub fn launch(
+    device: &wgpu::Device,
+    pass: &mut wgpu::ComputePass<'static>,
+    k: &Kernel,
+    buffers: &[&wgpu::Buffer],
+    params: &[u32],
+    groups: [u32; 3],
+) {
+    debug_assert!(params.len() * 4 <= IMMEDIATES as usize, "{}", k.name);
+    let entries: Vec<_> = buffers
+        .iter()
+        .enumerate()
+        .map(|(i, b)| wgpu::BindGroupEntry {
+            binding: i as u32,
+            resource: b.as_entire_binding(),
+        })
+        .collect();
+    let group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: Some(k.name),
+        layout: &k.layout,
+        entries: &entries,
+    });
+    let mut words = [0u32; IMMEDIATES as usize / 4];
+    words[..params.len()].copy_from_slice(params);
+    pass.set_pipeline(&k.pipeline);
+    pass.set_bind_group(0, &group, &[]);
+    pass.set_immediates(0, bytemuck::cast_slice(&words));
+    pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
+}
+
+/// Workgroups for `n` threads of 256, spread over two dimensions past the 65,535 limit of one.
+pub fn groups_for(n: usize) -> [u32; 3] {
+    let g = n.div_ceil(256).max(1);
+    match g <= 65535 {
+        true => [g as u32, 1, 1],
+        false => [65535, g.div_ceil(65535) as u32, 1],
+    }
+}

@@ -1,0 +1,173 @@
+// Paged varlen attention, one workgroup per (query head, token): the token's request found
+// by binary search over cu_seqlens_q, its keys read through the request's block table 64 at
+// a time (a thread per key), an online softmax in f32, each thread summing V over its
+// dimensions. Prefill chunks, decodes and verify windows of one step in one launch.
+
+struct P {
+    heads: u32,
+    kv_heads: u32,
+    d: u32,
+    block_size: u32,
+    scale: f32,
+    window: u32, // 0: none
+    softcap: f32, // 0: none
+    flags: u32, // 1 causal, 2 sinks, 4 f16 K/V
+    v_at: u32,
+    cu: u32,
+    lens: u32,
+    tables: u32,
+    max_blocks: u32,
+    seqs: u32,
+}
+var<immediate> p: P;
+
+@group(0) @binding(0) var<storage, read> q: array<f32>;
+@group(0) @binding(1) var<storage, read> cache: array<u32>;
+@group(0) @binding(2) var<storage, read> st: array<u32>;
+@group(0) @binding(3) var<storage, read> sinks: array<f32>;
+@group(0) @binding(4) var<storage, read_write> out: array<f32>;
+
+const WG: u32 = 64u;
+const MAX_D: u32 = 512u;
+var<workgroup> qs: array<f32, MAX_D>;
+var<workgroup> ps: array<f32, WG>;
+var<workgroup> at: array<u32, WG>;
+var<workgroup> red: array<f32, WG>;
+// The token's request and key range, read back as uniform values: the loop over keys holds
+// barriers.
+var<workgroup> span: vec3<u32>;
+
+fn reduce_max(v: f32, i: u32) -> f32 {
+    red[i] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if i < s {
+            red[i] = max(red[i], red[i + s]);
+        }
+        workgroupBarrier();
+    }
+    let t = red[0];
+    workgroupBarrier();
+    return t;
+}
+
+fn reduce_sum(v: f32, i: u32) -> f32 {
+    red[i] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if i < s {
+            red[i] += red[i + s];
+        }
+        workgroupBarrier();
+    }
+    let t = red[0];
+    workgroupBarrier();
+    return t;
+}
+
+// Element `e` of K/V from word `base` on.
+fn kv(base: u32, e: u32) -> f32 {
+    if (p.flags & 4u) != 0u {
+        return unpack2x16float(cache[base / 2u + e / 2u])[e % 2u];
+    }
+    return bitcast<f32>(cache[base + e]);
+}
+
+// Token t's request and the first and last key it sees.
+fn request_span(t: u32) -> vec3<u32> {
+    // The last b with cu[b] <= t.
+    var lo = 0u;
+    var hi = p.seqs;
+    while hi - lo > 1u {
+        let mid = (lo + hi) / 2u;
+        if st[p.cu + mid] <= t {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let start = st[p.cu + lo];
+    let q_len = st[p.cu + lo + 1u] - start;
+    let len = st[p.lens + lo];
+    let pos = len - q_len + (t - start);
+    var first = 0u;
+    var last = len - 1u;
+    if (p.flags & 1u) != 0u {
+        last = pos;
+        if p.window > 0u && pos + 1u > p.window {
+            first = pos + 1u - p.window;
+        }
+    }
+    return vec3<u32>(lo, first, last);
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i: u32) {
+    let h = g.x;
+    let t = g.y;
+    let d = p.d;
+    if i == 0u {
+        span = request_span(t);
+    }
+    let sp = workgroupUniformLoad(&span);
+    let b = sp.x;
+    let first = sp.y;
+    let last = sp.z;
+    let kvh = h / (p.heads / p.kv_heads);
+    let row = (t * p.heads + h) * d;
+    for (var e = i; e < d; e += WG) {
+        qs[e] = q[row + e] * p.scale;
+    }
+    workgroupBarrier();
+    // Per thread: dimensions i, i + 64, ... of the output.
+    var acc: array<f32, 8>;
+    var m = -3.0e38;
+    var l = 0.0;
+    if (p.flags & 2u) != 0u {
+        m = sinks[h];
+        l = 1.0;
+    }
+    let stride = p.kv_heads * d;
+    for (var j0 = first; j0 <= last; j0 += WG) {
+        let j = j0 + i;
+        var s = -3.0e38;
+        if j <= last {
+            let block = st[p.tables + b * p.max_blocks + j / p.block_size];
+            let base = (block * p.block_size + j % p.block_size) * stride + kvh * d;
+            at[i] = base;
+            var dot = 0.0;
+            for (var e = 0u; e < d; e++) {
+                dot += qs[e] * kv(base, e);
+            }
+            s = dot;
+            if p.softcap > 0.0 {
+                s = p.softcap * tanh(clamp(s / p.softcap, -15.0, 15.0));
+            }
+        }
+        let m_new = max(m, reduce_max(s, i));
+        let alpha = exp(m - m_new);
+        var pj = 0.0;
+        if j <= last {
+            pj = exp(s - m_new);
+        }
+        ps[i] = pj;
+        l = l * alpha + reduce_sum(pj, i);
+        m = m_new;
+        let n = min(WG, last + 1u - j0);
+        var k = 0u;
+        for (var e = i; e < d; e += WG) {
+            var sum = acc[k] * alpha;
+            for (var jj = 0u; jj < n; jj++) {
+                sum += ps[jj] * kv(p.v_at + at[jj], e);
+            }
+            acc[k] = sum;
+            k++;
+        }
+        workgroupBarrier();
+    }
+    var k = 0u;
+    for (var e = i; e < d; e += WG) {
+        out[row + e] = acc[k] / l;
+        k++;
+    }
+}

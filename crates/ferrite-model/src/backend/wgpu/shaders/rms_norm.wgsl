@@ -1,0 +1,65 @@
+// RMSNorm of rows, one workgroup per output row: y[r] = x[src] / rms(x[src]) * w, where src
+// is `idx[gather + r]` (a row gather: logits rows, an MTP head's rows) or r. `add`: y += ...
+// (a norm after attention or MLP added into the residual); `norm` 0: a plain copy.
+
+struct P {
+    cols: u32,
+    eps: f32,
+    gather: u32,
+    add: u32,
+    norm: u32,
+}
+var<immediate> p: P;
+
+@group(0) @binding(0) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read> w: array<f32>;
+@group(0) @binding(2) var<storage, read> idx: array<u32>;
+@group(0) @binding(3) var<storage, read_write> y: array<f32>;
+
+const WG: u32 = 256u;
+const NONE: u32 = 0xffffffffu;
+var<workgroup> part: array<f32, WG>;
+
+fn total(v: f32, i: u32) -> f32 {
+    part[i] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if i < s {
+            part[i] += part[i + s];
+        }
+        workgroupBarrier();
+    }
+    let t = part[0];
+    workgroupBarrier();
+    return t;
+}
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i: u32) {
+    let r = g.x;
+    var src = r;
+    if p.gather != NONE {
+        src = idx[p.gather + r];
+    }
+    let xr = src * p.cols;
+    var inv = 1.0;
+    if p.norm != 0u {
+        var ss = 0.0;
+        for (var c = i; c < p.cols; c += WG) {
+            let v = x[xr + c];
+            ss += v * v;
+        }
+        inv = inverseSqrt(total(ss, i) / f32(p.cols) + p.eps);
+    }
+    let yr = r * p.cols;
+    for (var c = i; c < p.cols; c += WG) {
+        var v = x[xr + c];
+        if p.norm != 0u {
+            v *= inv * w[c];
+        }
+        if p.add != 0u {
+            v += y[yr + c];
+        }
+        y[yr + c] = v;
+    }
+}

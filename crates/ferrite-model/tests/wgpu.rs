@@ -1,0 +1,103 @@
+//! The wgpu backend (`--features wgpu`) on the first Vulkan adapter (CI: lavapipe, Mesa's CPU
+//! Vulkan driver): the conformance suite (`suite/mod.rs`) against the CPU backend, every
+//! family's tiny checkpoint, and every WGSL shader translated to Metal Shading Language.
+
+#![cfg(feature = "wgpu")]
+
+mod common;
+mod suite;
+
+use ferrite_model::backend::wgpu::kernels::SHADERS;
+use ferrite_model::backend::wgpu::WgpuBackend;
+use ferrite_model::kv_dtype::KvCacheDtype;
+use ferrite_model::settings::GpuApi;
+use std::sync::OnceLock;
+
+/// What f16 weights and f32 activations allow; K/V in the stored type.
+const F16_WEIGHTS: suite::Tolerances = suite::Tolerances {
+    linear: 5e-3,
+    attention: |kv| match kv {
+        KvCacheDtype::Fp32 => 1e-5,
+        _ => 2e-3,
+    },
+    moe: 5e-3,
+    gated_delta: 1e-4,
+    pointwise: 1e-5,
+};
+
+/// One device and its compiled kernels for every case.
+fn backend() -> WgpuBackend {
+    static FIRST: OnceLock<std::sync::Mutex<WgpuBackend>> = OnceLock::new();
+    let first = FIRST.get_or_init(|| {
+        let b = WgpuBackend::open(GpuApi::Vulkan, 0).expect("a Vulkan adapter (CI: lavapipe)");
+        println!("{}", ferrite_model::backend::Backend::describe(&b));
+        std::sync::Mutex::new(b)
+    });
+    first.lock().unwrap().beside()
+}
+
+#[test]
+fn the_conformance_suite_passes() {
+    let out = suite::run(&backend, &F16_WEIGHTS);
+    let bad = suite::failures(&out);
+    assert!(
+        bad.is_empty(),
+        "{:?}",
+        bad.iter().map(|o| (&o.case, o.error)).collect::<Vec<_>>()
+    );
+    let refused: Vec<&str> = out
+        .iter()
+        .filter(|o| o.error.is_none())
+        .map(|o| o.case.as_str())
+        .collect();
+    for case in &refused {
+        let not_yet = ["mixture", "gated delta-net"]
+            .iter()
+            .any(|op| case.starts_with(op));
+        let kv = ["kv: Bf16", "kv: Fp8", "kv: Int8"]
+            .iter()
+            .any(|k| case.contains(k));
+        assert!(not_yet || kv, "{case}");
+    }
+}
+
+#[test]
+fn every_family_conforms() {
+    let bound = |_: &str| suite::FamilyBound {
+        error: 1e-2,
+        skip: 0,
+    };
+    let out = suite::families(&backend, &bound);
+    assert!(suite::failures(&out).is_empty());
+    // The dense families run; those with experts or delta-net layers are refused at load.
+    for o in &out {
+        let dense = ["llama31", "mistral", "qwen2:", "qwen3:", "gemma2", "gemma3"]
+            .iter()
+            .any(|f| o.case.starts_with(f));
+        assert_eq!(o.error.is_some(), dense, "{}", o.case);
+    }
+}
+
+/// What runs on a Mac is this WGSL through naga's Metal backend: every shader must validate
+/// and translate.
+#[test]
+fn every_shader_translates_to_metal() {
+    for (name, source) in SHADERS {
+        let module = naga::front::wgsl::parse_str(source)
+            .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(source)));
+        let info = naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::all(),
+        )
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(source)));
+        let options = naga::back::msl::Options {
+            lang_version: (2, 4),
+            ..Default::default()
+        };
+        let pipeline = naga::back::msl::PipelineOptions::default();
+        let (msl, _) = naga::back::msl::write_string(&module, &info, &options, &pipeline)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(msl.contains("kernel void"), "{name}: no kernel in\n{msl}");
+    }
+}
