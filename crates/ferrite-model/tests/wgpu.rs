@@ -7,7 +7,8 @@
 mod common;
 mod suite;
 
-use ferrite_model::backend::wgpu::kernels::SHADERS;
+use ferrite_model::backend::wgpu::kernels::{GEMV_ROWS, SHADERS};
+use ferrite_model::backend::wgpu::linear::Pick;
 use ferrite_model::backend::wgpu::WgpuBackend;
 use ferrite_model::kv_dtype::KvCacheDtype;
 use ferrite_model::settings::GpuApi;
@@ -36,9 +37,23 @@ fn backend() -> WgpuBackend {
     first.lock().unwrap().beside()
 }
 
+/// With each way of picking the matmul kernels: the adapter's (lavapipe: matrix-vector
+/// always), a GPU's (matrix-vector for up to 8 rows, tiles past that) and tiles always
+/// (`--batch-invariant`).
 #[test]
 fn the_conformance_suite_passes() {
-    let out = suite::run(&backend, &F16_WEIGHTS);
+    for pick in [None, Some(Pick::Gpu), Some(Pick::Tiled)] {
+        println!("matmul kernels: {pick:?}");
+        conforms(&|| {
+            let mut b = backend();
+            b.pick = pick.unwrap_or(b.pick);
+            b
+        });
+    }
+}
+
+fn conforms(make: &dyn Fn() -> WgpuBackend) {
+    let out = suite::run(make, &F16_WEIGHTS);
     let bad = suite::failures(&out);
     assert!(
         bad.is_empty(),
@@ -79,7 +94,7 @@ fn every_family_conforms() {
 }
 
 /// What runs on a Mac is this WGSL through naga's Metal backend: every shader must validate
-/// and translate.
+/// and translate (the matrix-vector kernel at each of its row counts).
 #[test]
 fn every_shader_translates_to_metal() {
     for (name, source) in SHADERS {
@@ -91,13 +106,32 @@ fn every_shader_translates_to_metal() {
         )
         .validate(&module)
         .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(source)));
-        let options = naga::back::msl::Options {
-            lang_version: (2, 4),
-            ..Default::default()
+        let counts: Vec<f64> = match module.overrides.is_empty() {
+            true => vec![],
+            false => (1..=GEMV_ROWS).map(|m| m as f64).collect(),
         };
-        let pipeline = naga::back::msl::PipelineOptions::default();
-        let (msl, _) = naga::back::msl::write_string(&module, &info, &options, &pipeline)
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert!(msl.contains("kernel void"), "{name}: no kernel in\n{msl}");
+        let mut kernels = 0;
+        for m in counts
+            .iter()
+            .map(Some)
+            .chain(counts.is_empty().then_some(None))
+        {
+            let mut constants = naga::back::PipelineConstants::default();
+            if let Some(&m) = m {
+                constants.insert("M".into(), m);
+            }
+            let (module, info) =
+                naga::back::pipeline_constants::process_overrides(&module, &info, None, &constants)
+                    .unwrap_or_else(|e| panic!("{name} {m:?}: {e}"));
+            let options = naga::back::msl::Options {
+                lang_version: (2, 4),
+                ..Default::default()
+            };
+            let pipeline = naga::back::msl::PipelineOptions::default();
+            let (msl, _) = naga::back::msl::write_string(&module, &info, &options, &pipeline)
+                .unwrap_or_else(|e| panic!("{name} {m:?}: {e}"));
+            kernels += msl.matches("kernel void").count();
+        }
+        assert!(kernels > 0, "{name}: no kernel written");
     }
 }

@@ -29,9 +29,10 @@ fn backends(api: GpuApi) -> wgpu::Backends {
     }
 }
 
-/// What every adapter must offer: parameters in immediates (push constants).
+/// What every adapter must offer: parameters in immediates (push constants), subgroup
+/// operations (sums across a SIMD group).
 fn needed() -> wgpu::Features {
-    wgpu::Features::IMMEDIATES
+    wgpu::Features::IMMEDIATES | wgpu::Features::SUBGROUP
 }
 
 impl Gpu {

@@ -17,6 +17,8 @@ pub struct Kernels {
     pub layer_norm: Kernel,
     pub embed: Kernel,
     pub matmul: Kernel,
+    /// By rows of x, 1 to [`GEMV_ROWS`].
+    pub gemv: Vec<Kernel>,
     pub gated: Kernel,
     pub gate_sigmoid: Kernel,
     pub add_bias: Kernel,
@@ -30,13 +32,17 @@ pub struct Kernels {
 /// Bytes of the largest parameter block.
 const IMMEDIATES: u32 = 64;
 
-/// `access`: one letter per binding, `r` read-only storage, `w` read-write.
+/// Most rows of x the matrix-vector kernel takes; more go through tiles.
+pub const GEMV_ROWS: usize = 8;
+
+/// `access`: one letter per binding, `r` read-only storage, `w` read-write; `constants`: the
+/// shader's overridable constants.
 fn kernel(
     device: &wgpu::Device,
     module: &wgpu::ShaderModule,
-    name: &'static str,
-    entry: &str,
+    (name, entry): (&'static str, &str),
     access: &str,
+    constants: &[(&str, f64)],
 ) -> Kernel {
     let entries: Vec<_> = access
         .bytes()
@@ -68,7 +74,10 @@ fn kernel(
         layout: Some(&pipeline_layout),
         module,
         entry_point: Some(entry),
-        compilation_options: Default::default(),
+        compilation_options: wgpu::PipelineCompilationOptions {
+            constants,
+            ..Default::default()
+        },
         cache: None,
     });
     Kernel {
@@ -79,11 +88,12 @@ fn kernel(
 }
 
 /// The WGSL sources, by file.
-pub const SHADERS: [(&str, &str); 7] = [
+pub const SHADERS: [(&str, &str); 8] = [
     ("rms_norm", include_str!("shaders/rms_norm.wgsl")),
     ("layer_norm", include_str!("shaders/layer_norm.wgsl")),
     ("embed", include_str!("shaders/embed.wgsl")),
     ("matmul", include_str!("shaders/matmul.wgsl")),
+    ("gemv", include_str!("shaders/gemv.wgsl")),
     ("pointwise", include_str!("shaders/pointwise.wgsl")),
     ("qkv", include_str!("shaders/qkv.wgsl")),
     ("attention", include_str!("shaders/attention.wgsl")),
@@ -100,15 +110,21 @@ fn module(device: &wgpu::Device, name: &str) -> wgpu::ShaderModule {
 impl Kernels {
     pub fn new(device: &wgpu::Device) -> Result<Self> {
         let one = |file: &'static str, access: &str| {
-            kernel(device, &module(device, file), file, "main", access)
+            kernel(device, &module(device, file), (file, "main"), access, &[])
         };
         let pointwise = module(device, "pointwise");
-        let pw = |entry: &'static str| kernel(device, &pointwise, entry, entry, "rw");
+        let pw = |entry: &'static str| kernel(device, &pointwise, (entry, entry), "rw", &[]);
         Ok(Self {
             rms_norm: one("rms_norm", "rrrw"),
             layer_norm: one("layer_norm", "rrw"),
             embed: one("embed", "rrw"),
             matmul: one("matmul", "rrw"),
+            gemv: {
+                let m = module(device, "gemv");
+                (1..=GEMV_ROWS)
+                    .map(|rows| kernel(device, &m, ("gemv", "main"), "rrw", &[("M", rows as f64)]))
+                    .collect()
+            },
             gated: pw("gated"),
             gate_sigmoid: pw("gate_sigmoid"),
             add_bias: pw("add_bias"),
@@ -156,11 +172,16 @@ pub fn launch(
     pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
 }
 
+/// Workgroups `n` apart, spread over two dimensions past the 65,535 limit of one (the kernel
+/// numbers them `y * 65535 + x`).
+pub fn spread(n: usize) -> [u32; 3] {
+    match n <= 65535 {
+        true => [n.max(1) as u32, 1, 1],
+        false => [65535, n.div_ceil(65535) as u32, 1],
+    }
+}
+
 /// Workgroups for `n` threads of 256, spread over two dimensions past the 65,535 limit of one.
 pub fn groups_for(n: usize) -> [u32; 3] {
-    let g = n.div_ceil(256).max(1);
-    match g <= 65535 {
-        true => [g as u32, 1, 1],
-        false => [65535, g.div_ceil(65535) as u32, 1],
-    }
+    spread(n.div_ceil(256))
 }

@@ -2,7 +2,7 @@
 //! larger than one binding is split by rows into parts, each multiplied by its own launch.
 
 use super::device::Gpu;
-use super::kernels::{launch, Kernels};
+use super::kernels::{launch, spread, Kernels, GEMV_ROWS};
 use super::tensors::{f16_words, upload_words};
 use anyhow::{bail, Result};
 use candle_core::quantized::QTensor;
@@ -82,33 +82,69 @@ pub struct Out<'a> {
     pub add: bool,
 }
 
+/// Which kernels a matmul takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pick {
+    /// Matrix-vector up to [`GEMV_ROWS`] rows, tiles past that (GPUs).
+    Gpu,
+    /// Matrix-vector [`GEMV_ROWS`] rows at a time whatever the count: a CPU driver
+    /// (lavapipe) runs tiles through workgroup memory slowly.
+    Cpu,
+    /// Tiles always: a row's sums run in one order whatever its company (`--batch-invariant`).
+    Tiled,
+}
+
 /// `y (+)= x w^T` for `m` rows of `x`.
 pub fn matmul(
     gpu: &Gpu,
     k: &Kernels,
     pass: &mut wgpu::ComputePass<'static>,
-    x: &wgpu::Buffer,
-    m: usize,
+    (x, m): (&wgpu::Buffer, usize),
     w: &Linear,
     out: Out,
+    pick: Pick,
 ) {
+    let vectors = match pick {
+        Pick::Gpu => m <= GEMV_ROWS,
+        Pick::Cpu => true,
+        Pick::Tiled => false,
+    };
     for p in &w.parts {
-        let params = [
-            m as u32,
-            p.rows as u32,
-            w.cols as u32,
-            out.ldy as u32,
-            p.first as u32,
-            out.add as u32,
-        ];
-        let groups = [p.rows.div_ceil(64) as u32, m.div_ceil(32) as u32, 1];
-        launch(
-            &gpu.device,
-            pass,
-            &k.matmul,
-            &[x, &p.buf, out.y],
-            &params,
-            groups,
-        );
+        let params = |rows: usize, row0: usize| {
+            [
+                rows as u32,
+                p.rows as u32,
+                w.cols as u32,
+                out.ldy as u32,
+                p.first as u32,
+                out.add as u32,
+                row0 as u32,
+            ]
+        };
+        let buffers = [x, &p.buf, out.y];
+        if !vectors {
+            let groups = [p.rows.div_ceil(64) as u32, m.div_ceil(32) as u32, 1];
+            launch(
+                &gpu.device,
+                pass,
+                &k.matmul,
+                &buffers,
+                &params(m, 0),
+                groups,
+            );
+            continue;
+        }
+        for row0 in (0..m).step_by(GEMV_ROWS) {
+            let rows = GEMV_ROWS.min(m - row0);
+            let groups = spread(p.rows.div_ceil(16));
+            launch(
+                &gpu.device,
+                pass,
+                &k.gemv[rows - 1],
+                &buffers,
+                &params(rows, row0),
+                groups,
+            );
+        }
     }
 }

@@ -27,7 +27,7 @@ use candle_core::quantized::QTensor;
 use device::Gpu;
 use inputs::StepInputs;
 use kernels::{groups_for, launch, Kernels};
-use linear::{matmul, Linear, Out};
+use linear::{matmul, Linear, Out, Pick};
 use std::sync::Arc;
 use tensors::{upload_f32, upload_words, Act, Vector};
 
@@ -60,6 +60,8 @@ pub struct WgpuBackend {
     /// The last step's logits (or hidden rows) on the device, then on the host.
     out: Act,
     host_logits: Vec<f32>,
+    /// Which matmul kernels serve which row counts.
+    pub pick: Pick,
 }
 
 impl WgpuBackend {
@@ -71,12 +73,14 @@ impl WgpuBackend {
 
     /// A second backend on the same device and kernels (a draft model).
     pub fn beside(&self) -> Self {
-        Self::with_kernels(self.gpu.clone(), self.kernels.clone())
+        Self {
+            pick: self.pick,
+            ..Self::with_kernels(self.gpu.clone(), self.kernels.clone())
+        }
     }
 
     fn with_kernels(gpu: Arc<Gpu>, kernels: Arc<Kernels>) -> Self {
         Self {
-            gpu,
             kernels,
             encoder: None,
             pass: None,
@@ -84,6 +88,11 @@ impl WgpuBackend {
             proj: Act::default(),
             out: Act::default(),
             host_logits: Vec::new(),
+            pick: match gpu.info.device_type {
+                wgpu::DeviceType::Cpu => Pick::Cpu,
+                _ => Pick::Gpu,
+            },
+            gpu,
         }
     }
 
@@ -210,7 +219,8 @@ impl WgpuBackend {
             ldy: w.rows,
             add,
         };
-        matmul(&gpu, &k, self.pass(), &x, rows, w, out);
+        let pick = self.pick;
+        matmul(&gpu, &k, self.pass(), (&x, rows), w, out, pick);
         Ok(rows)
     }
 }

@@ -2,6 +2,7 @@
 //! activations as the backend counts them.
 
 use super::device::Gpu;
+use super::linear::Pick;
 use super::WgpuBackend;
 use crate::engine_args::EngineArgs;
 use crate::models::Model;
@@ -43,9 +44,6 @@ impl Startup for WgpuStart {
                 args.weight_format
             );
         }
-        if args.batch_invariant {
-            tracing::info!("--batch-invariant: the wgpu kernels are batch-invariant already (each row's sums run in one fixed order)");
-        }
         Ok(())
     }
 
@@ -55,11 +53,15 @@ impl Startup for WgpuStart {
 
     fn backend(
         &mut self,
-        _args: &EngineArgs,
+        args: &EngineArgs,
         _weights: &WeightSource,
         _group: Option<Group>,
     ) -> Result<WgpuBackend> {
-        WgpuBackend::new(self.gpu.clone())
+        let mut b = WgpuBackend::new(self.gpu.clone())?;
+        if args.batch_invariant {
+            b.pick = Pick::Tiled;
+        }
+        Ok(b)
     }
 
     fn draft_backend(&self, _args: &EngineArgs, main: &WgpuBackend) -> Result<WgpuBackend> {
