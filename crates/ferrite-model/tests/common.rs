@@ -267,6 +267,33 @@ pub fn fixture() -> serde_json::Value {
     fixture_of("smollm2")
 }
 
+/// (top-1 agreement, mean |logprob difference| of the oracle's top token, positions) of
+/// `model` over the fixture's teacher-forced sequences.
+pub fn oracle_agreement<B: Backend>(
+    model: &mut Model<B>,
+    fx: &serde_json::Value,
+) -> (f64, f64, usize) {
+    use ferrite_model::sampler::{argmax, log_sum_exp};
+    let (mut agree, mut diff, mut n) = (0usize, 0f64, 0usize);
+    for rec in fx["teacher_forced"].as_array().unwrap() {
+        let tokens = ids(&rec["token_ids"]);
+        let top1 = ids(&rec["top1"]);
+        let top1_lp: Vec<f64> = rec["top1_logprob"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        for (i, row) in all_logits(model, &tokens).iter().enumerate() {
+            let lse = log_sum_exp(row);
+            agree += (argmax(row) == top1[i]) as usize;
+            diff += ((row[top1[i] as usize] - lse) as f64 - top1_lp[i]).abs();
+            n += 1;
+        }
+    }
+    (agree as f64 / n as f64, diff / n as f64, n)
+}
+
 /// `tests/oracle/{model}_fixture.json`, written by `tests/oracle/make_fixture.py`.
 pub fn fixture_of(model: &str) -> serde_json::Value {
     let p = repo_root().join(format!("tests/oracle/{model}_fixture.json"));

@@ -7,7 +7,6 @@ mod common;
 use common::*;
 use ferrite_model::kv_dtype::KvCacheDtype;
 use ferrite_model::loader::WeightFormat;
-use ferrite_model::sampler::{argmax, log_sum_exp};
 
 /// (top-1 agreement, mean |logprob difference| of the oracle's top token), over all positions,
 /// with K/V stored as `kv`.
@@ -20,24 +19,7 @@ fn agreement(model: &str, format: WeightFormat, kv: KvCacheDtype) -> (f64, f64, 
     } else {
         "smollm2"
     });
-    let (mut agree, mut diff, mut n) = (0usize, 0f64, 0usize);
-    for rec in fx["teacher_forced"].as_array().unwrap() {
-        let tokens = ids(&rec["token_ids"]);
-        let top1 = ids(&rec["top1"]);
-        let top1_lp: Vec<f64> = rec["top1_logprob"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap())
-            .collect();
-        for (i, row) in all_logits(model, &tokens).iter().enumerate() {
-            let lse = log_sum_exp(row);
-            agree += (argmax(row) == top1[i]) as usize;
-            diff += ((row[top1[i] as usize] - lse) as f64 - top1_lp[i]).abs();
-            n += 1;
-        }
-    }
-    (agree as f64 / n as f64, diff / n as f64, n)
+    oracle_agreement(model, &fx)
 }
 
 fn check(model: &str, format: WeightFormat, min_top1: f64, max_dlogprob: f64) {

@@ -10,8 +10,11 @@ mod suite;
 use ferrite_model::backend::wgpu::kernels::{GEMV_ROWS, SHADERS};
 use ferrite_model::backend::wgpu::linear::Pick;
 use ferrite_model::backend::wgpu::WgpuBackend;
+use ferrite_model::checkpoint::open_weights;
 use ferrite_model::kv_dtype::KvCacheDtype;
+use ferrite_model::models;
 use ferrite_model::settings::GpuApi;
+use ferrite_model::settings::LoadFormat;
 use std::sync::OnceLock;
 
 /// What f16 weights and f32 activations allow; K/V in the stored type.
@@ -91,6 +94,23 @@ fn every_family_conforms() {
             .any(|f| o.case.starts_with(f));
         assert_eq!(o.error.is_some(), dense, "{}", o.case);
     }
+}
+
+/// SmolLM2-135M (the Q4_1 GGUF, stored as f16) teacher-forced against transformers: the bar
+/// of the CPU's default path.
+#[test]
+fn smollm2_agrees_with_transformers() {
+    let path = common::fetch_model("smollm2");
+    let (src, mut weights) = open_weights(&path, LoadFormat::Auto).unwrap();
+    let mut model = models::load(backend(), &src, &mut weights, 4096, &mut |_, _| {}).unwrap();
+    let (top1, lp, n) = common::oracle_agreement(&mut model, &common::fixture_of("smollm2"));
+    println!(
+        "smollm2 on wgpu: top-1 agreement {:.2}% over {n} positions, mean |dlogprob| {lp:.4}",
+        top1 * 100.0
+    );
+    assert!(n >= 300, "fixture too small: {n}");
+    assert!(top1 >= 0.98, "top-1 agreement {top1:.4} < 0.98");
+    assert!(lp <= 0.03, "mean logprob difference {lp:.4} > 0.03");
 }
 
 /// What runs on a Mac is this WGSL through naga's Metal backend: every shader must validate
