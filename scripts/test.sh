@@ -3,13 +3,16 @@
 # tests in release mode (the model tests are numeric code: debug builds are far too slow),
 # then the HTTP API tests with the official `openai` client against the real server, and
 # third-party clients (LangChain, LiteLLM, the OpenAI Agents SDK) against it, then the Arm
-# build under qemu (scripts/arm-check.sh).
+# build under qemu (scripts/arm-check.sh). The wgpu backend's tests run on lavapipe (Mesa's
+# CPU Vulkan driver), installed here when no Vulkan driver is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch-model.sh smollm2 >/dev/null
 # Open MPI and libclang for the `mpi` feature: the tests run tensor and pipeline parallelism
 # across processes (and network namespaces), so they build with it.
 scripts/mpi-deps.sh
+ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1 ||
+  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q mesa-vulkan-drivers libvulkan1 >/dev/null; }
 cargo test --release --workspace --features ferrite/mpi "$@"
 cargo build --release -p ferrite --features mpi
 # The web UI's test drives Debian's chromium through Playwright (no browser download).

@@ -73,7 +73,7 @@ impl DeviceKind {
                 "auto: int8 activations; float32: f32",
             ),
             Self::Cuda(_) => (&["bfloat16"], "auto or bfloat16"),
-            Self::Wgpu(..) => (&["float16", "half"], "auto or float16"),
+            Self::Wgpu(..) => (&[], "auto: f16 weights, f32 activations"),
         }
     }
 }

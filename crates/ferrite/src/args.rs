@@ -72,7 +72,8 @@ pub struct EngineFlags {
     /// dequantizes to bf16 (faster), `auto` takes bf16 if it needs at most half the GPU.
     #[arg(long, default_value = "auto", value_parser = parse_weight_format)]
     pub weight_format: WeightFormat,
-    /// vLLM's compute type: `auto` (the device's: the int8 path on the CPU, bf16 on CUDA),
+    /// vLLM's compute type: `auto` (the device's: the int8 path on the CPU, bf16 on CUDA, f16
+    /// weights with f32 activations through wgpu),
     /// `float32`/`float` (CPU: f32 weights, as `--weight-format f32`), `bfloat16` (CUDA).
     /// ferrite computes in no float16 type: `float16`/`half` are refused.
     #[arg(long, default_value = "auto", value_parser = parse_dtype)]
@@ -86,7 +87,8 @@ pub struct EngineFlags {
     /// token by token).
     #[arg(long, default_value = "sha256", value_parser = HashAlgo::parse)]
     pub prefix_caching_hash_algo: HashAlgo,
-    /// Where the model runs: cpu, cuda or cuda:N (CUDA needs a build with `--features cuda`).
+    /// Where the model runs: cpu, cuda[:N] (a build with `--features cuda`), or a GPU through
+    /// wgpu: metal (macOS), vulkan, wgpu (the platform's API), each with `:N` for the N-th adapter.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceKind,
     /// `auto`: weights from the model file; `dummy`: random weights from the model's config

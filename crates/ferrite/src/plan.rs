@@ -25,8 +25,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let engine = args.engine.engine_args();
     if engine.device != DeviceKind::Cpu {
         bail!(
-            "ferrite plan sizes the CPU backend; on CUDA the server's start-up line states its \
-             plan (the activation peak is measured on the GPU)"
+            "ferrite plan sizes the CPU backend; on a GPU the server's start-up line states its \
+             plan (the activation peak is measured there)"
         );
     }
     if engine.load_format == LoadFormat::Dummy {

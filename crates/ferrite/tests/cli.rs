@@ -35,9 +35,43 @@ fn unknown_device_is_a_usage_error() {
     let (ok, err) = ferrite(&["generate", "m.gguf", "--prompt", "hi", "--device", "tpu"]);
     assert!(!ok);
     assert!(
-        err.contains("unknown device `tpu` (cpu, cuda, cuda:N)"),
+        err.contains("unknown device `tpu` (cpu, cuda[:N], metal[:N], vulkan[:N], wgpu[:N])"),
         "{err}"
     );
+}
+
+/// A GPU through wgpu that is not there is named, with what to do, before any weight is read:
+/// Metal off a Mac, an adapter past the last (CI has one Vulkan adapter: lavapipe).
+#[test]
+#[cfg(target_os = "linux")]
+fn a_missing_wgpu_adapter_says_what_is_there() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let model = Command::new("bash")
+        .arg(root.join("scripts/fetch-model.sh"))
+        .output()
+        .expect("fetch-model.sh");
+    let model = String::from_utf8(model.stdout).unwrap();
+    let run = |device: &str| {
+        ferrite(&[
+            "generate",
+            model.trim(),
+            "--prompt",
+            "hi",
+            "--device",
+            device,
+        ])
+    };
+    let (ok, err) = run("metal");
+    assert!(!ok);
+    assert!(
+        err.contains("--device metal: no Metal adapter found"),
+        "{err}"
+    );
+    assert!(err.contains("Metal needs macOS"), "{err}");
+    let (ok, err) = run("vulkan:7");
+    assert!(!ok);
+    assert!(err.contains("--device vulkan:7: there are "), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
 }
 
 /// `--load-format dummy` draws random weights from the config alone, on the CPU too: a folder

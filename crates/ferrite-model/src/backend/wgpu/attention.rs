@@ -126,16 +126,15 @@ pub struct StepView<'a> {
     pub tokens: usize,
 }
 
+/// `out` from `q` against `cache`, with `sinks` (one logit per query head) if given.
 pub fn attention(
     gpu: &Gpu,
     k: &Kernels,
     pass: &mut wgpu::ComputePass<'static>,
     s: &StepView,
-    q: &wgpu::Buffer,
-    cache: &KvPages,
-    spec: &AttentionSpec,
+    (cache, spec): (&KvPages, &AttentionSpec),
     sinks: Option<&wgpu::Buffer>,
-    out: &wgpu::Buffer,
+    (q, out): (&wgpu::Buffer, &wgpu::Buffer),
 ) {
     let flags = spec.causal as u32 | (sinks.is_some() as u32) << 1 | (cache.f16 as u32) << 2;
     let params = [

@@ -1,0 +1,406 @@
+//! The backend trait's ops on wgpu: checks on the host, then the launches.
+
+use super::attention::{KvPages, QkvArgs, StepView};
+use super::inputs::StepInputs;
+use super::kernels::launch;
+use super::launches::{check_ids, embed_params, YOut};
+use super::linear::Linear;
+use super::tensors::{upload_f32, upload_words, Act, Vector};
+use super::{attention, Embedding, Rope, WgpuBackend, NOT_YET};
+use crate::backend::{
+    AttentionSpec, Backend, Epilogue, Forward, GdnParams, GdnSpec, LinearIn, MoeBytes, MoeMatrices,
+    MoeSpec, Pointwise, QkvPrep, Rounding, Stack, Step,
+};
+use crate::config::RopeStyle;
+use crate::kv_dtype::KvCacheDtype;
+use crate::rope::{RopeSpec, RopeTable};
+use crate::settings::{DeviceKind, GpuApi};
+use crate::step::{DeviceDraws, PackedStep};
+use anyhow::{bail, Result};
+use candle_core::quantized::QTensor;
+
+impl Backend for WgpuBackend {
+    type Act = Act;
+    type Vector = Vector;
+    type Linear = Linear;
+    type Embedding = Embedding;
+    type Rope = Rope;
+    type LayerCache = KvPages;
+    /// Refused at load: mixtures of experts are not written yet.
+    type Moe = ();
+    /// Refused at load: gated delta-nets are not written yet.
+    type StateCache = ();
+    type StepInputs = StepInputs;
+
+    fn vector(&self, v: Vec<f32>) -> Result<Vector> {
+        Ok(Vector {
+            buf: upload_f32(&self.gpu, "vector", &v),
+            len: v.len(),
+        })
+    }
+
+    /// `[gate; up]` stacked by rows, as the gated kernel reads them; activations are f32
+    /// whatever `_input` asks.
+    fn linear(&self, parts: Vec<QTensor>, _stack: Stack, _input: Rounding) -> Result<Linear> {
+        Linear::upload(&self.gpu, &parts)
+    }
+
+    fn embedding(&self, table: QTensor) -> Result<Embedding> {
+        self.vocab_embedding(table, 0)
+    }
+
+    fn vocab_embedding(&self, table: QTensor, first: usize) -> Result<Embedding> {
+        if first != 0 {
+            bail!("{}: no tensor parallelism", self.describe());
+        }
+        Ok(Embedding {
+            table: Linear::upload(&self.gpu, &[table])?,
+            first,
+        })
+    }
+
+    fn rope(&self, spec: &RopeSpec, max_positions: usize) -> Result<Rope> {
+        let t = RopeTable::new(spec, max_positions);
+        let (cos, sin) = t.tables();
+        let table = [cos, sin].concat();
+        Ok(Rope {
+            table: upload_f32(&self.gpu, "rotary tables", &table),
+            half: cos.len() / max_positions.max(1),
+            sin_at: cos.len(),
+            neox: spec.style == RopeStyle::Neox,
+        })
+    }
+
+    fn moe(&self, _m: MoeMatrices, _spec: MoeSpec) -> Result<()> {
+        bail!("mixtures of experts: {NOT_YET}")
+    }
+
+    fn random_moe(&self, _: MoeSpec, _: usize, _: Option<usize>, _: usize) -> Result<()> {
+        bail!("mixtures of experts: {NOT_YET}")
+    }
+
+    fn linear_bytes(&self, w: &Linear) -> usize {
+        w.bytes()
+    }
+
+    fn embedding_bytes(&self, e: &Embedding) -> usize {
+        e.table.bytes()
+    }
+
+    fn moe_bytes(&self, _m: &()) -> MoeBytes {
+        MoeBytes::default()
+    }
+
+    fn layer_cache(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        dtype: KvCacheDtype,
+    ) -> Result<KvPages> {
+        let dtype = dtype.resolve(DeviceKind::Wgpu(GpuApi::Native, 0).auto_kv_dtype());
+        KvPages::zeros(&self.gpu, num_blocks, block_size, kv_heads, head_dim, dtype)
+    }
+
+    fn state_cache(&self, _slots: usize, _spec: &GdnSpec) -> Result<()> {
+        bail!("gated delta-net (linear attention) layers: {NOT_YET}")
+    }
+
+    fn step(
+        &mut self,
+        host: &PackedStep,
+        draws: Option<DeviceDraws>,
+        forward: Forward<Self>,
+    ) -> Result<()> {
+        if draws.is_some() {
+            bail!("the wgpu backend samples on the host");
+        }
+        self.run_step(host, forward)
+    }
+
+    fn embed(
+        &mut self,
+        s: &Step<Self>,
+        e: &Embedding,
+        scale: Option<f32>,
+        out: &mut Act,
+    ) -> Result<()> {
+        check_ids(&s.host.input_ids, e)?;
+        let params = embed_params(e, s.inputs.ids, scale.unwrap_or(1.0), false);
+        let tokens = s.host.input_ids.len();
+        self.embed_rows(e, &s.inputs.buf, tokens, params, out, false)
+    }
+
+    fn add_rows(&mut self, table: &Embedding, ids: &[u32], x: &mut Act) -> Result<()> {
+        if x.cols != table.table.cols || ids.len() != x.rows {
+            bail!(
+                "{} rows of {} for {} rows of {}",
+                ids.len(),
+                table.table.cols,
+                x.rows,
+                x.cols
+            );
+        }
+        check_ids(ids, table)?;
+        let buf = upload_words(&self.gpu, "ids", ids);
+        let params = embed_params(table, 0, 1.0, true);
+        self.embed_rows(table, &buf, ids.len(), params, x, true)
+    }
+
+    fn add_bias(&mut self, x: &mut Act, bias: &Vector, then: Option<Pointwise>) -> Result<()> {
+        if x.cols != bias.len {
+            bail!("a bias of {} for rows of {}", bias.len, x.cols);
+        }
+        let op = match then {
+            None => 0,
+            Some(Pointwise::Gelu) => 1,
+            Some(Pointwise::Tanh) => 2,
+        };
+        let k = self.kernels.clone();
+        let p = [x.len() as u32, x.cols as u32, op, 0];
+        self.pointwise(&k.add_bias, &bias.buf, x.buf()?, p);
+        Ok(())
+    }
+
+    fn layer_norm(&mut self, x: &mut Act, w: &Vector, b: &Vector, eps: f32) -> Result<()> {
+        if x.cols != w.len || w.len != b.len {
+            bail!("a LayerNorm of {} for rows of {}", w.len, x.cols);
+        }
+        let (gpu, k) = (self.gpu.clone(), self.kernels.clone());
+        let params = [x.cols as u32, eps.to_bits()];
+        let buffers = [&w.buf, &b.buf, x.buf()?];
+        launch(
+            &gpu.device,
+            self.pass(),
+            &k.layer_norm,
+            &buffers,
+            &params,
+            [x.rows as u32, 1, 1],
+        );
+        Ok(())
+    }
+
+    fn matmul(&mut self, input: LinearIn<Self>, w: &Linear, out: Epilogue<Self>) -> Result<()> {
+        match out {
+            Epilogue::Store(y) | Epilogue::StoreResidual(y) => {
+                self.project(&input, w, YOut::Store(y))?;
+            }
+            Epilogue::AddInto(residual) => {
+                self.project(&input, w, YOut::Add(residual))?;
+            }
+            Epilogue::AddNormedInto {
+                residual,
+                norm,
+                eps,
+            } => {
+                let mut proj = std::mem::take(&mut self.proj);
+                let r = self.project(&input, w, YOut::Store(&mut proj));
+                self.proj = proj;
+                let rows = r?;
+                let proj = self.proj.buf()?.clone();
+                if residual.rows != rows || residual.cols != w.rows {
+                    bail!(
+                        "adding {rows} x {} into {} x {}",
+                        w.rows,
+                        residual.rows,
+                        residual.cols
+                    );
+                }
+                let y = residual.buf()?.clone();
+                self.norm_rows(&proj, rows, w.rows, Some((&norm.buf, eps)), None, &y, true);
+            }
+            Epilogue::Gated(out, act) => {
+                let mut proj = std::mem::take(&mut self.proj);
+                let r = self.project(&input, w, YOut::Store(&mut proj));
+                self.proj = proj;
+                let rows = r?;
+                let proj = self.proj.buf()?.clone();
+                let inter = w.rows / 2;
+                let y = out.shape(&self.gpu, rows, inter)?.clone();
+                let op = match act {
+                    crate::backend::Activation::Silu => 0,
+                    crate::backend::Activation::GeluTanh => 1,
+                };
+                let k = self.kernels.clone();
+                self.pointwise(
+                    &k.gated,
+                    &proj,
+                    &y,
+                    [(rows * inter) as u32, inter as u32, op, 0],
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn mixture(&mut self, _x: &mut Act, _n: &Vector, _eps: f32, _m: &()) -> Result<()> {
+        bail!("mixtures of experts: {NOT_YET}")
+    }
+
+    fn prepare_qkv(
+        &mut self,
+        s: &Step<Self>,
+        qkv: &Act,
+        p: &QkvPrep<Self>,
+        a: &AttentionSpec,
+        cache: &mut KvPages,
+        q: &mut Act,
+    ) -> Result<()> {
+        let d = a.head_dim;
+        let (q_w, kv_w) = (a.num_heads * d, a.num_kv_heads * d);
+        if qkv.cols != q_w + 2 * kv_w {
+            bail!(
+                "QKV projection is {} wide, expected {}",
+                qkv.cols,
+                q_w + 2 * kv_w
+            );
+        }
+        let (gpu, k) = (self.gpu.clone(), self.kernels.clone());
+        let qb = q.shape(&gpu, qkv.rows, q_w)?.clone();
+        let args = QkvArgs {
+            qkv: qkv.buf()?,
+            bias: p.bias.map(|b| &b.buf),
+            q_norm: p.q_norm.map(|n| &n.buf),
+            k_norm: p.k_norm.map(|n| &n.buf),
+            eps: p.eps,
+            rope: p.rope.map(|r| (&r.table, r.half, r.sin_at, r.neox)),
+            step: &s.inputs.buf,
+            positions: s.inputs.positions,
+            slots: s.inputs.groups[a.kv_group].slots,
+            tokens: qkv.rows,
+        };
+        attention::prepare_qkv(&gpu, &k, self.pass(), &args, a, cache, &qb);
+        Ok(())
+    }
+
+    fn attention(
+        &mut self,
+        s: &Step<Self>,
+        q: &Act,
+        cache: &KvPages,
+        a: &AttentionSpec,
+        sinks: Option<&Vector>,
+        out: &mut Act,
+    ) -> Result<()> {
+        let (gpu, k) = (self.gpu.clone(), self.kernels.clone());
+        let group = &s.inputs.groups[a.kv_group];
+        let view = StepView {
+            step: &s.inputs.buf,
+            cu_seqlens_q: s.inputs.cu_seqlens_q,
+            seq_lens_k: s.inputs.seq_lens_k,
+            tables: group.tables,
+            max_blocks: group.max_blocks,
+            seqs: s.inputs.num_seqs,
+            tokens: q.rows,
+        };
+        let y = out.shape(&gpu, q.rows, a.num_heads * a.head_dim)?.clone();
+        let sinks = sinks.map(|v| &v.buf);
+        attention::attention(
+            &gpu,
+            &k,
+            self.pass(),
+            &view,
+            (cache, a),
+            sinks,
+            (q.buf()?, &y),
+        );
+        Ok(())
+    }
+
+    fn gated_delta(
+        &mut self,
+        _s: &Step<Self>,
+        _proj: &Act,
+        _p: &GdnParams<Self>,
+        _spec: &GdnSpec,
+        _state: &mut (),
+        _out: &mut Act,
+    ) -> Result<()> {
+        bail!("gated delta-net (linear attention) layers: {NOT_YET}")
+    }
+
+    fn rms_norm_rows(
+        &mut self,
+        x: &Act,
+        rows: &[u32],
+        norm: &Vector,
+        eps: f32,
+        out: &mut Act,
+    ) -> Result<()> {
+        let (n, cols) = (x.rows, x.cols);
+        if let Some(&r) = rows.iter().find(|&&r| r as usize >= n) {
+            bail!("row {r} of {n}");
+        }
+        let count = if rows.is_empty() { n } else { rows.len() };
+        let y = out.shape(&self.gpu, count, cols)?.clone();
+        let idx = upload_words(&self.gpu, "rows", rows);
+        let gather = (!rows.is_empty()).then_some((&idx, 0));
+        self.norm_rows(
+            x.buf()?,
+            count,
+            cols,
+            Some((&norm.buf, eps)),
+            gather,
+            &y,
+            false,
+        );
+        Ok(())
+    }
+
+    fn gate_sigmoid(&mut self, x: &mut Act, gate: &Act) -> Result<()> {
+        if x.len() != gate.len() {
+            bail!("a gate of {} for {} values", gate.len(), x.len());
+        }
+        let k = self.kernels.clone();
+        self.pointwise(
+            &k.gate_sigmoid,
+            gate.buf()?,
+            x.buf()?,
+            [x.len() as u32, 0, 0, 0],
+        );
+        Ok(())
+    }
+
+    fn logits(
+        &mut self,
+        s: &Step<Self>,
+        x: &Act,
+        norm: &Vector,
+        eps: f32,
+        head: &Linear,
+        softcap: Option<f32>,
+    ) -> Result<()> {
+        let mut sel = std::mem::take(&mut self.normed);
+        let mut out = std::mem::take(&mut self.out);
+        let r = self.select_logits(s, x, norm, eps, head, &mut sel, &mut out);
+        (self.normed, self.out) = (sel, out);
+        r?;
+        if let Some(cap) = softcap {
+            let (k, y) = (self.kernels.clone(), self.out.buf()?.clone());
+            let n = self.out.len() as u32;
+            self.pointwise(&k.softcap, &k.empty, &y, [n, 0, 0, cap.to_bits()]);
+        }
+        Ok(())
+    }
+
+    fn hidden(&mut self, s: &Step<Self>, x: &Act, norm: Option<(&Vector, f32)>) -> Result<()> {
+        let rows = s.host.logits_indices.len();
+        let y = self.out.shape(&self.gpu, rows, x.cols)?.clone();
+        let gather = Some((&s.inputs.buf, s.inputs.rows));
+        let norm = norm.map(|(w, eps)| (&w.buf, eps));
+        self.norm_rows(x.buf()?, rows, x.cols, norm, gather, &y, false);
+        Ok(())
+    }
+
+    fn host_logits(&mut self) -> Result<&mut [f32]> {
+        Ok(&mut self.host_logits)
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "backend wgpu ({}), weights f16, activations f32",
+            self.gpu.describe()
+        )
+    }
+}
