@@ -313,6 +313,14 @@ enum Out {
 
 fn linear_cases() -> Vec<(GgmlDType, Input, Out)> {
     let mut v = Vec::new();
+    // 4-bit blocks (the GGUF types a GPU keeps quantized) with the plain epilogues.
+    for dtype in [GgmlDType::Q4_0, GgmlDType::Q4_1] {
+        for input in [Input::RmsNorm, Input::Plain] {
+            for out in [Out::Store, Out::AddInto] {
+                v.push((dtype, input, out));
+            }
+        }
+    }
     for dtype in [GgmlDType::F32, GgmlDType::Q8_0] {
         for input in [Input::RmsNorm, Input::Plain] {
             for out in [

@@ -15,10 +15,12 @@ pub struct Kernel {
 pub struct Kernels {
     pub rms_norm: Kernel,
     pub layer_norm: Kernel,
-    pub embed: Kernel,
-    pub matmul: Kernel,
-    /// By rows of x, 1 to [`GEMV_ROWS`].
-    pub gemv: Vec<Kernel>,
+    /// By weight format.
+    pub embed: Vec<Kernel>,
+    /// By weight format ([`super::linear::Format`]).
+    pub matmul: Vec<Kernel>,
+    /// By weight format, then rows of x (1 to [`GEMV_ROWS`]).
+    pub gemv: Vec<Vec<Kernel>>,
     pub gated: Kernel,
     pub gate_sigmoid: Kernel,
     pub add_bias: Kernel,
@@ -34,6 +36,9 @@ const IMMEDIATES: u32 = 64;
 
 /// Most rows of x the matrix-vector kernel takes; more go through tiles.
 pub const GEMV_ROWS: usize = 8;
+
+/// Weight formats the matmul kernels read (`FMT` in weights.wgsl).
+pub const FORMATS: usize = 4;
 
 /// `access`: one letter per binding, `r` read-only storage, `w` read-write; `constants`: the
 /// shader's overridable constants.
@@ -91,9 +96,27 @@ fn kernel(
 pub const SHADERS: [(&str, &str); 8] = [
     ("rms_norm", include_str!("shaders/rms_norm.wgsl")),
     ("layer_norm", include_str!("shaders/layer_norm.wgsl")),
-    ("embed", include_str!("shaders/embed.wgsl")),
-    ("matmul", include_str!("shaders/matmul.wgsl")),
-    ("gemv", include_str!("shaders/gemv.wgsl")),
+    (
+        "embed",
+        concat!(
+            include_str!("shaders/weights.wgsl"),
+            include_str!("shaders/embed.wgsl")
+        ),
+    ),
+    (
+        "matmul",
+        concat!(
+            include_str!("shaders/weights.wgsl"),
+            include_str!("shaders/matmul.wgsl")
+        ),
+    ),
+    (
+        "gemv",
+        concat!(
+            include_str!("shaders/weights.wgsl"),
+            include_str!("shaders/gemv.wgsl")
+        ),
+    ),
     ("pointwise", include_str!("shaders/pointwise.wgsl")),
     ("qkv", include_str!("shaders/qkv.wgsl")),
     ("attention", include_str!("shaders/attention.wgsl")),
@@ -117,12 +140,26 @@ impl Kernels {
         Ok(Self {
             rms_norm: one("rms_norm", "rrrw"),
             layer_norm: one("layer_norm", "rrw"),
-            embed: one("embed", "rrw"),
-            matmul: one("matmul", "rrw"),
+            embed: {
+                let m = module(device, "embed");
+                (0..FORMATS)
+                    .map(|f| kernel(device, &m, ("embed", "main"), "rrw", &[("FMT", f as f64)]))
+                    .collect()
+            },
+            matmul: {
+                let m = module(device, "matmul");
+                (0..FORMATS)
+                    .map(|f| kernel(device, &m, ("matmul", "main"), "rrw", &[("FMT", f as f64)]))
+                    .collect()
+            },
             gemv: {
                 let m = module(device, "gemv");
-                (1..=GEMV_ROWS)
-                    .map(|rows| kernel(device, &m, ("gemv", "main"), "rrw", &[("M", rows as f64)]))
+                let pipeline = |f: usize, rows: usize| {
+                    let c = [("FMT", f as f64), ("M", rows as f64)];
+                    kernel(device, &m, ("gemv", "main"), "rrw", &c)
+                };
+                (0..FORMATS)
+                    .map(|f| (1..=GEMV_ROWS).map(|rows| pipeline(f, rows)).collect())
                     .collect()
             },
             gated: pw("gated"),

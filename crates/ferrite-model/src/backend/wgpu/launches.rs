@@ -168,7 +168,7 @@ impl WgpuBackend {
             launch(
                 &gpu.device,
                 self.pass(),
-                &k.embed,
+                &k.embed[e.table.format as usize],
                 &buffers,
                 &params,
                 [tokens as u32, 1, 1],

@@ -1,12 +1,72 @@
-//! Weight matrices on the GPU as f16 (WGSL has no bf16), rows packed two to a word; a matrix
-//! larger than one binding is split by rows into parts, each multiplied by its own launch.
+//! Weight matrices on the GPU: GGUF blocks of Q8_0, Q4_0 and Q4_1 kept quantized (each block's
+//! scale moved to a word of its own, its codes after it), every other type as f16 (WGSL has
+//! no bf16), rows packed two to a word; a matrix larger than one binding is split by rows
+//! into parts, each multiplied by its own launch.
 
 use super::device::Gpu;
 use super::kernels::{launch, spread, Kernels, GEMV_ROWS};
 use super::tensors::{f16_words, upload_words};
 use anyhow::{bail, Result};
-use candle_core::quantized::QTensor;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
+
+/// How a matrix's rows are stored (`FMT` in weights.wgsl: the enum's order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    F16,
+    Q8_0,
+    Q4_0,
+    Q4_1,
+}
+
+impl Format {
+    /// A GGUF type's storage here: its own blocks where the kernels read them.
+    fn of(dtype: GgmlDType) -> Self {
+        match dtype {
+            GgmlDType::Q8_0 => Self::Q8_0,
+            GgmlDType::Q4_0 => Self::Q4_0,
+            GgmlDType::Q4_1 => Self::Q4_1,
+            _ => Self::F16,
+        }
+    }
+
+    /// Words of a row of `cols` values.
+    pub fn row_words(self, cols: usize) -> usize {
+        match self {
+            Self::F16 => cols.div_ceil(2),
+            Self::Q8_0 => cols / 32 * 9,
+            Self::Q4_0 | Self::Q4_1 => cols / 32 * 5,
+        }
+    }
+
+    /// GGUF bytes of one block of 32 values.
+    fn gguf_block(self) -> usize {
+        match self {
+            Self::F16 => 0,
+            Self::Q8_0 => 34,
+            Self::Q4_0 => 18,
+            Self::Q4_1 => 20,
+        }
+    }
+}
+
+/// GGUF blocks as the kernels read them: the block's f16 scale (and min: two GGUF f16s) in a
+/// word, then its codes, little-endian, in whole words.
+fn repack(format: Format, bytes: &[u8]) -> Vec<u32> {
+    let head = match format {
+        Format::Q4_1 => 4,
+        _ => 2,
+    };
+    let word = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    let mut out = Vec::with_capacity(bytes.len() / 4 + bytes.len() / format.gguf_block());
+    for block in bytes.chunks_exact(format.gguf_block()) {
+        let mut scales = [0u8; 4];
+        scales[..head].copy_from_slice(&block[..head]);
+        out.push(u32::from_le_bytes(scales));
+        out.extend(block[head..].chunks_exact(4).map(word));
+    }
+    out
+}
 
 /// Rows `first..first + rows` of a matrix.
 pub struct Part {
@@ -20,12 +80,13 @@ pub struct Linear {
     pub parts: Vec<Part>,
     pub rows: usize,
     pub cols: usize,
+    pub format: Format,
 }
 
 impl Linear {
-    /// `parts` stacked by rows, each dequantized and stored as f16.
+    /// `parts` stacked by rows: kept in their GGUF blocks when they all share a type the
+    /// kernels read, else dequantized and stored as f16.
     pub fn upload(gpu: &Gpu, parts: &[QTensor]) -> Result<Self> {
-        let mut values = Vec::new();
         let mut cols = None;
         for p in parts {
             let (_, c) = p.shape().dims2()?;
@@ -36,25 +97,41 @@ impl Linear {
                 );
             }
             cols = Some(c);
-            values.extend(
-                p.dequantize(&Device::Cpu)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()?,
-            );
         }
         let cols = cols.unwrap_or(0);
-        Self::from_f32(gpu, &values, cols)
+        let format = match parts.first().map(|p| Format::of(p.dtype())) {
+            Some(f) if parts.iter().all(|p| Format::of(p.dtype()) == f) => f,
+            _ => Format::F16,
+        };
+        let words = match format {
+            Format::F16 => {
+                let mut values = Vec::new();
+                for p in parts {
+                    values.extend(
+                        p.dequantize(&Device::Cpu)?
+                            .flatten_all()?
+                            .to_vec1::<f32>()?,
+                    );
+                }
+                f16_words(&values, cols)
+            }
+            _ => parts
+                .iter()
+                .map(|p| Ok(repack(format, &p.data()?)))
+                .collect::<Result<Vec<_>>>()?
+                .concat(),
+        };
+        Self::from_words(gpu, &words, cols, format)
     }
 
-    pub fn from_f32(gpu: &Gpu, values: &[f32], cols: usize) -> Result<Self> {
-        let rows = values.len() / cols.max(1);
-        let words = f16_words(values, cols);
-        let row_words = cols.div_ceil(2);
+    fn from_words(gpu: &Gpu, words: &[u32], cols: usize, format: Format) -> Result<Self> {
+        let row_words = format.row_words(cols);
+        let rows = words.len() / row_words.max(1);
         let per_part = (gpu.limits.max_storage_buffer_binding_size as usize
             / (4 * row_words.max(1)))
         .min(rows.max(1));
         if per_part == 0 {
-            bail!("a row of {cols} f16 values does not fit one binding");
+            bail!("a row of {cols} values does not fit one binding");
         }
         let parts = (0..rows.max(1))
             .step_by(per_part)
@@ -67,11 +144,16 @@ impl Linear {
                 }
             })
             .collect();
-        Ok(Self { parts, rows, cols })
+        Ok(Self {
+            parts,
+            rows,
+            cols,
+            format,
+        })
     }
 
     pub fn bytes(&self) -> usize {
-        self.rows * self.cols.div_ceil(2) * 4
+        4 * self.rows * self.format.row_words(self.cols)
     }
 }
 
@@ -127,7 +209,7 @@ pub fn matmul(
             launch(
                 &gpu.device,
                 pass,
-                &k.matmul,
+                &k.matmul[w.format as usize],
                 &buffers,
                 &params(m, 0),
                 groups,
@@ -140,7 +222,7 @@ pub fn matmul(
             launch(
                 &gpu.device,
                 pass,
-                &k.gemv[rows - 1],
+                &k.gemv[w.format as usize][rows - 1],
                 &buffers,
                 &params(rows, row0),
                 groups,

@@ -1,4 +1,4 @@
-// Embedding rows: y[t] (+)= table[ids[t] - first] * scale, f16 rows packed two to a word.
+// Embedding rows: y[t] (+)= w[ids[t] - first] * scale, the table stored as weights.wgsl says.
 // A table split over bindings takes one launch per part: each writes the rows of the ids it
 // holds (ids past the whole vocabulary are refused on the host).
 
@@ -13,8 +13,16 @@ struct P {
 var<immediate> p: P;
 
 @group(0) @binding(0) var<storage, read> ids: array<u32>;
-@group(0) @binding(1) var<storage, read> table: array<u32>;
+@group(0) @binding(1) var<storage, read> w: array<u32>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
+
+fn put(at: u32, v: f32) {
+    if p.add != 0u {
+        y[at] += v;
+    } else {
+        y[at] = v;
+    }
+}
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i: u32) {
@@ -23,18 +31,21 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i:
     if id >= p.vocab {
         return;
     }
-    let words = (p.cols + 1u) / 2u;
+    let words = row_words(p.cols);
     let yr = t * p.cols;
-    for (var c2 = i; c2 < words; c2 += 64u) {
-        let v = unpack2x16float(table[id * words + c2]) * p.scale;
+    // Quantized rows: a thread per quad of values.
+    for (var q = i; FMT != 0u && q < p.cols / 4u; q += 64u) {
+        let v = block_quad(id * words + q / 8u * block_words(), q % 8u) * p.scale;
+        for (var j = 0u; j < 4u; j++) {
+            put(yr + 4u * q + j, v[j]);
+        }
+    }
+    for (var c2 = i; FMT == 0u && c2 < words; c2 += 64u) {
+        let v = unpack2x16float(w[id * words + c2]) * p.scale;
         for (var j = 0u; j < 2u; j++) {
             let c = 2u * c2 + j;
             if c < p.cols {
-                if p.add != 0u {
-                    y[yr + c] += v[j];
-                } else {
-                    y[yr + c] = v[j];
-                }
+                put(yr + c, v[j]);
             }
         }
     }

@@ -1,4 +1,5 @@
-// y[m, off + n] (+)= sum_k x[m, k] * w[n, k] for a few rows of x (decodes): each subgroup
+// y[m, off + n] (+)= sum_k x[m, k] * w[n, k] for a few rows of x (decodes), w as weights.wgsl
+// stores it: each subgroup
 // takes rows of w in turn, reading each once, coalesced, for every row of x, and sums with
 // subgroupAdd (any subgroup size: 8 on lavapipe, 32 on Apple and NVIDIA, 64 on AMD). A
 // workgroup takes 16 rows of w: few workgroups, which CPU drivers schedule at a cost each.
@@ -34,11 +35,28 @@ fn main(
     @builtin(subgroup_invocation_id) lane: u32,
 ) {
     let first = (g.y * 65535u + g.x) * ROWS;
-    let kw = (p.k + 1u) / 2u;
+    let kw = row_words(p.k);
     for (var n = first + sg; n < min(first + ROWS, p.n); n += sgs) {
         var acc0 = vec4<f32>(0.0);
         var acc1 = vec4<f32>(0.0);
-        for (var c2 = lane; c2 < kw; c2 += size) {
+        // Quantized rows: each lane takes whole blocks of 32 values.
+        for (var b = lane; FMT != 0u && b < p.k / 32u; b += size) {
+            let at = n * kw + b * block_words();
+            for (var j = 0u; j < 8u; j++) {
+                let wq = block_quad(at, j);
+                let c = 32u * b + 4u * j;
+                for (var r = 0u; r < M; r++) {
+                    let xr = (p.row0 + r) * p.k + c;
+                    let v = dot(wq, vec4<f32>(x[xr], x[xr + 1u], x[xr + 2u], x[xr + 3u]));
+                    if r < 4u {
+                        acc0[r] += v;
+                    } else {
+                        acc1[r - 4u] += v;
+                    }
+                }
+            }
+        }
+        for (var c2 = lane; FMT == 0u && c2 < kw; c2 += size) {
             let wv = unpack2x16float(w[n * kw + c2]);
             let c = 2u * c2;
             let pair = c + 1u < p.k;

@@ -1,5 +1,5 @@
-// y[m, off + n] (+)= sum_k x[m, k] * w[n, k]: f32 activations against f16 weights (rows packed
-// two to a word), in tiles of 32 rows x 64 outputs through workgroup memory; each thread
+// y[m, off + n] (+)= sum_k x[m, k] * w[n, k]: f32 activations against weights as weights.wgsl
+// stores them (dequantized into workgroup memory), in tiles of 32 rows x 64 outputs through workgroup memory; each thread
 // keeps 2 x 4 sums. `add`: into the residual stream.
 
 struct P {
@@ -28,7 +28,7 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i:
     let m0 = g.y * TM;
     let tn = i % 16u;
     let tm = i / 16u;
-    let kw = (p.k + 1u) / 2u;
+    let kw = row_words(p.k);
     var acc: array<f32, 8>;
     for (var k0 = 0u; k0 < p.k; k0 += TK) {
         for (var e = i; e < TM * TK; e += 256u) {
@@ -40,7 +40,19 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i:
             }
             xs[e] = v;
         }
-        for (var e = i; e < TN * TK / 2u; e += 256u) {
+        // A quantized row's 32 values of this tile are one block: 8 quads of values.
+        for (var e = i; FMT != 0u && e < TN * 8u; e += 256u) {
+            let r = e / 8u;
+            let j = e % 8u;
+            var q = vec4<f32>(0.0);
+            if n0 + r < p.n {
+                q = block_quad((n0 + r) * kw + k0 / 32u * block_words(), j);
+            }
+            for (var t = 0u; t < 4u; t++) {
+                ws[(4u * j + t) * TN + r] = q[t];
+            }
+        }
+        for (var e = i; FMT == 0u && e < TN * TK / 2u; e += 256u) {
             let r = e / (TK / 2u);
             let c2 = e % (TK / 2u);
             let gr = n0 + r;
