@@ -22,6 +22,8 @@ pub struct ModelBytes {
     pub draft: Option<DraftShare>,
     /// Layers of a page this rank stores (a pipeline stage's); `None`: all.
     pub kv_slots: Option<usize>,
+    /// The most bytes one layer's pages may take (a GPU's largest storage binding).
+    pub layer_pages_limit: Option<u64>,
 }
 
 impl EngineArgs {
@@ -67,7 +69,11 @@ impl EngineArgs {
         let slots = bytes.kv_slots.unwrap_or(layout.slots);
         let bytes_per_block = self.kv_block_bytes(config, slots) + draft.bytes_per_block;
         let state_bytes_per_slot = bytes.state_per_slot;
+        let layer_block = self.kv_block_bytes(config, 1).max(1);
         let plan = memory::plan(&PlanInputs {
+            max_blocks: bytes
+                .layer_pages_limit
+                .map(|limit| (limit / layer_block) as usize),
             device_bytes,
             utilization: self.gpu_memory_utilization,
             kv_cache_memory: self.kv_cache_memory,

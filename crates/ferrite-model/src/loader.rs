@@ -148,6 +148,7 @@ pub fn plan_from_header(args: &EngineArgs, device_bytes: u64) -> Result<HeaderPl
             })
             .transpose()?,
         kv_slots: None,
+        layer_pages_limit: None,
     };
     let (plan, _) = args.plan(&config, max_model_len, device_bytes, bytes)?;
     Ok(HeaderPlan {

@@ -119,6 +119,8 @@ pub struct MemoryPlan {
     pub explicit_kv: bool,
     /// True when the pool was capped at what `max_num_seqs` full-length requests can use.
     pub capped: bool,
+    /// True when the pool was capped at what one layer's storage binding holds (a GPU's).
+    pub binding_cap: bool,
     /// The recurrent-state pool beside the KV pool (linear-attention layers): running
     /// requests' slots, prefix-cache checkpoints, and their bytes.
     pub state_slots: usize,
@@ -155,6 +157,8 @@ pub struct PlanInputs {
     pub state_draft_slots: usize,
     /// A draft model's share, included in `weight_bytes` and `bytes_per_block`.
     pub draft: Option<DraftShare>,
+    /// The most blocks one layer's pages may hold (a GPU's largest storage binding).
+    pub max_blocks: Option<usize>,
 }
 
 pub(crate) const GIB: f64 = (1u64 << 30) as f64;
@@ -197,6 +201,18 @@ pub fn plan(i: &PlanInputs) -> Result<MemoryPlan> {
     let mut num_blocks = (kv_bytes / i.bytes_per_block) as usize;
     let need = |len: usize| max_blocks(&i.kv_groups, len, i.block_size, i.chunk);
     let blocks_per_request = need(i.max_model_len);
+    let binding_cap = i.max_blocks.filter(|&m| m < num_blocks);
+    if let Some(cap) = binding_cap {
+        if cap < blocks_per_request {
+            bail!(
+                "one layer's K/V for a request of --max-model-len {} needs {blocks_per_request} \
+                 blocks, past the {cap} one storage binding of this GPU holds: lower \
+                 --max-model-len",
+                i.max_model_len
+            );
+        }
+        num_blocks = cap;
+    }
     if num_blocks < blocks_per_request {
         // The longest request that fits (for a fix to suggest).
         let (mut lo, mut hi) = (0, i.max_model_len);
@@ -246,6 +262,7 @@ pub fn plan(i: &PlanInputs) -> Result<MemoryPlan> {
         layers_per_block: i.layers_per_block,
         explicit_kv: i.kv_cache_memory.is_some(),
         capped,
+        binding_cap: binding_cap.is_some(),
         state_slots,
         state_checkpoints,
         state_draft_slots,
@@ -336,6 +353,9 @@ impl fmt::Display for MemoryPlan {
         if self.capped {
             write!(f, " (capped at max_num_seqs full-length requests)")?;
         }
+        if self.binding_cap {
+            write!(f, " (capped at what one layer's storage binding holds)")?;
+        }
         Ok(())
     }
 }
@@ -363,6 +383,7 @@ mod tests {
             draft: None,
             state_checkpoints: 0,
             state_draft_slots: 0,
+            max_blocks: None,
         }
     }
 
@@ -390,6 +411,28 @@ mod tests {
         i.utilization = 0.1;
         let e = plan(&i).unwrap_err().to_string();
         assert!(e.contains("raise --gpu-memory-utilization"), "{e}");
+    }
+
+    /// A GPU whose storage bindings hold fewer blocks of a layer than the budget pays for
+    /// gets that many, said so; fewer than one request needs is refused.
+    #[test]
+    fn pool_is_capped_at_what_one_binding_holds() {
+        let free = plan(&inputs()).unwrap();
+        let need = free.blocks_per_request;
+        let p = plan(&PlanInputs {
+            max_blocks: Some(need + 3),
+            ..inputs()
+        })
+        .unwrap();
+        assert!(free.num_blocks > need + 3);
+        assert_eq!(p.num_blocks, need + 3);
+        assert!(p.to_string().contains("one layer's storage binding"), "{p}");
+        let e = plan(&PlanInputs {
+            max_blocks: Some(need - 1),
+            ..inputs()
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("lower --max-model-len"), "{e}");
     }
 
     #[test]

@@ -58,6 +58,11 @@ pub trait Startup: Sized {
         0
     }
 
+    /// The most bytes one layer's K/V pages may take (a GPU's largest storage binding).
+    fn layer_pages_limit(&self) -> Option<u64> {
+        None
+    }
+
     /// KV blocks (and, for recurrent state, slots) kept past the scheduler's, for rows
     /// that pad a step out to a fixed shape.
     fn padding(&self) -> usize {
@@ -122,6 +127,7 @@ pub fn load<S: Startup>(
         state_per_slot: model.state_bytes_per_slot() as u64,
         draft: draft.as_ref().map(|(d, _)| args.draft_share(d)),
         kv_slots: split.then(|| model.kv_slots()),
+        layer_pages_limit: device.layer_pages_limit(),
     };
     let (plan, mut scheduler) =
         args.plan(&rank_config, max_model_len, device.memory_bytes(), bytes)?;

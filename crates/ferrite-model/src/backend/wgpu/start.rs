@@ -51,6 +51,11 @@ impl Startup for WgpuStart {
         self.gpu.memory_bytes
     }
 
+    /// K and V of a layer share one buffer, bound whole.
+    fn layer_pages_limit(&self) -> Option<u64> {
+        Some(self.gpu.limits.max_storage_buffer_binding_size)
+    }
+
     fn backend(
         &mut self,
         args: &EngineArgs,
