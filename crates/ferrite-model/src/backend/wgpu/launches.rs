@@ -152,7 +152,7 @@ impl WgpuBackend {
         e: &Embedding,
         ids: &wgpu::Buffer,
         tokens: usize,
-        mut params: [u32; 6],
+        mut params: [u32; 7],
         out: &mut Act,
         add: bool,
     ) -> Result<()> {
@@ -164,6 +164,7 @@ impl WgpuBackend {
         for part in &e.table.parts {
             params[2] = (e.first + part.first) as u32;
             params[3] = part.rows as u32;
+            params[6] = part.scales as u32;
             let buffers = [ids, &part.buf, &y];
             launch(
                 &gpu.device,
@@ -200,7 +201,7 @@ pub(super) fn check_ids(ids: &[u32], e: &Embedding) -> Result<()> {
     }
 }
 
-pub(super) fn embed_params(e: &Embedding, ids_at: u32, scale: f32, add: bool) -> [u32; 6] {
+pub(super) fn embed_params(e: &Embedding, ids_at: u32, scale: f32, add: bool) -> [u32; 7] {
     [
         e.table.cols as u32,
         ids_at,
@@ -208,5 +209,6 @@ pub(super) fn embed_params(e: &Embedding, ids_at: u32, scale: f32, add: bool) ->
         e.table.rows as u32,
         scale.to_bits(),
         add as u32,
+        0,
     ]
 }

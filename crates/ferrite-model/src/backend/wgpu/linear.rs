@@ -30,12 +30,20 @@ impl Format {
         }
     }
 
-    /// Words of a row of `cols` values.
+    /// Words of a row of `cols` values (codes and scales).
     pub fn row_words(self, cols: usize) -> usize {
         match self {
             Self::F16 => cols.div_ceil(2),
-            Self::Q8_0 => cols / 32 * 9,
-            Self::Q4_0 | Self::Q4_1 => cols / 32 * 5,
+            _ => cols / 32 * (1 + self.code_words()),
+        }
+    }
+
+    /// Words of a block's codes.
+    fn code_words(self) -> usize {
+        match self {
+            Self::F16 => 0,
+            Self::Q8_0 => 8,
+            Self::Q4_0 | Self::Q4_1 => 4,
         }
     }
 
@@ -50,29 +58,41 @@ impl Format {
     }
 }
 
-/// GGUF blocks as the kernels read them: the block's f16 scale (and min: two GGUF f16s) in a
-/// word, then its codes, little-endian, in whole words.
-fn repack(format: Format, bytes: &[u8]) -> Vec<u32> {
+/// Quantized rows as the kernels read them: every block's codes (whole 16-byte vectors:
+/// Q8_0's 32 bytes, a Q4 block's 16), and per block a word with its f16 scale (and min: two
+/// GGUF f16s), both in row order.
+struct Blocks {
+    codes: Vec<u32>,
+    scales: Vec<u32>,
+}
+
+fn repack(format: Format, bytes: &[u8]) -> Blocks {
     let head = match format {
         Format::Q4_1 => 4,
         _ => 2,
     };
-    let word = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-    let mut out = Vec::with_capacity(bytes.len() / 4 + bytes.len() / format.gguf_block());
+    let blocks = bytes.len() / format.gguf_block();
+    let mut out = Blocks {
+        codes: Vec::with_capacity(bytes.len() / 4),
+        scales: Vec::with_capacity(blocks),
+    };
     for block in bytes.chunks_exact(format.gguf_block()) {
         let mut scales = [0u8; 4];
         scales[..head].copy_from_slice(&block[..head]);
-        out.push(u32::from_le_bytes(scales));
-        out.extend(block[head..].chunks_exact(4).map(word));
+        out.scales.push(u32::from_le_bytes(scales));
+        let word = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        out.codes.extend(block[head..].chunks_exact(4).map(word));
     }
     out
 }
 
-/// Rows `first..first + rows` of a matrix.
+/// Rows `first..first + rows` of a matrix; a quantized part's block scales from word
+/// `scales` on.
 pub struct Part {
     pub buf: wgpu::Buffer,
     pub first: usize,
     pub rows: usize,
+    pub scales: usize,
 }
 
 /// A `[rows, cols]` matrix (projections of one input stacked by rows).
@@ -103,7 +123,7 @@ impl Linear {
             Some(f) if parts.iter().all(|p| Format::of(p.dtype()) == f) => f,
             _ => Format::F16,
         };
-        let words = match format {
+        let blocks = match format {
             Format::F16 => {
                 let mut values = Vec::new();
                 for p in parts {
@@ -113,23 +133,38 @@ impl Linear {
                             .to_vec1::<f32>()?,
                     );
                 }
-                f16_words(&values, cols)
+                Blocks {
+                    codes: f16_words(&values, cols),
+                    scales: Vec::new(),
+                }
             }
-            _ => parts
-                .iter()
-                .map(|p| Ok(repack(format, &p.data()?)))
-                .collect::<Result<Vec<_>>>()?
-                .concat(),
+            _ => {
+                let mut all = Blocks {
+                    codes: Vec::new(),
+                    scales: Vec::new(),
+                };
+                for p in parts {
+                    let b = repack(format, &p.data()?);
+                    all.codes.extend(b.codes);
+                    all.scales.extend(b.scales);
+                }
+                all
+            }
         };
-        Self::from_words(gpu, &words, cols, format)
+        Self::from_blocks(gpu, &blocks, cols, format)
     }
 
-    fn from_words(gpu: &Gpu, words: &[u32], cols: usize, format: Format) -> Result<Self> {
+    fn from_blocks(gpu: &Gpu, blocks: &Blocks, cols: usize, format: Format) -> Result<Self> {
         let row_words = format.row_words(cols);
-        let rows = words.len() / row_words.max(1);
-        let per_part = (gpu.limits.max_storage_buffer_binding_size as usize
-            / (4 * row_words.max(1)))
-        .min(rows.max(1));
+        // Per row: its codes (f16 words for F16), and its blocks' scale words.
+        let (code_row, scale_row) = match format {
+            Format::F16 => (row_words, 0),
+            _ => (cols / 32 * format.code_words(), cols / 32),
+        };
+        let rows = blocks.codes.len() / code_row.max(1);
+        // A 16-byte vector past each part for the padding.
+        let limit = gpu.limits.max_storage_buffer_binding_size as usize - 16;
+        let per_part = (limit / (4 * row_words.max(1))).min(rows.max(1));
         if per_part == 0 {
             bail!("a row of {cols} values does not fit one binding");
         }
@@ -137,10 +172,18 @@ impl Linear {
             .step_by(per_part)
             .map(|first| {
                 let n = per_part.min(rows - first);
+                let mut words = blocks.codes[first * code_row..][..n * code_row].to_vec();
+                let scales = words.len();
+                if scale_row > 0 {
+                    words.extend_from_slice(&blocks.scales[first * scale_row..][..n * scale_row]);
+                }
+                // Bound as 16-byte vectors.
+                words.resize(words.len().next_multiple_of(4), 0);
                 Part {
-                    buf: upload_words(gpu, "weights", &words[first * row_words..][..n * row_words]),
+                    buf: upload_words(gpu, "weights", &words),
                     first,
                     rows: n,
+                    scales,
                 }
             })
             .collect();
@@ -201,6 +244,7 @@ pub fn matmul(
                 p.first as u32,
                 out.add as u32,
                 row0 as u32,
+                p.scales as u32,
             ]
         };
         let buffers = [x, &p.buf, out.y];

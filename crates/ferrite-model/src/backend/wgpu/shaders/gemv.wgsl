@@ -1,7 +1,6 @@
 // y[m, off + n] (+)= sum_k x[m, k] * w[n, k] for a few rows of x (decodes), w as weights.wgsl
-// stores it: each subgroup
-// takes rows of w in turn, reading each once, coalesced, for every row of x, and sums with
-// subgroupAdd (any subgroup size: 8 on lavapipe, 32 on Apple and NVIDIA, 64 on AMD). A
+// stores it: each subgroup takes rows of w in turn, reading each once, coalesced, for every
+// row of x, and sums with subgroupAdd (any subgroup size: 8 on lavapipe, 32 on Apple and NVIDIA, 64 on AMD). A
 // workgroup takes 16 rows of w: few workgroups, which CPU drivers schedule at a cost each.
 // `add`: into the residual stream.
 
@@ -14,11 +13,13 @@ struct P {
     add: u32,
     // The first row of x and y (a step's rows taken 8 at a time).
     row0: u32,
+    // The word where a quantized part's block scales start.
+    scales: u32,
 }
 var<immediate> p: P;
 
-@group(0) @binding(0) var<storage, read> x: array<f32>;
-@group(0) @binding(1) var<storage, read> w: array<u32>;
+@group(0) @binding(0) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> w: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 
 // Rows of w per workgroup (linear.rs launches n / ROWS workgroups).
@@ -35,19 +36,19 @@ fn main(
     @builtin(subgroup_invocation_id) lane: u32,
 ) {
     let first = (g.y * 65535u + g.x) * ROWS;
-    let kw = row_words(p.k);
+    let kw = f16_row_words(p.k);
+    let nb = p.k / 32u;
     for (var n = first + sg; n < min(first + ROWS, p.n); n += sgs) {
         var acc0 = vec4<f32>(0.0);
         var acc1 = vec4<f32>(0.0);
         // Quantized rows: each lane takes whole blocks of 32 values.
-        for (var b = lane; FMT != 0u && b < p.k / 32u; b += size) {
-            let at = n * kw + b * block_words();
+        for (var b = lane; FMT != 0u && b < nb; b += size) {
+            let blk = block(n * nb + b, p.scales);
             for (var j = 0u; j < 8u; j++) {
-                let wq = block_quad(at, j);
+                let wq = quad(blk, j);
                 let c = 32u * b + 4u * j;
                 for (var r = 0u; r < M; r++) {
-                    let xr = (p.row0 + r) * p.k + c;
-                    let v = dot(wq, vec4<f32>(x[xr], x[xr + 1u], x[xr + 2u], x[xr + 3u]));
+                    let v = dot(wq, x[((p.row0 + r) * p.k + c) / 4u]);
                     if r < 4u {
                         acc0[r] += v;
                     } else {
@@ -57,13 +58,14 @@ fn main(
             }
         }
         for (var c2 = lane; FMT == 0u && c2 < kw; c2 += size) {
-            let wv = unpack2x16float(w[n * kw + c2]);
+            let wv = unpack2x16float(word(n * kw + c2));
             let c = 2u * c2;
             let pair = c + 1u < p.k;
             for (var r = 0u; r < M; r++) {
-                var v = wv.x * x[(p.row0 + r) * p.k + c];
+                let xr = (p.row0 + r) * p.k + c;
+                var v = wv.x * x[xr / 4u][xr % 4u];
                 if pair {
-                    v += wv.y * x[(p.row0 + r) * p.k + c + 1u];
+                    v += wv.y * x[(xr + 1u) / 4u][(xr + 1u) % 4u];
                 }
                 if r < 4u {
                     acc0[r] += v;

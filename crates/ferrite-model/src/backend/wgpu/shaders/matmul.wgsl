@@ -9,11 +9,14 @@ struct P {
     ldy: u32,
     off: u32,
     add: u32,
+    row0: u32,
+    // The word where a quantized part's block scales start.
+    scales: u32,
 }
 var<immediate> p: P;
 
 @group(0) @binding(0) var<storage, read> x: array<f32>;
-@group(0) @binding(1) var<storage, read> w: array<u32>;
+@group(0) @binding(1) var<storage, read> w: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 
 const TM: u32 = 32u;
@@ -28,7 +31,7 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i:
     let m0 = g.y * TM;
     let tn = i % 16u;
     let tm = i / 16u;
-    let kw = row_words(p.k);
+    let kw = f16_row_words(p.k);
     var acc: array<f32, 8>;
     for (var k0 = 0u; k0 < p.k; k0 += TK) {
         for (var e = i; e < TM * TK; e += 256u) {
@@ -46,7 +49,7 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i:
             let j = e % 8u;
             var q = vec4<f32>(0.0);
             if n0 + r < p.n {
-                q = block_quad((n0 + r) * kw + k0 / 32u * block_words(), j);
+                q = quad(block((n0 + r) * (p.k / 32u) + k0 / 32u, p.scales), j);
             }
             for (var t = 0u; t < 4u; t++) {
                 ws[(4u * j + t) * TN + r] = q[t];
@@ -59,7 +62,7 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i:
             let gc = k0 / 2u + c2;
             var v = vec2<f32>(0.0);
             if gr < p.n && gc < kw {
-                v = unpack2x16float(w[gr * kw + gc]);
+                v = unpack2x16float(word(gr * kw + gc));
             }
             ws[2u * c2 * TN + r] = v.x;
             ws[(2u * c2 + 1u) * TN + r] = v.y;
