@@ -101,6 +101,15 @@ pub struct AttentionSpec {
 }
 
 impl AttentionSpec {
+    /// Refuses a fused projection that is not Q|K|V of this layer's heads.
+    pub fn check_qkv_width(&self, cols: usize) -> Result<()> {
+        let want = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim;
+        match cols == want {
+            true => Ok(()),
+            false => bail!("QKV projection is {cols} wide, expected {want}"),
+        }
+    }
+
     /// This spec for layer `layer` of `layout`.
     pub fn at(self, layout: &ferrite_core::kv_layout::KvLayout, layer: usize) -> Self {
         Self {

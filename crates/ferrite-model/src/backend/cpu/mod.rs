@@ -368,13 +368,7 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let d = a.head_dim;
         let (q_w, kv_w) = (a.num_heads * d, a.num_kv_heads * d);
-        if qkv.cols != q_w + 2 * kv_w {
-            bail!(
-                "QKV projection is {} wide, expected {}",
-                qkv.cols,
-                q_w + 2 * kv_w
-            );
-        }
+        a.check_qkv_width(qkv.cols)?;
         let t = qkv.rows();
         let qd = q.shape(t, q_w);
         let (k, v) = (&mut self.k, &mut self.v);

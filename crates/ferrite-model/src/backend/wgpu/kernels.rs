@@ -94,8 +94,20 @@ fn kernel(
 
 /// The WGSL sources, by file.
 pub const SHADERS: [(&str, &str); 8] = [
-    ("rms_norm", include_str!("shaders/rms_norm.wgsl")),
-    ("layer_norm", include_str!("shaders/layer_norm.wgsl")),
+    (
+        "rms_norm",
+        concat!(
+            include_str!("shaders/reduce.wgsl"),
+            include_str!("shaders/rms_norm.wgsl")
+        ),
+    ),
+    (
+        "layer_norm",
+        concat!(
+            include_str!("shaders/reduce.wgsl"),
+            include_str!("shaders/layer_norm.wgsl")
+        ),
+    ),
     (
         "embed",
         concat!(
@@ -118,8 +130,20 @@ pub const SHADERS: [(&str, &str); 8] = [
         ),
     ),
     ("pointwise", include_str!("shaders/pointwise.wgsl")),
-    ("qkv", include_str!("shaders/qkv.wgsl")),
-    ("attention", include_str!("shaders/attention.wgsl")),
+    (
+        "qkv",
+        concat!(
+            include_str!("shaders/reduce.wgsl"),
+            include_str!("shaders/qkv.wgsl")
+        ),
+    ),
+    (
+        "attention",
+        concat!(
+            include_str!("shaders/reduce.wgsl"),
+            include_str!("shaders/attention.wgsl")
+        ),
+    ),
 ];
 
 fn module(device: &wgpu::Device, name: &str) -> wgpu::ShaderModule {

@@ -247,15 +247,8 @@ impl Backend for WgpuBackend {
         cache: &mut KvPages,
         q: &mut Act,
     ) -> Result<()> {
-        let d = a.head_dim;
-        let (q_w, kv_w) = (a.num_heads * d, a.num_kv_heads * d);
-        if qkv.cols != q_w + 2 * kv_w {
-            bail!(
-                "QKV projection is {} wide, expected {}",
-                qkv.cols,
-                q_w + 2 * kv_w
-            );
-        }
+        let q_w = a.num_heads * a.head_dim;
+        a.check_qkv_width(qkv.cols)?;
         let (gpu, k) = (self.gpu.clone(), self.kernels.clone());
         let qb = q.shape(&gpu, qkv.rows, q_w)?.clone();
         let args = QkvArgs {

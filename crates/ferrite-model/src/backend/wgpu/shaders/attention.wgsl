@@ -32,38 +32,9 @@ const MAX_D: u32 = 512u;
 var<workgroup> qs: array<f32, MAX_D>;
 var<workgroup> ps: array<f32, WG>;
 var<workgroup> at: array<u32, WG>;
-var<workgroup> red: array<f32, WG>;
 // The token's request and key range, read back as uniform values: the loop over keys holds
 // barriers.
 var<workgroup> span: vec3<u32>;
-
-fn reduce_max(v: f32, i: u32) -> f32 {
-    red[i] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if i < s {
-            red[i] = max(red[i], red[i + s]);
-        }
-        workgroupBarrier();
-    }
-    let t = red[0];
-    workgroupBarrier();
-    return t;
-}
-
-fn reduce_sum(v: f32, i: u32) -> f32 {
-    red[i] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if i < s {
-            red[i] += red[i + s];
-        }
-        workgroupBarrier();
-    }
-    let t = red[0];
-    workgroupBarrier();
-    return t;
-}
 
 // Element `e` of K/V from word `base` on.
 fn kv(base: u32, e: u32) -> f32 {
@@ -144,14 +115,14 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i:
                 s = p.softcap * tanh(clamp(s / p.softcap, -15.0, 15.0));
             }
         }
-        let m_new = max(m, reduce_max(s, i));
+        let m_new = max(m, largest(s, i));
         let alpha = exp(m - m_new);
         var pj = 0.0;
         if j <= last {
             pj = exp(s - m_new);
         }
         ps[i] = pj;
-        l = l * alpha + reduce_sum(pj, i);
+        l = l * alpha + total(pj, i);
         m = m_new;
         let n = min(WG, last + 1u - j0);
         var k = 0u;

@@ -11,21 +11,6 @@ var<immediate> p: P;
 @group(0) @binding(2) var<storage, read_write> x: array<f32>;
 
 const WG: u32 = 256u;
-var<workgroup> part: array<f32, WG>;
-
-fn total(v: f32, i: u32) -> f32 {
-    part[i] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if i < s {
-            part[i] += part[i + s];
-        }
-        workgroupBarrier();
-    }
-    let t = part[0];
-    workgroupBarrier();
-    return t;
-}
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i: u32) {

@@ -31,21 +31,6 @@ var<immediate> p: P;
 const WG: u32 = 64u;
 const NO_SLOT: u32 = 0xffffffffu;
 var<workgroup> val: array<f32, 512>;
-var<workgroup> part: array<f32, WG>;
-
-fn total(v: f32, i: u32) -> f32 {
-    part[i] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if i < s {
-            part[i] += part[i + s];
-        }
-        workgroupBarrier();
-    }
-    let t = part[0];
-    workgroupBarrier();
-    return t;
-}
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i: u32) {
