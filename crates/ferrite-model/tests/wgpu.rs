@@ -17,14 +17,15 @@ use ferrite_model::settings::GpuApi;
 use ferrite_model::settings::LoadFormat;
 use std::sync::OnceLock;
 
-/// What f16 weights and f32 activations allow; K/V in the stored type.
+/// The suite's values are exact in f16 and the quantized blocks are read as they are: the
+/// matmuls differ by f32 reassociation alone; K/V in the stored type.
 const F16_WEIGHTS: suite::Tolerances = suite::Tolerances {
-    linear: 1e-3,
+    linear: 1e-5,
     attention: |kv| match kv {
         KvCacheDtype::Fp32 => 1e-5,
         _ => 2e-3,
     },
-    moe: 1e-3,
+    moe: 1e-5,
     gated_delta: 1e-4,
     pointwise: 1e-5,
 };
