@@ -112,7 +112,7 @@ pub fn prepare_qkv(
     ];
     let heads = spec.num_heads + 2 * spec.num_kv_heads;
     let groups = [heads as u32, a.tokens as u32, 1];
-    launch(&gpu.device, pass, &k.qkv, &buffers, &params, groups);
+    launch(gpu, pass, &k.qkv, &buffers, &params, groups);
 }
 
 /// Attention's view of the step: offsets of its arrays in the step's words.
@@ -155,5 +155,5 @@ pub fn attention(
     ];
     let buffers = [q, &cache.buf, s.step, sinks.unwrap_or(&k.empty), out];
     let groups = [spec.num_heads as u32, s.tokens as u32, 1];
-    launch(&gpu.device, pass, &k.attention, &buffers, &params, groups);
+    launch(gpu, pass, &k.attention, &buffers, &params, groups);
 }

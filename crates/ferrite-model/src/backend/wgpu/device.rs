@@ -1,6 +1,7 @@
 //! Opening a GPU through wgpu: the adapter `--device` names, the features and limits the
 //! kernels need, and the memory the budget is a share of.
 
+use super::profile::{self, Profiler};
 use crate::settings::GpuApi;
 use anyhow::{bail, Context, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,6 +20,8 @@ pub struct Gpu {
     errors: Arc<Mutex<Option<String>>>,
     /// Bytes of activation buffers allocated (they are kept and reused).
     activations: AtomicU64,
+    /// Timestamps around every launch, when asked for.
+    pub profiler: Option<Mutex<Profiler>>,
 }
 
 fn backends(api: GpuApi) -> wgpu::Backends {
@@ -69,11 +72,19 @@ impl Gpu {
                 info.driver
             );
         }
+        let profiling = profile::wanted() && adapter.features().contains(profile::features());
+        if profile::wanted() && !profiling {
+            tracing::warn!("{}: no timestamps inside passes, no profile", info.name);
+        }
+        let features = match profiling {
+            true => needed() | profile::features(),
+            false => needed(),
+        };
         let limits = adapter.limits();
         let memory_bytes = memory::adapter_bytes(&adapter)?;
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("ferrite"),
-            required_features: needed(),
+            required_features: features,
             required_limits: limits.clone(),
             ..Default::default()
         }))
@@ -84,7 +95,9 @@ impl Gpu {
             let mut first = sink.lock().unwrap_or_else(|p| p.into_inner());
             first.get_or_insert_with(|| e.to_string());
         }));
+        let profiler = profiling.then(|| Mutex::new(Profiler::new(&device, &queue)));
         Ok(Arc::new(Self {
+            profiler,
             device,
             queue,
             info,

@@ -1,6 +1,7 @@
 //! The compute pipelines, one per WGSL entry point, and how a launch binds its buffers:
 //! parameters go in immediates, buffers in one bind group made per launch.
 
+use super::device::Gpu;
 use anyhow::Result;
 use wgpu::util::DeviceExt;
 
@@ -21,6 +22,8 @@ pub struct Kernels {
     pub matmul: Vec<Kernel>,
     /// By weight format, then rows of x (1 to [`GEMV_ROWS`]).
     pub gemv: Vec<Vec<Kernel>>,
+    /// Whether the adapter is a CPU (lavapipe): fewer, larger workgroups.
+    cpu: bool,
     pub gated: Kernel,
     pub gate_sigmoid: Kernel,
     pub add_bias: Kernel,
@@ -36,6 +39,15 @@ const IMMEDIATES: u32 = 64;
 
 /// Most rows of x the matrix-vector kernel takes; more go through tiles.
 pub const GEMV_ROWS: usize = 8;
+
+/// Rows of w a subgroup of the matrix-vector kernel takes at once for `m` rows of x: each
+/// load of x serves them all.
+fn gemv_r(m: usize) -> usize {
+    match m {
+        1 | 2 => 2,
+        _ => 4,
+    }
+}
 
 /// Weight formats the matmul kernels read (`FMT` in weights.wgsl).
 pub const FORMATS: usize = 4;
@@ -155,7 +167,8 @@ fn module(device: &wgpu::Device, name: &str) -> wgpu::ShaderModule {
 }
 
 impl Kernels {
-    pub fn new(device: &wgpu::Device) -> Result<Self> {
+    /// `cpu`: the adapter is a CPU (its workgroups are scheduled at a cost each).
+    pub fn new(device: &wgpu::Device, cpu: bool) -> Result<Self> {
         let one = |file: &'static str, access: &str| {
             kernel(device, &module(device, file), (file, "main"), access, &[])
         };
@@ -179,13 +192,19 @@ impl Kernels {
             gemv: {
                 let m = module(device, "gemv");
                 let pipeline = |f: usize, rows: usize| {
-                    let c = [("FMT", f as f64), ("M", rows as f64)];
+                    let c = [
+                        ("FMT", f as f64),
+                        ("M", rows as f64),
+                        ("R", gemv_r(rows) as f64),
+                        ("ROWS", gemv_workgroup_rows(rows, cpu) as f64),
+                    ];
                     kernel(device, &m, ("gemv", "main"), "rrw", &c)
                 };
                 (0..FORMATS)
                     .map(|f| (1..=GEMV_ROWS).map(|rows| pipeline(f, rows)).collect())
                     .collect()
             },
+            cpu,
             gated: pw("gated"),
             gate_sigmoid: pw("gate_sigmoid"),
             add_bias: pw("add_bias"),
@@ -201,10 +220,25 @@ impl Kernels {
     }
 }
 
+impl Kernels {
+    /// Rows of w per workgroup of the matrix-vector kernel for `m` rows of x.
+    pub fn gemv_workgroup_rows(&self, m: usize) -> usize {
+        gemv_workgroup_rows(m, self.cpu)
+    }
+}
+
+/// Two subgroups' rows on a GPU (workgroups of 64 lanes, subgroups of 32); 16 on a CPU.
+fn gemv_workgroup_rows(m: usize, cpu: bool) -> usize {
+    match cpu {
+        true => 16,
+        false => 2 * gemv_r(m),
+    }
+}
+
 /// Records `k` over `groups` workgroups with `buffers` bound in order and `params` (u32 words,
 /// f32 as their bits) as immediates.
 pub fn launch(
-    device: &wgpu::Device,
+    gpu: &Gpu,
     pass: &mut wgpu::ComputePass<'static>,
     k: &Kernel,
     buffers: &[&wgpu::Buffer],
@@ -220,7 +254,7 @@ pub fn launch(
             resource: b.as_entire_binding(),
         })
         .collect();
-    let group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+    let group = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
         label: Some(k.name),
         layout: &k.layout,
         entries: &entries,
@@ -230,7 +264,16 @@ pub fn launch(
     pass.set_pipeline(&k.pipeline);
     pass.set_bind_group(0, &group, &[]);
     pass.set_immediates(0, bytemuck::cast_slice(&words));
-    pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
+    let dispatch = |pass: &mut wgpu::ComputePass<'static>| {
+        pass.dispatch_workgroups(groups[0], groups[1], groups[2])
+    };
+    match &gpu.profiler {
+        Some(p) => p
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .around(pass, k.name, dispatch),
+        None => dispatch(pass),
+    }
 }
 
 /// Workgroups `n` apart, spread over two dimensions past the 65,535 limit of one (the kernel

@@ -33,7 +33,7 @@ impl WgpuBackend {
         ];
         let groups = [rows as u32, 1, 1];
         launch(
-            &gpu.device,
+            &gpu,
             self.pass(),
             &k.rms_norm,
             &[x, w, idx, y],
@@ -51,14 +51,7 @@ impl WgpuBackend {
         p: [u32; 4],
     ) {
         let gpu = self.gpu.clone();
-        launch(
-            &gpu.device,
-            self.pass(),
-            k,
-            &[a, y],
-            &p,
-            groups_for(p[0] as usize),
-        );
+        launch(&gpu, self.pass(), k, &[a, y], &p, groups_for(p[0] as usize));
     }
 
     /// `input` through `w` into `y` (`[rows, w.rows]`), stored or added.
@@ -167,7 +160,7 @@ impl WgpuBackend {
             params[6] = part.scales as u32;
             let buffers = [ids, &part.buf, &y];
             launch(
-                &gpu.device,
+                &gpu,
                 self.pass(),
                 &k.embed[e.table.format as usize],
                 &buffers,

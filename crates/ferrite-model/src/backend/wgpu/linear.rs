@@ -9,6 +9,7 @@ use super::tensors::{f16_words, upload_words};
 use anyhow::{bail, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
+use rand::Rng;
 
 /// How a matrix's rows are stored (`FMT` in weights.wgsl: the enum's order).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -154,6 +155,29 @@ impl Linear {
         Self::from_blocks(gpu, &blocks, cols, format)
     }
 
+    /// Random Q8_0 rows (`--load-format dummy`), stacked: a pool of random blocks tiled
+    /// from a random start (a benchmark needs the bytes, not billions of fresh draws).
+    pub fn random(gpu: &Gpu, rows: &[usize], cols: usize) -> Result<Self> {
+        const POOL: usize = 1 << 16;
+        let mut rng = rand::rng();
+        // Codes uniform in -128..=127 (deviation ~74), scaled to a deviation of 0.02.
+        let scale = half::f16::from_f32(0.02 / 73.9).to_bits() as u32;
+        let pool: Vec<u32> = (0..POOL * 8).map(|_| rng.random()).collect();
+        let blocks = rows.iter().sum::<usize>() * cols / 32;
+        let start = rng.random_range(0..POOL);
+        let codes = (0..blocks)
+            .flat_map(|b| {
+                let at = 8 * ((start + b) % POOL);
+                pool[at..at + 8].iter().copied()
+            })
+            .collect();
+        let blocks = Blocks {
+            codes,
+            scales: vec![scale; blocks],
+        };
+        Self::from_blocks(gpu, &blocks, cols, Format::Q8_0)
+    }
+
     fn from_blocks(gpu: &Gpu, blocks: &Blocks, cols: usize, format: Format) -> Result<Self> {
         let row_words = format.row_words(cols);
         // Per row: its codes (f16 words for F16), and its blocks' scale words.
@@ -229,11 +253,13 @@ pub fn matmul(
     out: Out,
     pick: Pick,
 ) {
-    let vectors = match pick {
-        Pick::Gpu => m <= GEMV_ROWS,
-        Pick::Cpu => true,
-        Pick::Tiled => false,
-    };
+    // The matrix-vector kernel reads f16 rows as whole 16-byte vectors.
+    let vectors = (w.format != Format::F16 || w.cols.is_multiple_of(8))
+        && match pick {
+            Pick::Gpu => m <= GEMV_ROWS,
+            Pick::Cpu => true,
+            Pick::Tiled => false,
+        };
     for p in &w.parts {
         let params = |rows: usize, row0: usize| {
             [
@@ -249,9 +275,9 @@ pub fn matmul(
         };
         let buffers = [x, &p.buf, out.y];
         if !vectors {
-            let groups = [p.rows.div_ceil(64) as u32, m.div_ceil(32) as u32, 1];
+            let groups = [p.rows.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
             launch(
-                &gpu.device,
+                gpu,
                 pass,
                 &k.matmul[w.format as usize],
                 &buffers,
@@ -262,9 +288,9 @@ pub fn matmul(
         }
         for row0 in (0..m).step_by(GEMV_ROWS) {
             let rows = GEMV_ROWS.min(m - row0);
-            let groups = spread(p.rows.div_ceil(16));
+            let groups = spread(p.rows.div_ceil(k.gemv_workgroup_rows(rows)));
             launch(
-                &gpu.device,
+                gpu,
                 pass,
                 &k.gemv[w.format as usize][rows - 1],
                 &buffers,

@@ -11,6 +11,7 @@ pub mod kernels;
 mod launches;
 pub mod linear;
 mod ops;
+mod profile;
 pub mod start;
 mod step;
 pub mod tensors;
@@ -58,7 +59,8 @@ pub struct WgpuBackend {
 
 impl WgpuBackend {
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
-        let kernels = Arc::new(Kernels::new(&gpu.device)?);
+        let cpu = gpu.info.device_type == wgpu::DeviceType::Cpu;
+        let kernels = Arc::new(Kernels::new(&gpu.device, cpu)?);
         gpu.take_error()?;
         Ok(Self::with_kernels(gpu, kernels))
     }

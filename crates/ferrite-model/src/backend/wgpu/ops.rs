@@ -8,8 +8,8 @@ use super::linear::Linear;
 use super::tensors::{upload_f32, upload_words, Act, Vector};
 use super::{attention, Embedding, Rope, WgpuBackend, NOT_YET};
 use crate::backend::{
-    AttentionSpec, Backend, Epilogue, Forward, GdnParams, GdnSpec, LinearIn, MoeBytes, MoeMatrices,
-    MoeSpec, Pointwise, QkvPrep, Rounding, Stack, Step,
+    random_matrix, AttentionSpec, Backend, Epilogue, Forward, GdnParams, GdnSpec, LinearIn,
+    MoeBytes, MoeMatrices, MoeSpec, Pointwise, QkvPrep, Rounding, Stack, Step,
 };
 use crate::config::RopeStyle;
 use crate::kv_dtype::KvCacheDtype;
@@ -43,6 +43,33 @@ impl Backend for WgpuBackend {
     /// whatever `_input` asks.
     fn linear(&self, parts: Vec<QTensor>, _stack: Stack, _input: Rounding) -> Result<Linear> {
         Linear::upload(&self.gpu, &parts)
+    }
+
+    /// Drawn cheaply on the host (Q8_0 blocks from a pool) where the rows are whole blocks.
+    fn random_linear(
+        &self,
+        rows: &[usize],
+        cols: usize,
+        _stack: Stack,
+        _input: Rounding,
+    ) -> Result<Linear> {
+        match cols % 32 {
+            0 => Linear::random(&self.gpu, rows, cols),
+            _ => {
+                let parts = rows.iter().map(|&r| random_matrix(r, cols));
+                Linear::upload(&self.gpu, &parts.collect::<Result<Vec<_>>>()?)
+            }
+        }
+    }
+
+    fn random_embedding(&self, vocab: usize, hidden: usize) -> Result<Embedding> {
+        match hidden % 32 {
+            0 => Ok(Embedding {
+                table: Linear::random(&self.gpu, &[vocab], hidden)?,
+                first: 0,
+            }),
+            _ => self.embedding(random_matrix(vocab, hidden)?),
+        }
     }
 
     fn embedding(&self, table: QTensor) -> Result<Embedding> {
@@ -171,7 +198,7 @@ impl Backend for WgpuBackend {
         let params = [x.cols as u32, eps.to_bits()];
         let buffers = [&w.buf, &b.buf, x.buf()?];
         launch(
-            &gpu.device,
+            &gpu,
             self.pass(),
             &k.layer_norm,
             &buffers,

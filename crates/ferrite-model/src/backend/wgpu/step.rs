@@ -7,9 +7,11 @@ use super::WgpuBackend;
 use crate::backend::{Forward, Step};
 use crate::step::PackedStep;
 use anyhow::Result;
+use std::time::Instant;
 
 impl WgpuBackend {
     pub(super) fn run_step(&mut self, host: &PackedStep, forward: Forward<Self>) -> Result<()> {
+        let start = Instant::now();
         let inputs = StepInputs::upload(&self.gpu, host);
         self.out.rows = 0;
         let done = forward(
@@ -23,10 +25,16 @@ impl WgpuBackend {
         self.pass = None;
         let encoder = self.encoder.take();
         done?;
-        let Some(encoder) = encoder else {
+        let Some(mut encoder) = encoder else {
             self.host_logits.clear();
             return Ok(());
         };
+        let profiler = self.gpu.profiler.as_ref();
+        let mut profiler = profiler.map(|p| p.lock().unwrap_or_else(|e| e.into_inner()));
+        if let Some(p) = &profiler {
+            p.resolve(&mut encoder);
+        }
+        let record = start.elapsed();
         let bytes = 4 * self.out.len() as u64;
         let out = match self.out.len() {
             0 => {
@@ -36,6 +44,9 @@ impl WgpuBackend {
             }
             _ => read_back(&self.gpu, encoder, self.out.buf()?, bytes)?,
         };
+        if let Some(p) = &mut profiler {
+            p.finish(&self.gpu.device, host.num_tokens(), record, start.elapsed())?;
+        }
         self.host_logits = out;
         self.host_logits.truncate(self.out.len());
         Ok(())

@@ -1,8 +1,9 @@
 // y[m, off + n] (+)= sum_k x[m, k] * w[n, k] for a few rows of x (decodes), w as weights.wgsl
-// stores it: each subgroup takes rows of w in turn, reading each once, coalesced, for every
-// row of x, and sums with subgroupAdd (any subgroup size: 8 on lavapipe, 32 on Apple and NVIDIA, 64 on AMD). A
-// workgroup takes 16 rows of w: few workgroups, which CPU drivers schedule at a cost each.
-// `add`: into the residual stream.
+// stores it, read in blocks (f16 rows: of 8 values, where a row is whole vectors). A subgroup
+// takes R rows of w at once: each lane loads 4 blocks (of those rows, `size` blocks apart)
+// before it sums them, so that loads are in flight together, and each load of x serves the
+// R rows. Sums across lanes with subgroupAdd (any subgroup size: 8 on lavapipe, 32 on Apple
+// and NVIDIA, 64 on AMD). `add`: into the residual stream.
 
 struct P {
     m: u32,
@@ -22,10 +23,13 @@ var<immediate> p: P;
 @group(0) @binding(1) var<storage, read> w: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 
-// Rows of w per workgroup (linear.rs launches n / ROWS workgroups).
-const ROWS: u32 = 16u;
 // Rows of x: a pipeline per count up to 8 (linear.rs), so that the loops over them unroll.
 override M: u32 = 1u;
+// Rows of w a subgroup takes at once: 1, 2 or 4.
+override R: u32 = 2u;
+// Rows of w per workgroup (linear.rs launches n / ROWS workgroups): a subgroup's R on GPUs,
+// more on CPU drivers, which schedule each workgroup at a cost.
+override ROWS: u32 = 4u;
 
 @compute @workgroup_size(64)
 fn main(
@@ -36,56 +40,54 @@ fn main(
     @builtin(subgroup_invocation_id) lane: u32,
 ) {
     let first = (g.y * 65535u + g.x) * ROWS;
-    let kw = f16_row_words(p.k);
-    let nb = p.k / 32u;
-    for (var n = first + sg; n < min(first + ROWS, p.n); n += sgs) {
-        var acc0 = vec4<f32>(0.0);
-        var acc1 = vec4<f32>(0.0);
-        // Quantized rows: each lane takes whole blocks of 32 values.
-        for (var b = lane; FMT != 0u && b < nb; b += size) {
-            let blk = block(n * nb + b, p.scales);
-            for (var j = 0u; j < 8u; j++) {
-                let wq = quad(blk, j);
-                let c = 32u * b + 4u * j;
-                for (var r = 0u; r < M; r++) {
-                    let v = dot(wq, x[((p.row0 + r) * p.k + c) / 4u]);
-                    if r < 4u {
-                        acc0[r] += v;
-                    } else {
-                        acc1[r - 4u] += v;
+    let vals = block_values();
+    let nb = p.k / vals;
+    let quads = vals / 4u;
+    // Blocks of one row a lane loads at once.
+    let u = 4u / R;
+    for (var n0 = first + sg * R; n0 < min(first + ROWS, p.n); n0 += sgs * R) {
+        var acc: array<vec4<f32>, 8>;
+        for (var b0 = lane; b0 < nb; b0 += u * size) {
+            var blk: array<Block, 4>;
+            for (var t = 0u; t < 4u; t++) {
+                let n = n0 + t % R;
+                let b = b0 + t / R * size;
+                if n < p.n && b < nb {
+                    blk[t] = block(n * nb + b, p.scales);
+                }
+            }
+            for (var v = 0u; v < u; v++) {
+                let b = b0 + v * size;
+                for (var j = 0u; j < quads && b < nb; j++) {
+                    var wq: array<vec4<f32>, 4>;
+                    for (var i = 0u; i < R; i++) {
+                        wq[i] = quad(blk[v * R + i], j);
+                    }
+                    let c = (b * vals + 4u * j) / 4u;
+                    for (var r = 0u; r < M; r++) {
+                        let xv = x[(p.row0 + r) * (p.k / 4u) + c];
+                        for (var i = 0u; i < R; i++) {
+                            acc[r][i] += dot(wq[i], xv);
+                        }
                     }
                 }
             }
         }
-        for (var c2 = lane; FMT == 0u && c2 < kw; c2 += size) {
-            let wv = unpack2x16float(word(n * kw + c2));
-            let c = 2u * c2;
-            let pair = c + 1u < p.k;
-            for (var r = 0u; r < M; r++) {
-                let xr = (p.row0 + r) * p.k + c;
-                var v = wv.x * x[xr / 4u][xr % 4u];
-                if pair {
-                    v += wv.y * x[(xr + 1u) / 4u][(xr + 1u) % 4u];
-                }
-                if r < 4u {
-                    acc0[r] += v;
-                } else {
-                    acc1[r - 4u] += v;
-                }
-            }
+        var sums: array<vec4<f32>, 8>;
+        for (var r = 0u; r < M; r++) {
+            sums[r] = subgroupAdd(acc[r]);
         }
-        let s0 = subgroupAdd(acc0);
-        let s1 = subgroupAdd(acc1);
-        if lane < M {
-            var v = s0[min(lane, 3u)];
-            if lane >= 4u {
-                v = s1[lane - 4u];
+        // M x R sums: more than a subgroup of 8 has lanes.
+        for (var o = lane; o < M * R; o += size) {
+            let n = n0 + o % R;
+            if n < p.n {
+                let at = (p.row0 + o / R) * p.ldy + p.off + n;
+                var v = sums[o / R][o % R];
+                if p.add != 0u {
+                    v += y[at];
+                }
+                y[at] = v;
             }
-            let at = (p.row0 + lane) * p.ldy + p.off + n;
-            if p.add != 0u {
-                v += y[at];
-            }
-            y[at] = v;
         }
     }
 }
