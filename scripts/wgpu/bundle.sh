@@ -2,7 +2,7 @@
 # Packs what scripts/wgpu/bench.sh runs on the GPU host (no network there): ferrite (its
 # default build has the wgpu backend), random_gguf, a 1-layer cut of the test model (its
 # tokenizer for random GGUFs) and, when LLAMA_BUILD names a llama.cpp build with
-# -DGGML_VULKAN=ON (scripts/wgpu/llamacpp-build.sh), its llama-bench and llama-server with
+# -DGGML_VULKAN=ON (scripts/wgpu/llamacpp-build.sh), its llama-bench with
 # the OpenMP runtime they link, into .device/wgpu.tar.xz; the Vulkan loader's debs into
 # .gl. Carry ".gl" and ".device".
 set -euo pipefail
@@ -15,7 +15,7 @@ trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/bin" "$stage/models"
 cp target/release/ferrite target/release/examples/random_gguf "$stage/bin/"
 if [ -n "${LLAMA_BUILD:-}" ]; then
-  cp "$LLAMA_BUILD/bin/llama-bench" "$LLAMA_BUILD/bin/llama-server" "$stage/bin/"
+  cp "$LLAMA_BUILD/bin/llama-bench" "$stage/bin/"
   cp "$(ldconfig -p | grep -m1 'libgomp.so.1 ' | sed 's/.*=> //')" "$stage/bin/"
 fi
 strip "$stage"/bin/*[!1]

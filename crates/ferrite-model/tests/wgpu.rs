@@ -7,7 +7,7 @@
 mod common;
 mod suite;
 
-use ferrite_model::backend::wgpu::kernels::{FORMATS, GEMV_ROWS, SHADERS};
+use ferrite_model::backend::wgpu::kernels::{COOP_SHADER, FORMATS, GEMV_ROWS, SHADERS};
 use ferrite_model::backend::wgpu::linear::Pick;
 use ferrite_model::backend::wgpu::WgpuBackend;
 use ferrite_model::checkpoint::open_weights;
@@ -30,6 +30,12 @@ const F16_WEIGHTS: suite::Tolerances = suite::Tolerances {
     pointwise: 1e-5,
 };
 
+/// The tiles on cooperative matrices round x to f16 (16 x 16 f16 tiles, f32 sums).
+const COOP_TILES: suite::Tolerances = suite::Tolerances {
+    linear: 1e-2,
+    ..F16_WEIGHTS
+};
+
 /// One device and its compiled kernels for every case.
 fn backend() -> WgpuBackend {
     static FIRST: OnceLock<std::sync::Mutex<WgpuBackend>> = OnceLock::new();
@@ -42,22 +48,30 @@ fn backend() -> WgpuBackend {
 }
 
 /// With each way of picking the matmul kernels: the adapter's (lavapipe: matrix-vector
-/// always), a GPU's (matrix-vector for up to 8 rows, tiles past that) and tiles always
-/// (`--batch-invariant`).
+/// always; a GPU with cooperative matrices: matrix-vector for up to 8 rows, tiles on them
+/// past that), a GPU's (matrix-vector, then tiles) and tiles always (`--batch-invariant`).
 #[test]
 fn the_conformance_suite_passes() {
     for pick in [None, Some(Pick::Gpu), Some(Pick::Tiled)] {
+        let pick = pick.unwrap_or(backend().pick);
         println!("matmul kernels: {pick:?}");
-        conforms(&|| {
-            let mut b = backend();
-            b.pick = pick.unwrap_or(b.pick);
-            b
-        });
+        let tolerances = match pick {
+            Pick::Coop => &COOP_TILES,
+            _ => &F16_WEIGHTS,
+        };
+        conforms(
+            &|| {
+                let mut b = backend();
+                b.pick = pick;
+                b
+            },
+            tolerances,
+        );
     }
 }
 
-fn conforms(make: &dyn Fn() -> WgpuBackend) {
-    let out = suite::run(make, &F16_WEIGHTS);
+fn conforms(make: &dyn Fn() -> WgpuBackend, tolerances: &suite::Tolerances) {
+    let out = suite::run(make, tolerances);
     let bad = suite::failures(&out);
     assert!(
         bad.is_empty(),
@@ -166,5 +180,29 @@ fn every_shader_translates_to_metal() {
             kernels += msl.matches("kernel void").count();
         }
         assert!(kernels > 0, "{name}: no kernel written");
+    }
+}
+
+/// The matmul on cooperative matrices runs where Vulkan has 16 x 16 f16 tiles (NVIDIA, AMD,
+/// Intel; lavapipe has none, the lent H100 does): it must validate and translate to SPIR-V
+/// at each weight format.
+#[test]
+fn the_cooperative_matmul_translates_to_spirv() {
+    let module = naga::front::wgsl::parse_str(COOP_SHADER)
+        .unwrap_or_else(|e| panic!("{}", e.emit_to_string(COOP_SHADER)));
+    let info = naga::valid::Validator::new(
+        naga::valid::ValidationFlags::all(),
+        naga::valid::Capabilities::all(),
+    )
+    .validate(&module)
+    .unwrap_or_else(|e| panic!("{}", e.emit_to_string(COOP_SHADER)));
+    for f in 0..FORMATS {
+        let constants = [("FMT".to_string(), f as f64)].into_iter().collect();
+        let (module, info) =
+            naga::back::pipeline_constants::process_overrides(&module, &info, None, &constants)
+                .unwrap_or_else(|e| panic!("FMT {f}: {e}"));
+        let words = naga::back::spv::write_vec(&module, &info, &Default::default(), None)
+            .unwrap_or_else(|e| panic!("FMT {f}: {e}"));
+        assert!(words.len() > 100, "FMT {f}: {} words", words.len());
     }
 }

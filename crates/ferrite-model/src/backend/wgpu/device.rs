@@ -22,6 +22,8 @@ pub struct Gpu {
     activations: AtomicU64,
     /// Timestamps around every launch, when asked for.
     pub profiler: Option<Mutex<Profiler>>,
+    /// Whether the matmul on cooperative matrices runs here.
+    pub coop: bool,
 }
 
 fn backends(api: GpuApi) -> wgpu::Backends {
@@ -36,6 +38,24 @@ fn backends(api: GpuApi) -> wgpu::Backends {
 /// operations (sums across a SIMD group).
 fn needed() -> wgpu::Features {
     wgpu::Features::IMMEDIATES | wgpu::Features::SUBGROUP
+}
+
+fn coop_features() -> wgpu::Features {
+    wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16
+}
+
+/// Whether the adapter multiplies 16 x 16 f16 tiles into f32 sums in subgroups of exactly 32
+/// lanes with room for the kernel's 24 KiB of workgroup memory (matmul_coop.wgsl).
+fn has_coop(adapter: &wgpu::Adapter) -> bool {
+    let info = adapter.get_info();
+    let tile = adapter.cooperative_matrix_properties().iter().any(|c| {
+        (c.m_size, c.n_size, c.k_size) == (16, 16, 16)
+            && c.ab_type == wgpu::CooperativeScalarType::F16
+            && c.cr_type == wgpu::CooperativeScalarType::F32
+    });
+    tile && adapter.features().contains(coop_features())
+        && (info.subgroup_min_size, info.subgroup_max_size) == (32, 32)
+        && adapter.limits().max_compute_workgroup_storage_size >= 24 << 10
 }
 
 impl Gpu {
@@ -76,16 +96,23 @@ impl Gpu {
         if profile::wanted() && !profiling {
             tracing::warn!("{}: no timestamps inside passes, no profile", info.name);
         }
-        let features = match profiling {
+        let mut features = match profiling {
             true => needed() | profile::features(),
             false => needed(),
         };
+        let coop = has_coop(&adapter);
+        if coop {
+            features |= coop_features();
+        }
         let limits = adapter.limits();
         let memory_bytes = memory::adapter_bytes(&adapter)?;
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("ferrite"),
             required_features: features,
             required_limits: limits.clone(),
+            // SAFETY: the experimental feature asked for (cooperative matrices) is used by
+            // one kernel, whose shader naga validates at start-up like any other.
+            experimental_features: unsafe { wgpu::ExperimentalFeatures::enabled() },
             ..Default::default()
         }))
         .with_context(|| format!("opening {}", info.name))?;
@@ -98,6 +125,7 @@ impl Gpu {
         let profiler = profiling.then(|| Mutex::new(Profiler::new(&device, &queue)));
         Ok(Arc::new(Self {
             profiler,
+            coop,
             device,
             queue,
             info,
@@ -131,7 +159,7 @@ impl Gpu {
     pub fn describe(&self) -> String {
         let i = &self.info;
         format!(
-            "{} ({:?}, {}{}, {:.1} GiB, bindings up to {} MiB)",
+            "{} ({:?}, {}{}, {:.1} GiB, bindings up to {} MiB{})",
             i.name,
             i.backend,
             i.driver,
@@ -140,7 +168,11 @@ impl Gpu {
                 false => format!(" {}", i.driver_info),
             },
             self.memory_bytes as f64 / (1u64 << 30) as f64,
-            self.limits.max_storage_buffer_binding_size >> 20
+            self.limits.max_storage_buffer_binding_size >> 20,
+            match self.coop {
+                true => ", cooperative matrices",
+                false => "",
+            }
         )
     }
 }

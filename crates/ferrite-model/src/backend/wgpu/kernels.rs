@@ -20,6 +20,8 @@ pub struct Kernels {
     pub embed: Vec<Kernel>,
     /// By weight format ([`super::linear::Format`]).
     pub matmul: Vec<Kernel>,
+    /// By weight format, on cooperative matrices; empty where the adapter has none.
+    pub matmul_coop: Vec<Kernel>,
     /// By weight format, then rows of x (1 to [`GEMV_ROWS`]).
     pub gemv: Vec<Vec<Kernel>>,
     /// Whether the adapter is a CPU (lavapipe): fewer, larger workgroups.
@@ -158,6 +160,14 @@ pub const SHADERS: [(&str, &str); 8] = [
     ),
 ];
 
+/// The matmul on cooperative matrices (16 x 16 f16 tiles, f32 sums: Vulkan's
+/// VK_KHR_cooperative_matrix), built where the adapter has them.
+pub const COOP_SHADER: &str = concat!(
+    "enable f16;\nenable wgpu_cooperative_matrix;\n",
+    include_str!("shaders/weights.wgsl"),
+    include_str!("shaders/matmul_coop.wgsl")
+);
+
 fn module(device: &wgpu::Device, name: &str) -> wgpu::ShaderModule {
     let source = SHADERS.iter().find(|(n, _)| *n == name).map(|s| s.1);
     device.create_shader_module(wgpu::ShaderModuleDescriptor {
@@ -167,8 +177,10 @@ fn module(device: &wgpu::Device, name: &str) -> wgpu::ShaderModule {
 }
 
 impl Kernels {
-    /// `cpu`: the adapter is a CPU (its workgroups are scheduled at a cost each).
-    pub fn new(device: &wgpu::Device, cpu: bool) -> Result<Self> {
+    pub fn new(gpu: &Gpu) -> Result<Self> {
+        let device = &gpu.device;
+        // A CPU adapter schedules each workgroup at a cost.
+        let cpu = gpu.info.device_type == wgpu::DeviceType::Cpu;
         let one = |file: &'static str, access: &str| {
             kernel(device, &module(device, file), (file, "main"), access, &[])
         };
@@ -188,6 +200,19 @@ impl Kernels {
                 (0..FORMATS)
                     .map(|f| kernel(device, &m, ("matmul", "main"), "rrw", &[("FMT", f as f64)]))
                     .collect()
+            },
+            matmul_coop: match gpu.coop {
+                false => Vec::new(),
+                true => {
+                    let m = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                        label: Some("matmul_coop"),
+                        source: wgpu::ShaderSource::Wgsl(COOP_SHADER.into()),
+                    });
+                    let name = ("matmul_coop", "main");
+                    (0..FORMATS)
+                        .map(|f| kernel(device, &m, name, "rrw", &[("FMT", f as f64)]))
+                        .collect()
+                }
             },
             gemv: {
                 let m = module(device, "gemv");

@@ -236,6 +236,9 @@ pub struct Out<'a> {
 pub enum Pick {
     /// Matrix-vector up to [`GEMV_ROWS`] rows, tiles past that (GPUs).
     Gpu,
+    /// Matrix-vector up to [`GEMV_ROWS`] rows, tiles on cooperative matrices past that (GPUs
+    /// that have them).
+    Coop,
     /// Matrix-vector [`GEMV_ROWS`] rows at a time whatever the count: a CPU driver
     /// (lavapipe) runs tiles through workgroup memory slowly.
     Cpu,
@@ -256,7 +259,7 @@ pub fn matmul(
     // The matrix-vector kernel reads f16 rows as whole 16-byte vectors.
     let vectors = (w.format != Format::F16 || w.cols.is_multiple_of(8))
         && match pick {
-            Pick::Gpu => m <= GEMV_ROWS,
+            Pick::Gpu | Pick::Coop => m <= GEMV_ROWS,
             Pick::Cpu => true,
             Pick::Tiled => false,
         };
@@ -276,10 +279,14 @@ pub fn matmul(
         let buffers = [x, &p.buf, out.y];
         if !vectors {
             let groups = [p.rows.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
+            let tiles = match pick {
+                Pick::Coop if !k.matmul_coop.is_empty() => &k.matmul_coop,
+                _ => &k.matmul,
+            };
             launch(
                 gpu,
                 pass,
-                &k.matmul[w.format as usize],
+                &tiles[w.format as usize],
                 &buffers,
                 &params(m, 0),
                 groups,

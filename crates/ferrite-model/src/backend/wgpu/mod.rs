@@ -59,8 +59,7 @@ pub struct WgpuBackend {
 
 impl WgpuBackend {
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
-        let cpu = gpu.info.device_type == wgpu::DeviceType::Cpu;
-        let kernels = Arc::new(Kernels::new(&gpu.device, cpu)?);
+        let kernels = Arc::new(Kernels::new(&gpu)?);
         gpu.take_error()?;
         Ok(Self::with_kernels(gpu, kernels))
     }
@@ -74,18 +73,20 @@ impl WgpuBackend {
     }
 
     fn with_kernels(gpu: Arc<Gpu>, kernels: Arc<Kernels>) -> Self {
+        let pick = match gpu.info.device_type {
+            wgpu::DeviceType::Cpu => Pick::Cpu,
+            _ if !kernels.matmul_coop.is_empty() => Pick::Coop,
+            _ => Pick::Gpu,
+        };
         Self {
             kernels,
+            pick,
             encoder: None,
             pass: None,
             normed: Act::default(),
             proj: Act::default(),
             out: Act::default(),
             host_logits: Vec::new(),
-            pick: match gpu.info.device_type {
-                wgpu::DeviceType::Cpu => Pick::Cpu,
-                _ => Pick::Gpu,
-            },
             gpu,
         }
     }

@@ -29,22 +29,33 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i:
     let xr = src * p.cols;
     var inv = 1.0;
     if p.norm != 0u {
-        var ss = 0.0;
-        for (var c = i; c < p.cols; c += WG) {
-            let v = x[xr + c];
-            ss += v * v;
+        // Four loads in flight per thread: a decode's row is one workgroup's whole work.
+        var ss = vec4<f32>(0.0);
+        for (var c = i; c < p.cols; c += 4u * WG) {
+            for (var u = 0u; u < 4u; u++) {
+                let cu = c + u * WG;
+                if cu < p.cols {
+                    let v = x[xr + cu];
+                    ss[u] += v * v;
+                }
+            }
         }
-        inv = inverseSqrt(total(ss, i) / f32(p.cols) + p.eps);
+        inv = inverseSqrt(total(ss.x + ss.y + ss.z + ss.w, i) / f32(p.cols) + p.eps);
     }
     let yr = r * p.cols;
-    for (var c = i; c < p.cols; c += WG) {
-        var v = x[xr + c];
-        if p.norm != 0u {
-            v *= inv * w[c];
+    for (var c = i; c < p.cols; c += 4u * WG) {
+        for (var u = 0u; u < 4u; u++) {
+            let cu = c + u * WG;
+            if cu < p.cols {
+                var v = x[xr + cu];
+                if p.norm != 0u {
+                    v *= inv * w[cu];
+                }
+                if p.add != 0u {
+                    v += y[yr + cu];
+                }
+                y[yr + cu] = v;
+            }
         }
-        if p.add != 0u {
-            v += y[yr + c];
-        }
-        y[yr + c] = v;
     }
 }
