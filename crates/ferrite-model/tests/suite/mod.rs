@@ -464,8 +464,17 @@ struct Attention {
     normed: bool,
     rope: Option<RopeStyle>,
     kv: KvCacheDtype,
+    length: Length,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Length {
+    /// Prompts of tens of tokens.
+    Short,
     /// Prompts of hundreds of tokens (keys over many tiles, rotary far from 0).
-    long: bool,
+    Long,
+    /// Those prompts, then decodes alone (a GPU may split their keys over workgroups).
+    Decodes,
 }
 
 fn attention_cases(kv: KvCacheDtype) -> Vec<Attention> {
@@ -478,7 +487,7 @@ fn attention_cases(kv: KvCacheDtype) -> Vec<Attention> {
         normed: false,
         rope: Some(RopeStyle::Neox),
         kv,
-        long: false,
+        length: Length::Short,
     };
     vec![
         plain.clone(),
@@ -506,7 +515,14 @@ fn attention_cases(kv: KvCacheDtype) -> Vec<Attention> {
             kv_heads: 2,
             head_dim: 128,
             window: Some(200),
-            long: true,
+            length: Length::Long,
+            ..plain.clone()
+        },
+        Attention {
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 128,
+            length: Length::Decodes,
             ..plain
         },
     ]
@@ -514,13 +530,14 @@ fn attention_cases(kv: KvCacheDtype) -> Vec<Attention> {
 
 impl Attention {
     /// Two steps on the same pages: ragged prompts, then decodes beside a prompt's next
-    /// chunk (a long one where `long`); the second step's output is read.
+    /// chunk (a long one, or none, as `length` says); the second step's output is read.
     fn run<B: Backend>(&self, b: &mut B) -> Result<Vec<f32>> {
         let (h, hkv, d) = (self.heads, self.kv_heads, self.head_dim);
         let width = (h + 2 * hkv) * d;
-        let (first, second) = match self.long {
-            false => ([(0, 37), (0, 5), (0, 20)], [(37, 1), (5, 9), (20, 1)]),
-            true => ([(0, 300), (0, 5), (0, 90)], [(300, 1), (5, 190), (90, 1)]),
+        let (first, second) = match self.length {
+            Length::Short => ([(0, 37), (0, 5), (0, 20)], [(37, 1), (5, 9), (20, 1)]),
+            Length::Long => ([(0, 300), (0, 5), (0, 90)], [(300, 1), (5, 190), (90, 1)]),
+            Length::Decodes => ([(0, 300), (0, 5), (0, 90)], [(300, 1), (5, 1), (90, 1)]),
         };
         let mut rng = Rng::new(d as u64 + h as u64);
         let rows = |steps: &[(usize, usize)]| steps.iter().map(|r| r.1).sum::<usize>();

@@ -126,7 +126,20 @@ pub struct StepView<'a> {
     pub tokens: usize,
 }
 
-/// `out` from `q` against `cache`, with `sinks` (one logit per query head) if given.
+/// Splits of each token's keys over workgroups: a decode's few (head, token) workgroups
+/// each take a share of a long context, so that every core of the GPU has work (at least
+/// 128 keys a split, ~512 workgroups in all, at most 16 splits); one where the kernels are
+/// picked for a CPU adapter.
+pub fn key_splits(cpu: bool, workgroups: usize, longest: usize) -> usize {
+    match cpu {
+        true => 1,
+        false => (longest / 128).min(512 / workgroups.max(1)).clamp(1, 16),
+    }
+}
+
+/// `out` from `q` against `cache`, with `sinks` (one logit per query head) if given; with
+/// `parts` (a buffer and a count of splits of the keys), through it and a launch that
+/// combines the splits.
 pub fn attention(
     gpu: &Gpu,
     k: &Kernels,
@@ -134,7 +147,7 @@ pub fn attention(
     s: &StepView,
     (cache, spec): (&KvPages, &AttentionSpec),
     sinks: Option<&wgpu::Buffer>,
-    (q, out): (&wgpu::Buffer, &wgpu::Buffer),
+    (q, out, parts): (&wgpu::Buffer, &wgpu::Buffer, Option<(&wgpu::Buffer, usize)>),
 ) {
     let flags = spec.causal as u32 | (sinks.is_some() as u32) << 1 | (cache.f16 as u32) << 2;
     let params = [
@@ -152,8 +165,30 @@ pub fn attention(
         s.tables,
         s.max_blocks,
         s.seqs as u32,
+        parts.map_or(1, |p| p.1) as u32,
     ];
-    let buffers = [q, &cache.buf, s.step, sinks.unwrap_or(&k.empty), out];
-    let groups = [spec.num_heads as u32, s.tokens as u32, 1];
-    launch(gpu, pass, &k.attention, &buffers, &params, groups);
+    let dest = parts.map_or(out, |p| p.0);
+    let buffers = [q, &cache.buf, s.step, sinks.unwrap_or(&k.empty), dest];
+    let (heads, tokens) = (spec.num_heads as u32, s.tokens as u32);
+    let splits = parts.map_or(1, |p| p.1 as u32);
+    launch(
+        gpu,
+        pass,
+        &k.attention,
+        &buffers,
+        &params,
+        [heads, tokens, splits],
+    );
+    if let Some((parts, splits)) = parts {
+        let params = [heads, spec.head_dim as u32, splits as u32];
+        let combine = &k.attention_combine;
+        launch(
+            gpu,
+            pass,
+            combine,
+            &[parts, out],
+            &params,
+            [heads, tokens, 1],
+        );
+    }
 }

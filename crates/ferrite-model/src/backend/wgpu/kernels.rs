@@ -32,6 +32,7 @@ pub struct Kernels {
     pub softcap: Kernel,
     pub qkv: Kernel,
     pub attention: Kernel,
+    pub attention_combine: Kernel,
     /// Bound where a kernel's optional input is absent.
     pub empty: wgpu::Buffer,
 }
@@ -107,7 +108,7 @@ fn kernel(
 }
 
 /// The WGSL sources, by file.
-pub const SHADERS: [(&str, &str); 8] = [
+pub const SHADERS: [(&str, &str); 9] = [
     (
         "rms_norm",
         concat!(
@@ -158,6 +159,10 @@ pub const SHADERS: [(&str, &str); 8] = [
             include_str!("shaders/attention.wgsl")
         ),
     ),
+    (
+        "attention_combine",
+        include_str!("shaders/attention_combine.wgsl"),
+    ),
 ];
 
 /// The matmul on cooperative matrices (16 x 16 f16 tiles, f32 sums: Vulkan's
@@ -187,6 +192,7 @@ impl Kernels {
         let pointwise = module(device, "pointwise");
         let pw = |entry: &'static str| kernel(device, &pointwise, (entry, entry), "rw", &[]);
         Ok(Self {
+            cpu,
             rms_norm: one("rms_norm", "rrrw"),
             layer_norm: one("layer_norm", "rrw"),
             embed: {
@@ -229,13 +235,13 @@ impl Kernels {
                     .map(|f| (1..=GEMV_ROWS).map(|rows| pipeline(f, rows)).collect())
                     .collect()
             },
-            cpu,
             gated: pw("gated"),
             gate_sigmoid: pw("gate_sigmoid"),
             add_bias: pw("add_bias"),
             softcap: pw("softcap"),
             qkv: one("qkv", "rrrrrrww"),
             attention: one("attention", "rrrrw"),
+            attention_combine: one("attention_combine", "rw"),
             empty: device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: Some("empty"),
                 contents: &[0; 16],

@@ -50,6 +50,8 @@ pub struct WgpuBackend {
     /// Scratch activations, reused across steps.
     normed: Act,
     proj: Act,
+    /// Attention's splits of the keys, before they are combined.
+    parts: Act,
     /// The last step's logits (or hidden rows) on the device, then on the host.
     out: Act,
     host_logits: Vec<f32>,
@@ -85,6 +87,7 @@ impl WgpuBackend {
             pass: None,
             normed: Act::default(),
             proj: Act::default(),
+            parts: Act::default(),
             out: Act::default(),
             host_logits: Vec::new(),
             gpu,

@@ -4,7 +4,7 @@ use super::attention::{KvPages, QkvArgs, StepView};
 use super::inputs::StepInputs;
 use super::kernels::launch;
 use super::launches::{check_ids, embed_params, YOut};
-use super::linear::Linear;
+use super::linear::{Linear, Pick};
 use super::tensors::{upload_f32, upload_words, Act, Vector};
 use super::{attention, Embedding, Rope, WgpuBackend, NOT_YET};
 use crate::backend::{
@@ -315,6 +315,19 @@ impl Backend for WgpuBackend {
             tokens: q.rows,
         };
         let y = out.shape(&gpu, q.rows, a.num_heads * a.head_dim)?.clone();
+        let longest = s.host.seq_lens_k.iter().max().copied().unwrap_or(0) as usize;
+        let cpu = self.pick == Pick::Cpu;
+        let splits = attention::key_splits(cpu, q.rows * a.num_heads, longest);
+        let parts = match splits {
+            1 => None,
+            _ => {
+                let rows = q.rows * a.num_heads * splits;
+                Some((
+                    self.parts.shape(&gpu, rows, a.head_dim + 2)?.clone(),
+                    splits,
+                ))
+            }
+        };
         let sinks = sinks.map(|v| &v.buf);
         attention::attention(
             &gpu,
@@ -323,7 +336,7 @@ impl Backend for WgpuBackend {
             &view,
             (cache, a),
             sinks,
-            (q.buf()?, &y),
+            (q.buf()?, &y, parts.as_ref().map(|(b, n)| (b, *n))),
         );
         Ok(())
     }

@@ -1,7 +1,10 @@
-// Paged varlen attention, one workgroup per (query head, token): the token's request found
-// by binary search over cu_seqlens_q, its keys read through the request's block table 64 at
-// a time (a thread per key), an online softmax in f32, each thread summing V over its
-// dimensions. Prefill chunks, decodes and verify windows of one step in one launch.
+// Paged varlen attention, one workgroup per (query head, token, split of the keys): the
+// token's request found by binary search over cu_seqlens_q, its keys read through the
+// request's block table 64 at a time (a thread per key, K read four values a load), an
+// online softmax in f32, each thread summing V over its dimensions. Prefill chunks, decodes
+// and verify windows of one step in one launch. With one split the output is written; with
+// more (a decode's few workgroups given more keys each), each split's maximum, sum and
+// unnormalized output go to `out` for attention_combine.wgsl.
 
 struct P {
     heads: u32,
@@ -18,30 +21,45 @@ struct P {
     tables: u32,
     max_blocks: u32,
     seqs: u32,
+    splits: u32,
 }
 var<immediate> p: P;
 
 @group(0) @binding(0) var<storage, read> q: array<f32>;
-@group(0) @binding(1) var<storage, read> cache: array<u32>;
+@group(0) @binding(1) var<storage, read> cache: array<vec2<u32>>;
 @group(0) @binding(2) var<storage, read> st: array<u32>;
 @group(0) @binding(3) var<storage, read> sinks: array<f32>;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 
 const WG: u32 = 64u;
 const MAX_D: u32 = 512u;
-var<workgroup> qs: array<f32, MAX_D>;
+var<workgroup> qs: array<vec4<f32>, MAX_D / 4u>;
 var<workgroup> ps: array<f32, WG>;
 var<workgroup> at: array<u32, WG>;
 // The token's request and key range, read back as uniform values: the loop over keys holds
 // barriers.
 var<workgroup> span: vec3<u32>;
 
-// Element `e` of K/V from word `base` on.
+fn word(w: u32) -> u32 {
+    return cache[w / 2u][w % 2u];
+}
+
+// Element `e` of K/V from element `base` on.
 fn kv(base: u32, e: u32) -> f32 {
     if (p.flags & 4u) != 0u {
-        return unpack2x16float(cache[base / 2u + e / 2u])[e % 2u];
+        return unpack2x16float(word((base + e) / 2u))[(base + e) % 2u];
     }
-    return bitcast<f32>(cache[base + e]);
+    return bitcast<f32>(word(base + e));
+}
+
+// Elements e..e+3 of K/V from element `base` on (base + e a multiple of 4).
+fn kv4(base: u32, e: u32) -> vec4<f32> {
+    let at = base + e;
+    if (p.flags & 4u) != 0u {
+        let v = cache[at / 4u];
+        return vec4<f32>(unpack2x16float(v.x), unpack2x16float(v.y));
+    }
+    return bitcast<vec4<f32>>(vec4<u32>(cache[at / 2u], cache[at / 2u + 1u]));
 }
 
 // Token t's request and the first and last key it sees.
@@ -76,41 +94,50 @@ fn request_span(t: u32) -> vec3<u32> {
 fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i: u32) {
     let h = g.x;
     let t = g.y;
+    let split = g.z;
     let d = p.d;
     if i == 0u {
         span = request_span(t);
     }
     let sp = workgroupUniformLoad(&span);
     let b = sp.x;
-    let first = sp.y;
-    let last = sp.z;
+    // This split's keys, lo..hi: whole chunks of WG.
+    let per = ((sp.z + 1u - sp.y + p.splits - 1u) / p.splits + WG - 1u) / WG * WG;
+    let lo = sp.y + split * per;
+    let hi = min(sp.z + 1u, lo + per);
     let kvh = h / (p.heads / p.kv_heads);
     let row = (t * p.heads + h) * d;
     for (var e = i; e < d; e += WG) {
-        qs[e] = q[row + e] * p.scale;
+        qs[e / 4u][e % 4u] = q[row + e] * p.scale;
     }
     workgroupBarrier();
     // Per thread: dimensions i, i + 64, ... of the output.
     var acc: array<f32, 8>;
     var m = -3.0e38;
     var l = 0.0;
-    if (p.flags & 2u) != 0u {
+    if (p.flags & 2u) != 0u && split == 0u {
         m = sinks[h];
         l = 1.0;
     }
     let stride = p.kv_heads * d;
-    for (var j0 = first; j0 <= last; j0 += WG) {
+    for (var j0 = lo; j0 < hi; j0 += WG) {
         let j = j0 + i;
         var s = -3.0e38;
-        if j <= last {
+        if j < hi {
             let block = st[p.tables + b * p.max_blocks + j / p.block_size];
             let base = (block * p.block_size + j % p.block_size) * stride + kvh * d;
             at[i] = base;
-            var dot = 0.0;
-            for (var e = 0u; e < d; e++) {
-                dot += qs[e] * kv(base, e);
+            var qk = 0.0;
+            if d % 4u == 0u {
+                for (var e = 0u; e < d; e += 4u) {
+                    qk += dot(qs[e / 4u], kv4(base, e));
+                }
+            } else {
+                for (var e = 0u; e < d; e++) {
+                    qk += qs[e / 4u][e % 4u] * kv(base, e);
+                }
             }
-            s = dot;
+            s = qk;
             if p.softcap > 0.0 {
                 s = p.softcap * tanh(clamp(s / p.softcap, -15.0, 15.0));
             }
@@ -118,13 +145,13 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i:
         let m_new = max(m, largest(s, i));
         let alpha = exp(m - m_new);
         var pj = 0.0;
-        if j <= last {
+        if j < hi {
             pj = exp(s - m_new);
         }
         ps[i] = pj;
         l = l * alpha + total(pj, i);
         m = m_new;
-        let n = min(WG, last + 1u - j0);
+        let n = min(WG, hi - j0);
         var k = 0u;
         for (var e = i; e < d; e += WG) {
             var sum = acc[k] * alpha;
@@ -136,9 +163,23 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i:
         }
         workgroupBarrier();
     }
+    if p.splits == 1u {
+        var k = 0u;
+        for (var e = i; e < d; e += WG) {
+            out[row + e] = acc[k] / l;
+            k++;
+        }
+        return;
+    }
+    // This split's part: [maximum, sum, d unnormalized outputs].
+    let part = ((t * p.heads + h) * p.splits + split) * (d + 2u);
+    if i == 0u {
+        out[part] = m;
+        out[part + 1u] = l;
+    }
     var k = 0u;
     for (var e = i; e < d; e += WG) {
-        out[row + e] = acc[k] / l;
+        out[part + 2u + e] = acc[k];
         k++;
     }
 }
