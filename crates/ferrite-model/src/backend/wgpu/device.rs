@@ -1,6 +1,7 @@
 //! Opening a GPU through wgpu: the adapter `--device` names, the features and limits the
 //! kernels need, and the memory the budget is a share of.
 
+use super::binds::BindGroups;
 use super::profile::{self, Profiler};
 use crate::settings::GpuApi;
 use anyhow::{bail, Context, Result};
@@ -24,6 +25,7 @@ pub struct Gpu {
     pub profiler: Option<Mutex<Profiler>>,
     /// Whether the matmul on cooperative matrices runs here.
     pub coop: bool,
+    pub binds: Mutex<BindGroups>,
 }
 
 fn backends(api: GpuApi) -> wgpu::Backends {
@@ -126,6 +128,7 @@ impl Gpu {
         Ok(Arc::new(Self {
             profiler,
             coop,
+            binds: Mutex::default(),
             device,
             queue,
             info,

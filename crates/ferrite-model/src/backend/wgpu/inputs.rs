@@ -2,8 +2,9 @@
 //! the offsets of the arrays it reads.
 
 use super::device::Gpu;
-use super::tensors::upload_words;
+use super::tensors::zeros;
 use crate::step::PackedStep;
+use anyhow::Result;
 
 /// One KV group's slots and block tables, as offsets into the step's words.
 pub struct GroupAt {
@@ -26,7 +27,9 @@ pub struct StepInputs {
 }
 
 impl StepInputs {
-    pub fn upload(gpu: &Gpu, step: &PackedStep) -> Self {
+    /// Written into `kept` (grown when the step needs more): a buffer bound the same way
+    /// every step keeps its bind groups.
+    pub fn upload(gpu: &Gpu, step: &PackedStep, kept: &mut Option<wgpu::Buffer>) -> Result<Self> {
         let mut words = Vec::new();
         let mut put = |a: &[u32]| {
             let at = words.len() as u32;
@@ -47,8 +50,17 @@ impl StepInputs {
                 max_blocks: kv.max_blocks as u32,
             })
             .collect();
-        Self {
-            buf: upload_words(gpu, "step inputs", &words),
+        let bytes = 4 * words.len() as u64;
+        let buf = match kept {
+            Some(b) if b.size() >= bytes => b.clone(),
+            _ => kept
+                .insert(zeros(gpu, "step inputs", bytes.next_power_of_two())?)
+                .clone(),
+        };
+        gpu.queue
+            .write_buffer(&buf, 0, bytemuck::cast_slice(&words));
+        Ok(Self {
+            buf,
             ids,
             positions,
             cu_seqlens_q,
@@ -57,6 +69,6 @@ impl StepInputs {
             groups,
             num_seqs: step.num_seqs(),
             num_tokens: step.num_tokens(),
-        }
+        })
     }
 }

@@ -266,8 +266,8 @@ fn gemv_workgroup_rows(m: usize, cpu: bool) -> usize {
     }
 }
 
-/// Records `k` over `groups` workgroups with `buffers` bound in order and `params` (u32 words,
-/// f32 as their bits) as immediates.
+/// Records `k` over `groups` workgroups with `buffers` bound in order (a bind group kept
+/// across steps) and `params` (u32 words, f32 as their bits) as immediates.
 pub fn launch(
     gpu: &Gpu,
     pass: &mut wgpu::ComputePass<'static>,
@@ -277,19 +277,11 @@ pub fn launch(
     groups: [u32; 3],
 ) {
     debug_assert!(params.len() * 4 <= IMMEDIATES as usize, "{}", k.name);
-    let entries: Vec<_> = buffers
-        .iter()
-        .enumerate()
-        .map(|(i, b)| wgpu::BindGroupEntry {
-            binding: i as u32,
-            resource: b.as_entire_binding(),
-        })
-        .collect();
-    let group = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
-        label: Some(k.name),
-        layout: &k.layout,
-        entries: &entries,
-    });
+    let group = gpu.binds.lock().unwrap_or_else(|e| e.into_inner()).get(
+        &gpu.device,
+        (&k.layout, k.name),
+        buffers,
+    );
     let mut words = [0u32; IMMEDIATES as usize / 4];
     words[..params.len()].copy_from_slice(params);
     pass.set_pipeline(&k.pipeline);

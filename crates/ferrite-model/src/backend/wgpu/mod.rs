@@ -5,6 +5,7 @@
 //! buffer, submitted once, with one wait: for its logits.
 
 pub mod attention;
+mod binds;
 pub mod device;
 pub mod inputs;
 pub mod kernels;
@@ -52,6 +53,8 @@ pub struct WgpuBackend {
     proj: Act,
     /// Attention's splits of the keys, before they are combined.
     parts: Act,
+    /// The step's index arrays, rewritten each step.
+    step_words: Option<wgpu::Buffer>,
     /// The last step's logits (or hidden rows) on the device, then on the host.
     out: Act,
     host_logits: Vec<f32>,
@@ -88,6 +91,7 @@ impl WgpuBackend {
             normed: Act::default(),
             proj: Act::default(),
             parts: Act::default(),
+            step_words: None,
             out: Act::default(),
             host_logits: Vec::new(),
             gpu,

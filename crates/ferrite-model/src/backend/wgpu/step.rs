@@ -12,7 +12,7 @@ use std::time::Instant;
 impl WgpuBackend {
     pub(super) fn run_step(&mut self, host: &PackedStep, forward: Forward<Self>) -> Result<()> {
         let start = Instant::now();
-        let inputs = StepInputs::upload(&self.gpu, host);
+        let inputs = StepInputs::upload(&self.gpu, host, &mut self.step_words)?;
         self.out.rows = 0;
         let done = forward(
             self,
@@ -23,6 +23,11 @@ impl WgpuBackend {
         );
         // The pass ends before its encoder can finish; a failed step's commands are dropped.
         self.pass = None;
+        self.gpu
+            .binds
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .end_step();
         let encoder = self.encoder.take();
         done?;
         let Some(mut encoder) = encoder else {
