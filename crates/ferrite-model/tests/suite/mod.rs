@@ -313,8 +313,14 @@ enum Out {
 
 fn linear_cases() -> Vec<(GgmlDType, Input, Out)> {
     let mut v = Vec::new();
-    // 4-bit blocks (the GGUF types a GPU keeps quantized) with the plain epilogues.
-    for dtype in [GgmlDType::Q4_0, GgmlDType::Q4_1] {
+    // 4-bit blocks and K-quants (GGUF types a GPU keeps quantized) with the plain epilogues.
+    for dtype in [
+        GgmlDType::Q4_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ] {
         for input in [Input::RmsNorm, Input::Plain] {
             for out in [Out::Store, Out::AddInto] {
                 v.push((dtype, input, out));
@@ -347,7 +353,8 @@ struct Linear {
 
 impl Linear {
     fn run<B: Backend>(&self, b: &mut B) -> Result<Vec<f32>> {
-        let (k, n) = (128, 96);
+        // A K-quant's super-block is 256 values.
+        let (k, n) = (self.dtype.block_size().max(128), 96);
         let mut rng = Rng::new(self.rows as u64);
         let table = b.embedding(rng.matrix(self.rows, k, 1.0, GgmlDType::F32))?;
         let norm = b.vector(rng.vec(k, 1.0).iter().map(|v| 1.0 + v / 2.0).collect())?;

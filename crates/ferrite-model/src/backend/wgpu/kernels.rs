@@ -18,7 +18,7 @@ pub struct Kernels {
     pub layer_norm: Kernel,
     /// By weight format.
     pub embed: Vec<Kernel>,
-    /// By weight format ([`super::linear::Format`]).
+    /// By weight format ([`super::blocks::Format`]).
     pub matmul: Vec<Kernel>,
     /// By weight format, on cooperative matrices; empty where the adapter has none.
     pub matmul_coop: Vec<Kernel>,
@@ -53,7 +53,7 @@ fn gemv_r(m: usize) -> usize {
 }
 
 /// Weight formats the matmul kernels read (`FMT` in weights.wgsl).
-pub const FORMATS: usize = 4;
+pub const FORMATS: usize = 7;
 
 /// `access`: one letter per binding, `r` read-only storage, `w` read-write; `constants`: the
 /// shader's overridable constants.

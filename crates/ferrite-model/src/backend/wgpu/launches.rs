@@ -162,7 +162,7 @@ impl WgpuBackend {
             launch(
                 &gpu,
                 self.pass(),
-                &k.embed[e.table.format as usize],
+                &k.embed[part.format as usize],
                 &buffers,
                 &params,
                 [tokens as u32, 1, 1],

@@ -1,99 +1,25 @@
-//! Weight matrices on the GPU: GGUF blocks of Q8_0, Q4_0 and Q4_1 kept quantized (each block's
-//! scale moved to a word of its own, its codes after it), every other type as f16 (WGSL has
-//! no bf16), rows packed two to a word; a matrix larger than one binding is split by rows
-//! into parts, each multiplied by its own launch.
+//! Weight matrices on the GPU: GGUF blocks kept quantized where the kernels read their type
+//! (blocks.rs), every other type as f16 (WGSL has no bf16), rows packed two to a word; a
+//! matrix larger than one binding is split by rows into parts, each multiplied by its own
+//! launch.
 
+use super::blocks::{repack, Blocks, Format};
 use super::device::Gpu;
 use super::kernels::{launch, spread, Kernels, GEMV_ROWS};
 use super::tensors::{f16_words, upload_words};
 use anyhow::{bail, Result};
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::QTensor;
 use candle_core::Device;
 use rand::Rng;
 
-/// How a matrix's rows are stored (`FMT` in weights.wgsl: the enum's order).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Format {
-    F16,
-    Q8_0,
-    Q4_0,
-    Q4_1,
-}
-
-impl Format {
-    /// A GGUF type's storage here: its own blocks where the kernels read them.
-    fn of(dtype: GgmlDType) -> Self {
-        match dtype {
-            GgmlDType::Q8_0 => Self::Q8_0,
-            GgmlDType::Q4_0 => Self::Q4_0,
-            GgmlDType::Q4_1 => Self::Q4_1,
-            _ => Self::F16,
-        }
-    }
-
-    /// Words of a row of `cols` values (codes and scales).
-    pub fn row_words(self, cols: usize) -> usize {
-        match self {
-            Self::F16 => cols.div_ceil(2),
-            _ => cols / 32 * (1 + self.code_words()),
-        }
-    }
-
-    /// Words of a block's codes.
-    fn code_words(self) -> usize {
-        match self {
-            Self::F16 => 0,
-            Self::Q8_0 => 8,
-            Self::Q4_0 | Self::Q4_1 => 4,
-        }
-    }
-
-    /// GGUF bytes of one block of 32 values.
-    fn gguf_block(self) -> usize {
-        match self {
-            Self::F16 => 0,
-            Self::Q8_0 => 34,
-            Self::Q4_0 => 18,
-            Self::Q4_1 => 20,
-        }
-    }
-}
-
-/// Quantized rows as the kernels read them: every block's codes (whole 16-byte vectors:
-/// Q8_0's 32 bytes, a Q4 block's 16), and per block a word with its f16 scale (and min: two
-/// GGUF f16s), both in row order.
-struct Blocks {
-    codes: Vec<u32>,
-    scales: Vec<u32>,
-}
-
-fn repack(format: Format, bytes: &[u8]) -> Blocks {
-    let head = match format {
-        Format::Q4_1 => 4,
-        _ => 2,
-    };
-    let blocks = bytes.len() / format.gguf_block();
-    let mut out = Blocks {
-        codes: Vec::with_capacity(bytes.len() / 4),
-        scales: Vec::with_capacity(blocks),
-    };
-    for block in bytes.chunks_exact(format.gguf_block()) {
-        let mut scales = [0u8; 4];
-        scales[..head].copy_from_slice(&block[..head]);
-        out.scales.push(u32::from_le_bytes(scales));
-        let word = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        out.codes.extend(block[head..].chunks_exact(4).map(word));
-    }
-    out
-}
-
-/// Rows `first..first + rows` of a matrix; a quantized part's block scales from word
-/// `scales` on.
+/// Rows `first..first + rows` of a matrix in one format; a quantized part's block scales
+/// from word `scales` on.
 pub struct Part {
     pub buf: wgpu::Buffer,
     pub first: usize,
     pub rows: usize,
     pub scales: usize,
+    pub format: Format,
 }
 
 /// A `[rows, cols]` matrix (projections of one input stacked by rows).
@@ -101,12 +27,11 @@ pub struct Linear {
     pub parts: Vec<Part>,
     pub rows: usize,
     pub cols: usize,
-    pub format: Format,
 }
 
 impl Linear {
-    /// `parts` stacked by rows: kept in their GGUF blocks when they all share a type the
-    /// kernels read, else dequantized and stored as f16.
+    /// `parts` stacked by rows, each kept in its GGUF blocks where the kernels read its type
+    /// (consecutive ones of one format in one part), else dequantized and stored as f16.
     pub fn upload(gpu: &Gpu, parts: &[QTensor]) -> Result<Self> {
         let mut cols = None;
         for p in parts {
@@ -120,39 +45,34 @@ impl Linear {
             cols = Some(c);
         }
         let cols = cols.unwrap_or(0);
-        let format = match parts.first().map(|p| Format::of(p.dtype())) {
-            Some(f) if parts.iter().all(|p| Format::of(p.dtype()) == f) => f,
-            _ => Format::F16,
+        let mut out = Self {
+            parts: Vec::new(),
+            rows: 0,
+            cols,
         };
-        let blocks = match format {
-            Format::F16 => {
-                let mut values = Vec::new();
-                for p in parts {
-                    values.extend(
-                        p.dequantize(&Device::Cpu)?
-                            .flatten_all()?
-                            .to_vec1::<f32>()?,
-                    );
-                }
-                Blocks {
-                    codes: f16_words(&values, cols),
-                    scales: Vec::new(),
-                }
-            }
-            _ => {
-                let mut all = Blocks {
-                    codes: Vec::new(),
-                    scales: Vec::new(),
+        for run in parts.chunk_by(|a, b| Format::of(a.dtype()) == Format::of(b.dtype())) {
+            let format = Format::of(run[0].dtype());
+            let mut blocks = Blocks {
+                codes: Vec::new(),
+                scales: Vec::new(),
+            };
+            for p in run {
+                let b = match format {
+                    Format::F16 => {
+                        let values = p.dequantize(&Device::Cpu)?.flatten_all()?;
+                        Blocks {
+                            codes: f16_words(&values.to_vec1::<f32>()?, cols),
+                            scales: Vec::new(),
+                        }
+                    }
+                    _ => repack(format, p)?,
                 };
-                for p in parts {
-                    let b = repack(format, &p.data()?);
-                    all.codes.extend(b.codes);
-                    all.scales.extend(b.scales);
-                }
-                all
+                blocks.codes.extend(b.codes);
+                blocks.scales.extend(b.scales);
             }
-        };
-        Self::from_blocks(gpu, &blocks, cols, format)
+            out.push(gpu, &blocks, format)?;
+        }
+        Ok(out)
     }
 
     /// Random Q8_0 rows (`--load-format dummy`), stacked: a pool of random blocks tiled
@@ -175,15 +95,26 @@ impl Linear {
             codes,
             scales: vec![scale; blocks],
         };
-        Self::from_blocks(gpu, &blocks, cols, Format::Q8_0)
+        let mut out = Self {
+            parts: Vec::new(),
+            rows: 0,
+            cols,
+        };
+        out.push(gpu, &blocks, Format::Q8_0)?;
+        Ok(out)
     }
 
-    fn from_blocks(gpu: &Gpu, blocks: &Blocks, cols: usize, format: Format) -> Result<Self> {
+    /// Rows in `format` stacked below the others, in parts that each fit one binding.
+    fn push(&mut self, gpu: &Gpu, blocks: &Blocks, format: Format) -> Result<()> {
+        let cols = self.cols;
         let row_words = format.row_words(cols);
         // Per row: its codes (f16 words for F16), and its blocks' scale words.
         let (code_row, scale_row) = match format {
             Format::F16 => (row_words, 0),
-            _ => (cols / 32 * format.code_words(), cols / 32),
+            _ => (
+                cols / 32 * format.code_words(),
+                cols / 32 * format.scale_words(),
+            ),
         };
         let rows = blocks.codes.len() / code_row.max(1);
         // A 16-byte vector past each part for the padding.
@@ -192,35 +123,30 @@ impl Linear {
         if per_part == 0 {
             bail!("a row of {cols} values does not fit one binding");
         }
-        let parts = (0..rows.max(1))
-            .step_by(per_part)
-            .map(|first| {
-                let n = per_part.min(rows - first);
-                let mut words = blocks.codes[first * code_row..][..n * code_row].to_vec();
-                let scales = words.len();
-                if scale_row > 0 {
-                    words.extend_from_slice(&blocks.scales[first * scale_row..][..n * scale_row]);
-                }
-                // Bound as 16-byte vectors.
-                words.resize(words.len().next_multiple_of(4), 0);
-                Part {
-                    buf: upload_words(gpu, "weights", &words),
-                    first,
-                    rows: n,
-                    scales,
-                }
-            })
-            .collect();
-        Ok(Self {
-            parts,
-            rows,
-            cols,
-            format,
-        })
+        for first in (0..rows.max(1)).step_by(per_part) {
+            let n = per_part.min(rows - first);
+            let mut words = blocks.codes[first * code_row..][..n * code_row].to_vec();
+            let scales = words.len();
+            if scale_row > 0 {
+                words.extend_from_slice(&blocks.scales[first * scale_row..][..n * scale_row]);
+            }
+            // Bound as 16-byte vectors.
+            words.resize(words.len().next_multiple_of(4), 0);
+            self.parts.push(Part {
+                buf: upload_words(gpu, "weights", &words),
+                first: self.rows + first,
+                rows: n,
+                scales,
+                format,
+            });
+        }
+        self.rows += rows;
+        Ok(())
     }
 
     pub fn bytes(&self) -> usize {
-        4 * self.rows * self.format.row_words(self.cols)
+        let part = |p: &Part| 4 * p.rows * p.format.row_words(self.cols);
+        self.parts.iter().map(part).sum()
     }
 }
 
@@ -256,14 +182,14 @@ pub fn matmul(
     out: Out,
     pick: Pick,
 ) {
-    // The matrix-vector kernel reads f16 rows as whole 16-byte vectors.
-    let vectors = (w.format != Format::F16 || w.cols.is_multiple_of(8))
-        && match pick {
-            Pick::Gpu | Pick::Coop => m <= GEMV_ROWS,
-            Pick::Cpu => true,
-            Pick::Tiled => false,
-        };
     for p in &w.parts {
+        // The matrix-vector kernel reads f16 rows as whole 16-byte vectors.
+        let vectors = (p.format != Format::F16 || w.cols.is_multiple_of(8))
+            && match pick {
+                Pick::Gpu | Pick::Coop => m <= GEMV_ROWS,
+                Pick::Cpu => true,
+                Pick::Tiled => false,
+            };
         let params = |rows: usize, row0: usize| {
             [
                 rows as u32,
@@ -286,7 +212,7 @@ pub fn matmul(
             launch(
                 gpu,
                 pass,
-                &tiles[w.format as usize],
+                &tiles[p.format as usize],
                 &buffers,
                 &params(m, 0),
                 groups,
@@ -299,7 +225,7 @@ pub fn matmul(
             launch(
                 gpu,
                 pass,
-                &k.gemv[w.format as usize][rows - 1],
+                &k.gemv[p.format as usize][rows - 1],
                 &buffers,
                 &params(rows, row0),
                 groups,

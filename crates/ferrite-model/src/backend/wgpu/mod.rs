@@ -6,6 +6,7 @@
 
 pub mod attention;
 mod binds;
+pub mod blocks;
 pub mod device;
 pub mod inputs;
 pub mod kernels;

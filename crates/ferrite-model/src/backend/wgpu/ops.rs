@@ -432,7 +432,7 @@ impl Backend for WgpuBackend {
 
     fn describe(&self) -> String {
         format!(
-            "backend wgpu ({}), weights: GGUF Q8_0/Q4_0/Q4_1 blocks kept, others f16; activations f32",
+            "backend wgpu ({}), weights: GGUF Q8_0/Q4_0/Q4_1 blocks kept, Q4_K/Q5_K/Q6_K cut into blocks of 32, others f16; activations f32",
             self.gpu.describe()
         )
     }
