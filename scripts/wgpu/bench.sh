@@ -15,7 +15,8 @@ bin=/tmp/ferrite/bin
 export LD_LIBRARY_PATH=$bin
 parts=" $* "
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-shapes=(scripts/wgpu/llama-3.2-1b.json scripts/cuda/llama-3.1-8b.json)
+# SHAPES: the configs to run (default both).
+read -ra shapes <<< "${SHAPES:-scripts/wgpu/llama-3.2-1b.json scripts/cuda/llama-3.1-8b.json}"
 offline() { # LABEL MODEL [FLAGS...]
   local label=$1 model=$2
   shift 2
@@ -30,7 +31,8 @@ for s in "${shapes[@]}"; do
 done
 # GPU time by kernel, on the 8B shape.
 [[ $parts == *" profile "* ]] &&
-  FERRITE_WGPU_PROFILE=1 offline llama-3.1-8b-profile "${shapes[1]}" --load-format dummy --batch 1
+  FERRITE_WGPU_PROFILE=1 offline llama-3.1-8b-profile scripts/cuda/llama-3.1-8b.json \
+    --load-format dummy --batch 1
 if [[ $parts == *" llamacpp "* ]]; then
   tok=$(ls /tmp/ferrite/models/*.gguf | head -1)
   for s in "${shapes[@]}"; do
