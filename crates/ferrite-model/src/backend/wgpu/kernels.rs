@@ -134,6 +134,7 @@ pub const SHADERS: [(&str, &str); 9] = [
         "matmul",
         concat!(
             include_str!("shaders/weights.wgsl"),
+            include_str!("shaders/linear_params.wgsl"),
             include_str!("shaders/matmul.wgsl")
         ),
     ),
@@ -141,6 +142,7 @@ pub const SHADERS: [(&str, &str); 9] = [
         "gemv",
         concat!(
             include_str!("shaders/weights.wgsl"),
+            include_str!("shaders/linear_params.wgsl"),
             include_str!("shaders/gemv.wgsl")
         ),
     ),
@@ -170,6 +172,7 @@ pub const SHADERS: [(&str, &str); 9] = [
 pub const COOP_SHADER: &str = concat!(
     "enable f16;\nenable wgpu_cooperative_matrix;\n",
     include_str!("shaders/weights.wgsl"),
+    include_str!("shaders/linear_params.wgsl"),
     include_str!("shaders/matmul_coop.wgsl")
 );
 

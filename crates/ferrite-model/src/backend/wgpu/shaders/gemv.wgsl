@@ -5,20 +5,6 @@
 // R rows. Sums across lanes with subgroupAdd (any subgroup size: 8 on lavapipe, 32 on Apple
 // and NVIDIA, 64 on AMD). `add`: into the residual stream.
 
-struct P {
-    m: u32,
-    n: u32,
-    k: u32,
-    ldy: u32,
-    off: u32,
-    add: u32,
-    // The first row of x and y (a step's rows taken 8 at a time).
-    row0: u32,
-    // The word where a quantized part's block scales start.
-    scales: u32,
-}
-var<immediate> p: P;
-
 @group(0) @binding(0) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> w: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;

@@ -5,19 +5,6 @@
 // 16 rows of x against the 64 rows of w. The sums go through workgroup memory to y, where
 // the edges and `add` (into the residual stream) are handled.
 
-struct P {
-    m: u32,
-    n: u32,
-    k: u32,
-    ldy: u32,
-    off: u32,
-    add: u32,
-    row0: u32,
-    // The word where a quantized part's block scales start.
-    scales: u32,
-}
-var<immediate> p: P;
-
 @group(0) @binding(0) var<storage, read> x: array<f32>;
 @group(0) @binding(1) var<storage, read> w: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;

@@ -1,0 +1,17 @@
+// The parameters of the matmul kernels (prepended to gemv, matmul and matmul_coop): y[m, off
+// + n] (+)= x[m, :] . w[n, :] for rows row0.. of x and y, w's scale words from `scales` on.
+
+struct P {
+    m: u32,
+    n: u32,
+    k: u32,
+    ldy: u32,
+    off: u32,
+    // 1: added into y (the residual stream).
+    add: u32,
+    // The first row of x and y (the matrix-vector kernel takes a step's rows 8 at a time).
+    row0: u32,
+    // The word where a quantized part's block scales start.
+    scales: u32,
+}
+var<immediate> p: P;
