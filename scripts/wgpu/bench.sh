@@ -3,8 +3,9 @@
 # scripts/wgpu/bundle.sh): ferrite's wgpu backend on Vulkan, `ferrite bench offline` on the
 # Llama-3.2-1B and Llama-3.1-8B shapes with random weights. Parts, as arguments:
 #   profile   the 8B shape again with FERRITE_WGPU_PROFILE=1 (GPU time by kernel, in $OUT/*.err)
-#   llamacpp  llama.cpp's Vulkan llama-bench on random Q4_0 GGUFs of the same shapes
-#             (bin/llama-bench and bin/random_gguf in the bundle) beside ferrite on those files
+#   llamacpp  llama.cpp's Vulkan llama-bench on random GGUFs (GGUFS: SmolLM2-135M's shape in
+#             Q4_1, the 1B and 8B shapes in Q4_0; bin/llama-bench and bin/random_gguf in the
+#             bundle) beside ferrite on those files
 set -uo pipefail
 out=${OUT:-/tmp/ferrite-out}
 mkdir -p "$out" /tmp/ferrite
@@ -33,14 +34,17 @@ done
 [[ $parts == *" profile "* ]] &&
   FERRITE_WGPU_PROFILE=1 offline llama-3.1-8b-profile scripts/cuda/llama-3.1-8b.json \
     --load-format dummy --batch 1
+# GGUFS: CONFIG:FORMAT pairs for the llama.cpp part (random blocks of that shape and format).
+ggufs=${GGUFS:-"scripts/wgpu/smollm2-135m.json:q4_1 scripts/wgpu/llama-3.2-1b.json:q4_0 scripts/cuda/llama-3.1-8b.json:q4_0"}
 if [[ $parts == *" llamacpp "* ]]; then
   tok=$(ls /tmp/ferrite/models/*.gguf | head -1)
-  for s in "${shapes[@]}"; do
-    name=$(basename "$s" .json)
-    gguf=/tmp/$name-q4_0.gguf
-    [ -f "$gguf" ] || "$bin/random_gguf" "$tok" "$s" "$gguf" q4_0 > "$out/$name-gguf.log" 2>&1
-    echo "## llama.cpp Vulkan, $name Q4_0"
+  for g in $ggufs; do
+    s=${g%:*} fmt=${g#*:}
+    name=$(basename "$s" .json)-$fmt
+    gguf=/tmp/$name.gguf
+    [ -f "$gguf" ] || "$bin/random_gguf" "$tok" "$s" "$gguf" "$fmt" > "$out/$name-gguf.log" 2>&1
+    echo "## llama.cpp Vulkan, $name"
     timeout 300 "$bin/llama-bench" -m "$gguf" -ngl 99 -fa 1 -p 512 -n 64 -r 2 2>&1 | grep "|"
-    offline "$name-q4_0" "$gguf" --batch 1
+    offline "$name" "$gguf" --batch 1,8
   done
 fi

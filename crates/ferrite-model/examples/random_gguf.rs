@@ -2,8 +2,9 @@
 //! tokenizer of another GGUF: the model llama.cpp serves in the GPU peer benchmark
 //! (`scripts/cuda/serve-peer.sh llamacpp`), the same shape and vocabulary as the folder ferrite
 //! and transformers serve there with random weights (`examples/hf_folder.rs`).
-//! With `q4_0` the matrices are Q4_0 blocks instead (ferrite's quantized GGUF path on the GPU).
-//! Usage: cargo run --release -p ferrite-model --example random_gguf -- TOKENIZER.gguf CONFIG.json OUT.gguf [q4_0]
+//! With `q4_0` or `q4_1` the matrices are blocks of that format instead (ferrite's quantized
+//! GGUF path on the GPU).
+//! Usage: cargo run --release -p ferrite-model --example random_gguf -- TOKENIZER.gguf CONFIG.json OUT.gguf [q4_0|q4_1]
 
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::ggml_file::qtensor_from_ggml;
@@ -77,7 +78,8 @@ fn main() -> Result<()> {
     let (tokenizer, config, output, dtype) = match args.as_slice() {
         [t, c, o] => (t, c, o, GgmlDType::F16),
         [t, c, o, q] if q == "q4_0" => (t, c, o, GgmlDType::Q4_0),
-        _ => bail!("usage: random_gguf TOKENIZER.gguf CONFIG.json OUT.gguf [q4_0]"),
+        [t, c, o, q] if q == "q4_1" => (t, c, o, GgmlDType::Q4_1),
+        _ => bail!("usage: random_gguf TOKENIZER.gguf CONFIG.json OUT.gguf [q4_0|q4_1]"),
     };
     let mut reader = File::open(tokenizer).with_context(|| format!("opening {tokenizer}"))?;
     let content = gguf_file::Content::read(&mut reader)?;
@@ -91,10 +93,14 @@ fn main() -> Result<()> {
     let own = [
         ("general.architecture", Value::String("llama".into())),
         ("general.name", Value::String("random".into())),
-        // llama.cpp's file types: 1 mostly F16, 2 mostly Q4_0.
+        // llama.cpp's file types: 1 mostly F16, 2 mostly Q4_0, 3 mostly Q4_1.
         (
             "general.file_type",
-            Value::U32(if dtype == GgmlDType::F16 { 1 } else { 2 }),
+            Value::U32(match dtype {
+                GgmlDType::Q4_0 => 2,
+                GgmlDType::Q4_1 => 3,
+                _ => 1,
+            }),
         ),
         // The server sizes its context with -c; this only has to be at least that.
         ("llama.context_length", Value::U32(131072)),
