@@ -84,9 +84,7 @@ fn conforms(make: &dyn Fn() -> WgpuBackend, tolerances: &suite::Tolerances) {
         .map(|o| o.case.as_str())
         .collect();
     for case in &refused {
-        let not_yet = ["mixture", "gated delta-net"]
-            .iter()
-            .any(|op| case.starts_with(op));
+        let not_yet = case.starts_with("mixture");
         let kv = ["kv: Bf16", "kv: Fp8", "kv: Int8"]
             .iter()
             .any(|k| case.contains(k));
@@ -102,12 +100,18 @@ fn every_family_conforms() {
     };
     let out = suite::families(&backend, &bound);
     assert!(suite::failures(&out).is_empty());
-    // The dense families run; those with experts or delta-net layers are refused at load.
+    // The dense and hybrid families run; those with experts are refused at load.
     for o in &out {
-        let dense = ["llama31", "mistral", "qwen2:", "qwen3:", "gemma2", "gemma3"]
-            .iter()
-            .any(|f| o.case.starts_with(f));
-        assert_eq!(o.error.is_some(), dense, "{}", o.case);
+        let experts = [
+            "mixtral",
+            "qwen2_moe",
+            "qwen3_moe",
+            "qwen3_5_moe",
+            "qwen3_next",
+        ]
+        .iter()
+        .any(|f| o.case.starts_with(f));
+        assert_eq!(o.error.is_none(), experts, "{}", o.case);
     }
 }
 
@@ -149,6 +153,9 @@ fn every_shader_translates_to_metal() {
                 // The matrix-vector kernel's rows of w per subgroup and per workgroup.
                 "R" => vec![1.0, 2.0, 4.0],
                 "ROWS" => vec![4.0, 8.0, 16.0],
+                // The delta rule's key and value head sizes.
+                "DK" => vec![16.0, 32.0, 64.0, 128.0],
+                "WG" => vec![32.0, 64.0, 128.0, 256.0],
                 _ => panic!("{name}: an override the test does not know"),
             }
         };

@@ -117,6 +117,12 @@ pub fn run<B: Backend>(make: &dyn Fn() -> B, tol: &Tolerances) -> Vec<Outcome> {
             check(case, tol.gated_delta, got, clone(&whole));
         }
     }
+    check(
+        "gated delta-net, checkpoints saved and restored".into(),
+        tol.gated_delta,
+        GdnCheckpoints.run(&mut make()),
+        GdnCheckpoints.run(&mut reference()),
+    );
     for op in [
         Pointwise::GateSigmoid,
         Pointwise::RmsNormRows,
@@ -647,9 +653,79 @@ impl Mixture {
     }
 }
 
+/// A delta-net layer's spec, inputs and small weights on a backend: heads of `k_dim` (32,
+/// or the real models' 128), a projection a multiple of 32 wide (as the int8 path's
+/// matmuls take), the inputs of requests of `lens` tokens.
+struct GdnLayer<B: Backend> {
+    spec: GdnSpec,
+    inputs: Vec<Vec<f32>>,
+    conv: B::Vector,
+    a_log: B::Vector,
+    dt_bias: B::Vector,
+    norm: B::Vector,
+    as_output: AsOutput<B>,
+}
+
+impl<B: Backend> GdnLayer<B> {
+    fn new(b: &B, k_dim: usize, lens: &[usize]) -> Result<Self> {
+        let spec = GdnSpec {
+            num_k_heads: 128 / k_dim,
+            num_v_heads: 16,
+            k_dim,
+            v_dim: k_dim,
+            conv_kernel: 4,
+            eps: 1e-6,
+        };
+        let mut rng = Rng::new(5);
+        let inputs = lens
+            .iter()
+            .map(|&n| rng.vec(n * spec.proj_dim(), 1.0))
+            .collect();
+        Ok(Self {
+            conv: b.vector(rng.vec(spec.conv_dim() * spec.conv_kernel, 0.5))?,
+            a_log: b.vector(rng.vec(spec.num_v_heads, 1.0))?,
+            dt_bias: b.vector(rng.vec(spec.num_v_heads, 1.0))?,
+            norm: b.vector(rng.vec(spec.v_dim, 0.5).iter().map(|v| 1.0 + v).collect())?,
+            as_output: AsOutput::new(b, spec.proj_dim())?,
+            inputs,
+            spec,
+        })
+    }
+
+    /// One step: each of `chunks` (request, first token, tokens) as a row range of that
+    /// request's inputs; the layer's output rows in order.
+    fn run(
+        &self,
+        b: &mut B,
+        s: &mut PackedStep,
+        chunks: &[(usize, usize, usize)],
+        state: &mut B::StateCache,
+    ) -> Result<Vec<f32>> {
+        let w = self.spec.proj_dim();
+        let rows: Vec<f32> = chunks
+            .iter()
+            .flat_map(|&(r, a, n)| self.inputs[r][a * w..(a + n) * w].iter().copied())
+            .collect();
+        let n = rows.len() / w;
+        let t = Tensor::from_vec(rows, (n, w), &Device::Cpu)?;
+        let table = b.embedding(QTensor::quantize(&t, GgmlDType::F32)?)?;
+        let p = GdnParams {
+            conv: &self.conv,
+            a_log: &self.a_log,
+            dt_bias: &self.dt_bias,
+            norm: &self.norm,
+        };
+        observe(b, s, |b, st| {
+            let proj = self.as_output.rows(b, st, &table)?;
+            let mut out = B::Act::default();
+            b.gated_delta(st, &proj, &p, &self.spec, state, &mut out)?;
+            b.hidden(st, &out, None)
+        })
+    }
+}
+
 /// Two requests through the delta rule in steps of `chunk` tokens each (the first 40
-/// tokens long, the second 9): the state carries over between steps. Heads of `k_dim`: 32,
-/// or the real models' 128.
+/// tokens long, the second 9): the state carries over between steps.
 struct GatedDelta {
     chunk: usize,
     k_dim: usize,
@@ -657,67 +733,55 @@ struct GatedDelta {
 
 impl GatedDelta {
     fn run<B: Backend>(&self, b: &mut B) -> Result<Vec<f32>> {
-        // A projection a multiple of 32 wide, as the int8 path's matmuls take.
-        let spec = GdnSpec {
-            num_k_heads: 128 / self.k_dim,
-            num_v_heads: 16,
-            k_dim: self.k_dim,
-            v_dim: self.k_dim,
-            conv_kernel: 4,
-            eps: 1e-6,
-        };
         let lens = [40usize, 9];
-        let mut rng = Rng::new(5);
-        let inputs: Vec<Vec<f32>> = lens
-            .iter()
-            .map(|&n| rng.vec(n * spec.proj_dim(), 1.0))
-            .collect();
-        let conv = b.vector(rng.vec(spec.conv_dim() * spec.conv_kernel, 0.5))?;
-        let a_log = b.vector(rng.vec(spec.num_v_heads, 1.0))?;
-        let dt_bias = b.vector(rng.vec(spec.num_v_heads, 1.0))?;
-        let norm = b.vector(rng.vec(spec.v_dim, 0.5).iter().map(|v| 1.0 + v).collect())?;
-        let p = GdnParams {
-            conv: &conv,
-            a_log: &a_log,
-            dt_bias: &dt_bias,
-            norm: &norm,
-        };
-        let mut state = b.state_cache(2, &spec)?;
-        let as_output = AsOutput::new(b, spec.proj_dim())?;
+        let layer = GdnLayer::new(b, self.k_dim, &lens)?;
+        let mut state = b.state_cache(2, &layer.spec)?;
         // Each request's outputs in order, whatever steps they came in.
         let mut seen = vec![Vec::new(); 2];
         let mut at = [0usize; 2];
         while at.iter().zip(&lens).any(|(a, n)| a < n) {
             // The requests with tokens left, by slot.
             let live: Vec<usize> = (0..2).filter(|&r| at[r] < lens[r]).collect();
-            let chunks: Vec<(usize, usize)> = live
+            let chunks: Vec<(usize, usize, usize)> = live
                 .iter()
-                .map(|&r| (at[r], self.chunk.min(lens[r] - at[r])))
+                .map(|&r| (r, at[r], self.chunk.min(lens[r] - at[r])))
                 .collect();
-            let mut rows = Vec::new();
-            for (&r, &(a, n)) in live.iter().zip(&chunks) {
-                let w = spec.proj_dim();
-                rows.extend_from_slice(&inputs[r][a * w..(a + n) * w]);
-            }
-            let n = rows.len() / spec.proj_dim();
-            let t = Tensor::from_vec(rows, (n, spec.proj_dim()), &Device::Cpu)?;
-            let table = b.embedding(QTensor::quantize(&t, GgmlDType::F32)?)?;
-            let mut s = step(&chunks);
+            let spans: Vec<(usize, usize)> = chunks.iter().map(|c| (c.1, c.2)).collect();
+            let mut s = step(&spans);
             s.state.slots = live.iter().map(|&r| r as u32).collect();
-            let out = observe(b, &s, |b, st| {
-                let proj = as_output.rows(b, st, &table)?;
-                let mut out = B::Act::default();
-                b.gated_delta(st, &proj, &p, &spec, &mut state, &mut out)?;
-                b.hidden(st, &out, None)
-            })?;
-            let width = out.len() / n;
+            let out = layer.run(b, &mut s, &chunks, &mut state)?;
+            let width = out.len() / spans.iter().map(|c| c.1).sum::<usize>();
             let mut rows = out.chunks(width);
-            for (&r, c) in live.iter().zip(&chunks) {
+            for (&r, c) in live.iter().zip(&spans) {
                 at[r] += c.1;
                 seen[r].extend(rows.by_ref().take(c.1).flatten());
             }
         }
         Ok(seen.concat())
+    }
+}
+
+/// The state's checkpoints: a 16-token chunk writes its state after 10 tokens to slot 2 (a
+/// prefix-cache save) and after 12, 13, 14 and 15 tokens to slots 3 to 6 (a verify step's
+/// drafts); in the next step two requests start from slots 2 and 5 (restores) and go on
+/// with the same tokens, beside the first request's next chunk.
+struct GdnCheckpoints;
+
+impl GdnCheckpoints {
+    fn run<B: Backend>(&self, b: &mut B) -> Result<Vec<f32>> {
+        use ferrite_model::step::NO_SLOT;
+        let layer = GdnLayer::new(b, 32, &[24])?;
+        let mut state = b.state_cache(8, &layer.spec)?;
+        let mut first = step(&[(0, 16)]);
+        first.state.saves = vec![[10, 2]];
+        first.state.drafts = vec![[12, 3]];
+        let mut out = layer.run(b, &mut first, &[(0, 0, 16)], &mut state)?;
+        let chunks = [(0, 16, 8), (0, 10, 8), (0, 14, 6)];
+        let mut next = step(&[(16, 8), (10, 8), (14, 6)]);
+        next.state.slots = vec![0, 1, 7];
+        next.state.restores = vec![NO_SLOT, 2, 5];
+        out.extend(layer.run(b, &mut next, &chunks, &mut state)?);
+        Ok(out)
     }
 }
 

@@ -6,6 +6,9 @@ use super::tensors::zeros;
 use crate::step::PackedStep;
 use anyhow::Result;
 
+/// An array the step does not have.
+pub const NONE: u32 = u32::MAX;
+
 /// One KV group's slots and block tables, as offsets into the step's words.
 pub struct GroupAt {
     pub slots: u32,
@@ -22,6 +25,9 @@ pub struct StepInputs {
     /// The rows that need logits.
     pub rows: u32,
     pub groups: Vec<GroupAt>,
+    /// The recurrent states' slots, restores, saves and drafts (`[n, slot]` pairs);
+    /// [`NONE`] where the step has none.
+    pub state: [u32; 4],
     pub num_seqs: usize,
     pub num_tokens: usize,
 }
@@ -50,6 +56,14 @@ impl StepInputs {
                 max_blocks: kv.max_blocks as u32,
             })
             .collect();
+        let mut put_some = |a: &[u32]| if a.is_empty() { NONE } else { put(a) };
+        let st = &step.state;
+        let state = [
+            put_some(&st.slots),
+            put_some(&st.restores),
+            put_some(st.saves.as_flattened()),
+            put_some(st.drafts.as_flattened()),
+        ];
         let bytes = 4 * words.len() as u64;
         let buf = match kept {
             Some(b) if b.size() >= bytes => b.clone(),
@@ -67,6 +81,7 @@ impl StepInputs {
             seq_lens_k,
             rows,
             groups,
+            state,
             num_seqs: step.num_seqs(),
             num_tokens: step.num_tokens(),
         })

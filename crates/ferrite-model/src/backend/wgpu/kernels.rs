@@ -3,6 +3,8 @@
 
 use super::device::Gpu;
 use anyhow::Result;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use wgpu::util::DeviceExt;
 
 /// A pipeline and the layout of its buffers.
@@ -33,6 +35,12 @@ pub struct Kernels {
     pub qkv: Kernel,
     pub attention: Kernel,
     pub attention_combine: Kernel,
+    /// Gated delta-net layers: a checkpoint's state restored, the convolution, its window's
+    /// slide; the delta rule by key and value head size, built when a model asks.
+    pub gdn_restore: Kernel,
+    pub gdn_conv: Kernel,
+    pub gdn_slide: Kernel,
+    gdn_rules: Mutex<HashMap<(usize, usize), Arc<Kernel>>>,
     /// Bound where a kernel's optional input is absent.
     pub empty: wgpu::Buffer,
 }
@@ -108,7 +116,7 @@ fn kernel(
 }
 
 /// The WGSL sources, by file.
-pub const SHADERS: [(&str, &str); 9] = [
+pub const SHADERS: [(&str, &str); 11] = [
     (
         "rms_norm",
         concat!(
@@ -165,6 +173,14 @@ pub const SHADERS: [(&str, &str); 9] = [
         "attention_combine",
         include_str!("shaders/attention_combine.wgsl"),
     ),
+    ("gdn", include_str!("shaders/gdn.wgsl")),
+    (
+        "gdn_rule",
+        concat!(
+            include_str!("shaders/reduce.wgsl"),
+            include_str!("shaders/gdn_rule.wgsl")
+        ),
+    ),
 ];
 
 /// The matmul on cooperative matrices (16 x 16 f16 tiles, f32 sums: Vulkan's
@@ -194,6 +210,7 @@ impl Kernels {
         };
         let pointwise = module(device, "pointwise");
         let pw = |entry: &'static str| kernel(device, &pointwise, (entry, entry), "rw", &[]);
+        let gdn = module(device, "gdn");
         Ok(Self {
             cpu,
             rms_norm: one("rms_norm", "rrrw"),
@@ -245,6 +262,10 @@ impl Kernels {
             qkv: one("qkv", "rrrrrrww"),
             attention: one("attention", "rrrrw"),
             attention_combine: one("attention_combine", "rw"),
+            gdn_restore: kernel(device, &gdn, ("gdn_restore", "restore"), "rrw", &[]),
+            gdn_conv: kernel(device, &gdn, ("gdn_conv", "conv"), "rrwrw", &[]),
+            gdn_slide: kernel(device, &gdn, ("gdn_slide", "slide"), "rrw", &[]),
+            gdn_rules: Mutex::default(),
             empty: device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: Some("empty"),
                 contents: &[0; 16],
@@ -255,6 +276,23 @@ impl Kernels {
 }
 
 impl Kernels {
+    /// The delta rule for heads of `dk` keys and `dv` values (`dv` threads a workgroup).
+    pub fn gdn_rule(&self, device: &wgpu::Device, dk: usize, dv: usize) -> Arc<Kernel> {
+        let mut rules = self.gdn_rules.lock().unwrap_or_else(|e| e.into_inner());
+        let rule = rules.entry((dk, dv)).or_insert_with(|| {
+            let constants = [("DK", dk as f64), ("WG", dv as f64)];
+            let m = module(device, "gdn_rule");
+            Arc::new(kernel(
+                device,
+                &m,
+                ("gdn_rule", "main"),
+                "rrrrrrww",
+                &constants,
+            ))
+        });
+        rule.clone()
+    }
+
     /// Rows of w per workgroup of the matrix-vector kernel for `m` rows of x.
     pub fn gemv_workgroup_rows(&self, m: usize) -> usize {
         gemv_workgroup_rows(m, self.cpu)

@@ -8,6 +8,7 @@ pub mod attention;
 mod binds;
 pub mod blocks;
 pub mod device;
+mod gdn;
 pub mod inputs;
 pub mod kernels;
 mod launches;
@@ -54,6 +55,8 @@ pub struct WgpuBackend {
     proj: Act,
     /// Attention's splits of the keys, before they are combined.
     parts: Act,
+    /// A delta-net layer's convolution output.
+    conv: Act,
     /// The step's index arrays, rewritten each step.
     step_words: Option<wgpu::Buffer>,
     /// The last step's logits (or hidden rows) on the device, then on the host.
@@ -92,6 +95,7 @@ impl WgpuBackend {
             normed: Act::default(),
             proj: Act::default(),
             parts: Act::default(),
+            conv: Act::default(),
             step_words: None,
             out: Act::default(),
             host_logits: Vec::new(),

@@ -1,6 +1,7 @@
 //! The backend trait's ops on wgpu: checks on the host, then the launches.
 
 use super::attention::{KvPages, QkvArgs, StepView};
+use super::gdn::{self, StateCache};
 use super::inputs::StepInputs;
 use super::kernels::launch;
 use super::launches::{check_ids, embed_params, YOut};
@@ -28,8 +29,7 @@ impl Backend for WgpuBackend {
     type LayerCache = KvPages;
     /// Refused at load: mixtures of experts are not written yet.
     type Moe = ();
-    /// Refused at load: gated delta-nets are not written yet.
-    type StateCache = ();
+    type StateCache = StateCache;
     type StepInputs = StepInputs;
 
     fn vector(&self, v: Vec<f32>) -> Result<Vector> {
@@ -130,8 +130,8 @@ impl Backend for WgpuBackend {
         KvPages::zeros(&self.gpu, num_blocks, block_size, kv_heads, head_dim, dtype)
     }
 
-    fn state_cache(&self, _slots: usize, _spec: &GdnSpec) -> Result<()> {
-        bail!("gated delta-net (linear attention) layers: {NOT_YET}")
+    fn state_cache(&self, slots: usize, spec: &GdnSpec) -> Result<StateCache> {
+        StateCache::zeros(&self.gpu, &self.kernels, slots, spec)
     }
 
     fn step(
@@ -343,14 +343,40 @@ impl Backend for WgpuBackend {
 
     fn gated_delta(
         &mut self,
-        _s: &Step<Self>,
-        _proj: &Act,
-        _p: &GdnParams<Self>,
-        _spec: &GdnSpec,
-        _state: &mut (),
-        _out: &mut Act,
+        s: &Step<Self>,
+        proj: &Act,
+        p: &GdnParams<Self>,
+        spec: &GdnSpec,
+        state: &mut StateCache,
+        out: &mut Act,
     ) -> Result<()> {
-        bail!("gated delta-net (linear attention) layers: {NOT_YET}")
+        if proj.cols != spec.proj_dim() || state.spec() != spec {
+            bail!(
+                "gated delta-net input {} wide, expected {}",
+                proj.cols,
+                spec.proj_dim()
+            );
+        }
+        if proj.rows > 65535 {
+            bail!("{} tokens in one step: at most 65535", proj.rows);
+        }
+        let gpu = self.gpu.clone();
+        let y = out
+            .shape(&gpu, proj.rows, spec.num_v_heads * spec.v_dim)?
+            .clone();
+        let conv_out = self.conv.shape(&gpu, proj.rows, spec.conv_dim())?.clone();
+        let buffers = gdn::Buffers {
+            proj: proj.buf()?,
+            conv_out: &conv_out,
+            conv: &p.conv.buf,
+            a_log: &p.a_log.buf,
+            dt_bias: &p.dt_bias.buf,
+            norm: &p.norm.buf,
+            out: &y,
+        };
+        let k = self.kernels.clone();
+        gdn::gated_delta(&gpu, &k, self.pass(), s.inputs, &buffers, state);
+        Ok(())
     }
 
     fn rms_norm_rows(
