@@ -41,6 +41,9 @@ pub struct Kernels {
     pub gdn_conv: Kernel,
     pub gdn_slide: Kernel,
     gdn_rules: Mutex<HashMap<(usize, usize), Arc<Kernel>>>,
+    /// Mixtures of experts: each token's experts, and the experts' outputs summed.
+    pub moe_route: Kernel,
+    pub moe_combine: Kernel,
     /// Bound where a kernel's optional input is absent.
     pub empty: wgpu::Buffer,
 }
@@ -116,7 +119,7 @@ fn kernel(
 }
 
 /// The WGSL sources, by file.
-pub const SHADERS: [(&str, &str); 11] = [
+pub const SHADERS: [(&str, &str); 13] = [
     (
         "rms_norm",
         concat!(
@@ -174,6 +177,8 @@ pub const SHADERS: [(&str, &str); 11] = [
         include_str!("shaders/attention_combine.wgsl"),
     ),
     ("gdn", include_str!("shaders/gdn.wgsl")),
+    ("moe_route", include_str!("shaders/moe_route.wgsl")),
+    ("moe_combine", include_str!("shaders/moe_combine.wgsl")),
     (
         "gdn_rule",
         concat!(
@@ -249,7 +254,7 @@ impl Kernels {
                         ("R", gemv_r(rows) as f64),
                         ("ROWS", gemv_workgroup_rows(rows, cpu) as f64),
                     ];
-                    kernel(device, &m, ("gemv", "main"), "rrw", &c)
+                    kernel(device, &m, ("gemv", "main"), "rrwr", &c)
                 };
                 (0..FORMATS)
                     .map(|f| (1..=GEMV_ROWS).map(|rows| pipeline(f, rows)).collect())
@@ -266,6 +271,8 @@ impl Kernels {
             gdn_conv: kernel(device, &gdn, ("gdn_conv", "conv"), "rrwrw", &[]),
             gdn_slide: kernel(device, &gdn, ("gdn_slide", "slide"), "rrw", &[]),
             gdn_rules: Mutex::default(),
+            moe_route: one("moe_route", "rw"),
+            moe_combine: one("moe_combine", "rrrrw"),
             empty: device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: Some("empty"),
                 contents: &[0; 16],

@@ -200,9 +200,10 @@ pub fn matmul(
                 out.add as u32,
                 row0 as u32,
                 p.scales as u32,
+                0,
             ]
         };
-        let buffers = [x, &p.buf, out.y];
+        let buffers = [x, &p.buf, out.y, &k.empty];
         if !vectors {
             let groups = [p.rows.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
             let tiles = match pick {
@@ -213,7 +214,7 @@ pub fn matmul(
                 gpu,
                 pass,
                 &tiles[p.format as usize],
-                &buffers,
+                &buffers[..3],
                 &params(m, 0),
                 groups,
             );

@@ -13,6 +13,7 @@ pub mod inputs;
 pub mod kernels;
 mod launches;
 pub mod linear;
+mod moe;
 mod ops;
 mod profile;
 pub mod start;
@@ -41,9 +42,6 @@ pub struct Rope {
     neox: bool,
 }
 
-/// What this backend does not run yet, named in its refusals.
-const NOT_YET: &str = "not on the wgpu backend yet; use --device cpu or cuda";
-
 pub struct WgpuBackend {
     gpu: Arc<Gpu>,
     kernels: Arc<Kernels>,
@@ -57,6 +55,8 @@ pub struct WgpuBackend {
     parts: Act,
     /// A delta-net layer's convolution output.
     conv: Act,
+    /// A mixture-of-experts layer's activations.
+    moe: moe::Scratch,
     /// The step's index arrays, rewritten each step.
     step_words: Option<wgpu::Buffer>,
     /// The last step's logits (or hidden rows) on the device, then on the host.
@@ -96,6 +96,7 @@ impl WgpuBackend {
             proj: Act::default(),
             parts: Act::default(),
             conv: Act::default(),
+            moe: moe::Scratch::default(),
             step_words: None,
             out: Act::default(),
             host_logits: Vec::new(),

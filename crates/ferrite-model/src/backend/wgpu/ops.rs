@@ -6,8 +6,9 @@ use super::inputs::StepInputs;
 use super::kernels::launch;
 use super::launches::{check_ids, embed_params, YOut};
 use super::linear::{Linear, Pick};
+use super::moe::{self, Moe};
 use super::tensors::{upload_f32, upload_words, Act, Vector};
-use super::{attention, Embedding, Rope, WgpuBackend, NOT_YET};
+use super::{attention, Embedding, Rope, WgpuBackend};
 use crate::backend::{
     random_matrix, AttentionSpec, Backend, Epilogue, Forward, GdnParams, GdnSpec, LinearIn,
     MoeBytes, MoeMatrices, MoeSpec, Pointwise, QkvPrep, Rounding, Stack, Step,
@@ -27,8 +28,7 @@ impl Backend for WgpuBackend {
     type Embedding = Embedding;
     type Rope = Rope;
     type LayerCache = KvPages;
-    /// Refused at load: mixtures of experts are not written yet.
-    type Moe = ();
+    type Moe = Moe;
     type StateCache = StateCache;
     type StepInputs = StepInputs;
 
@@ -98,12 +98,8 @@ impl Backend for WgpuBackend {
         })
     }
 
-    fn moe(&self, _m: MoeMatrices, _spec: MoeSpec) -> Result<()> {
-        bail!("mixtures of experts: {NOT_YET}")
-    }
-
-    fn random_moe(&self, _: MoeSpec, _: usize, _: Option<usize>, _: usize) -> Result<()> {
-        bail!("mixtures of experts: {NOT_YET}")
+    fn moe(&self, m: MoeMatrices, spec: MoeSpec) -> Result<Moe> {
+        Moe::upload(&self.gpu, m, spec)
     }
 
     fn linear_bytes(&self, w: &Linear) -> usize {
@@ -114,8 +110,8 @@ impl Backend for WgpuBackend {
         e.table.bytes()
     }
 
-    fn moe_bytes(&self, _m: &()) -> MoeBytes {
-        MoeBytes::default()
+    fn moe_bytes(&self, m: &Moe) -> MoeBytes {
+        m.bytes()
     }
 
     fn layer_cache(
@@ -261,8 +257,31 @@ impl Backend for WgpuBackend {
         Ok(())
     }
 
-    fn mixture(&mut self, _x: &mut Act, _n: &Vector, _eps: f32, _m: &()) -> Result<()> {
-        bail!("mixtures of experts: {NOT_YET}")
+    fn mixture(&mut self, x: &mut Act, norm: &Vector, eps: f32, m: &Moe) -> Result<()> {
+        if x.cols != m.router().cols {
+            bail!(
+                "experts over {} columns for rows of {}",
+                m.router().cols,
+                x.cols
+            );
+        }
+        let mut s = std::mem::take(&mut self.moe);
+        let input = LinearIn::RmsNorm { x, norm, eps };
+        let r = self.project(&input, m.router(), YOut::Store(s.logits()));
+        // The router's input, normed by its projection, is every expert's.
+        let normed = std::mem::take(&mut self.normed);
+        let r = r.and_then(|_| {
+            if let Some([gate_up, down]) = m.shared() {
+                let (act, out) = s.shared();
+                let gated = Epilogue::Gated(act, m.spec().act);
+                self.matmul(LinearIn::Plain(&normed), gate_up, gated)?;
+                self.project(&LinearIn::Plain(act), down, YOut::Store(out))?;
+            }
+            let (gpu, k) = (self.gpu.clone(), self.kernels.clone());
+            moe::route_and_run(&gpu, &k, self.pass(), m, &mut s, (normed.buf()?, x))
+        });
+        (self.moe, self.normed) = (s, normed);
+        r
     }
 
     fn prepare_qkv(

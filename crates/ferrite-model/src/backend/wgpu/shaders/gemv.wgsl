@@ -3,11 +3,14 @@
 // takes R rows of w at once: each lane loads 4 blocks (of those rows, `size` blocks apart)
 // before it sums them, so that loads are in flight together, and each load of x serves the
 // R rows. Sums across lanes with subgroupAdd (any subgroup size: 8 on lavapipe, 32 on Apple
-// and NVIDIA, 64 on AMD). `add`: into the residual stream.
+// and NVIDIA, 64 on AMD). `add`: into the residual stream. With `div` set (a mixture of
+// experts, M = 1): workgroup z takes pair row0 + z, whose expert `ids[pair]` picks w's rows
+// and whose row of x is pair / div; y has a row per pair.
 
 @group(0) @binding(0) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> w: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
+@group(0) @binding(3) var<storage, read> ids: array<u32>;
 
 // Rows of x: a pipeline per count up to 8 (linear.rs), so that the loops over them unroll.
 override M: u32 = 1u;
@@ -26,6 +29,16 @@ fn main(
     @builtin(subgroup_invocation_id) lane: u32,
 ) {
     let first = (g.y * 65535u + g.x) * ROWS;
+    // The first rows of x, y and w.
+    var xr = p.row0;
+    var yr = p.row0;
+    var wr = 0u;
+    if p.div != 0u {
+        let pair = p.row0 + g.z;
+        xr = pair / p.div;
+        yr = pair;
+        wr = ids[pair] * p.n;
+    }
     let vals = block_values();
     let nb = p.k / vals;
     let quads = vals / 4u;
@@ -39,7 +52,7 @@ fn main(
                 let n = n0 + t % R;
                 let b = b0 + t / R * size;
                 if n < p.n && b < nb {
-                    blk[t] = block(n * nb + b, p.scales);
+                    blk[t] = block((wr + n) * nb + b, p.scales);
                 }
             }
             for (var v = 0u; v < u; v++) {
@@ -51,7 +64,7 @@ fn main(
                     }
                     let c = (b * vals + 4u * j) / 4u;
                     for (var r = 0u; r < M; r++) {
-                        let xv = x[(p.row0 + r) * (p.k / 4u) + c];
+                        let xv = x[(xr + r) * (p.k / 4u) + c];
                         for (var i = 0u; i < R; i++) {
                             acc[r][i] += dot(wq[i], xv);
                         }
@@ -67,7 +80,7 @@ fn main(
         for (var o = lane; o < M * R; o += size) {
             let n = n0 + o % R;
             if n < p.n {
-                let at = (p.row0 + o / R) * p.ldy + p.off + n;
+                let at = (yr + o / R) * p.ldy + p.off + n;
                 var v = sums[o / R][o % R];
                 if p.add != 0u {
                     v += y[at];

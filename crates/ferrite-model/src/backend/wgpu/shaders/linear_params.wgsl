@@ -13,5 +13,8 @@ struct P {
     row0: u32,
     // The word where a quantized part's block scales start.
     scales: u32,
+    // The matrix-vector kernel's expert mode (0: off): pairs of (token, expert) per row of
+    // x; w holds every expert's n rows in turn.
+    div: u32,
 }
 var<immediate> p: P;
