@@ -1,7 +1,7 @@
 //! The wgpu backend (cargo feature `wgpu`): WGSL compute kernels on any GPU wgpu reaches —
-//! Metal on macOS, Vulkan on Linux and Windows. Weights are GGUF blocks (Q8_0, Q4_0, Q4_1)
+//! Metal on macOS, Vulkan on Linux and Windows. Weights are GGUF blocks (blocks.rs)
 //! dequantized in registers or f16, activations and the residual stream f32, K/V f16 (or
-//! f32) in pages. A step records every op into one command
+//! f32) in pages, delta-net states f32 by slot. A step records every op into one command
 //! buffer, submitted once, with one wait: for its logits.
 
 pub mod attention;
