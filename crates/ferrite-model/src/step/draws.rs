@@ -32,3 +32,42 @@ pub enum RowDraw {
         key: u64,
     },
 }
+
+/// u32 parameters per row of the device's draw kernels (CUDA's `sample_rows`, wgpu's
+/// sample.wgsl).
+pub const DRAW_PARAMS: usize = 7;
+
+/// u32 words of a grammar mask over `vocab` tokens.
+pub fn mask_words(vocab: usize) -> usize {
+    vocab.div_ceil(32)
+}
+
+/// The draw kernels' parameters: per row temperature, min-p and top-p as f32 bits, top-k, the
+/// 64-bit key and whether the row is masked (`masked`, one flag per row or none); greedy
+/// rows are all zeros. Padded with greedy rows up to `rows`.
+pub fn draw_params(draws: &[RowDraw], rows: usize, masked: &[bool]) -> Vec<u32> {
+    let mut p = vec![0u32; DRAW_PARAMS * rows.max(draws.len())];
+    for (out, &m) in p.chunks_mut(DRAW_PARAMS).zip(masked) {
+        out[DRAW_PARAMS - 1] = m as u32;
+    }
+    for (d, out) in draws.iter().zip(p.chunks_mut(DRAW_PARAMS)) {
+        if let RowDraw::Sample {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            key,
+        } = *d
+        {
+            out[..DRAW_PARAMS - 1].copy_from_slice(&[
+                temperature.to_bits(),
+                min_p.to_bits(),
+                top_p.to_bits(),
+                top_k,
+                key as u32,
+                (key >> 32) as u32,
+            ]);
+        }
+    }
+    p
+}

@@ -5,6 +5,6 @@ mod draws;
 mod model;
 mod packed;
 
-pub use draws::{DeviceDraws, Masks, RowDraw};
+pub use draws::{draw_params, mask_words, DeviceDraws, Masks, RowDraw, DRAW_PARAMS};
 pub use model::StepModel;
 pub use packed::{KvTables, PackedStep, StepHidden, StepPooling, StepState, NO_SLOT};

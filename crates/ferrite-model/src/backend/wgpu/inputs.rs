@@ -2,7 +2,7 @@
 //! the offsets of the arrays it reads.
 
 use super::device::Gpu;
-use super::tensors::zeros;
+use super::tensors::write_kept;
 use crate::step::PackedStep;
 use anyhow::Result;
 
@@ -64,15 +64,7 @@ impl StepInputs {
             put_some(st.saves.as_flattened()),
             put_some(st.drafts.as_flattened()),
         ];
-        let bytes = 4 * words.len() as u64;
-        let buf = match kept {
-            Some(b) if b.size() >= bytes => b.clone(),
-            _ => kept
-                .insert(zeros(gpu, "step inputs", bytes.next_power_of_two())?)
-                .clone(),
-        };
-        gpu.queue
-            .write_buffer(&buf, 0, bytemuck::cast_slice(&words));
+        let buf = write_kept(gpu, "step inputs", kept, &words)?;
         Ok(Self {
             buf,
             ids,

@@ -44,6 +44,8 @@ pub struct Kernels {
     /// Mixtures of experts: each token's experts, and the experts' outputs summed.
     pub moe_route: Kernel,
     pub moe_combine: Kernel,
+    /// A token per logits row, drawn on the device.
+    pub sample: Kernel,
     /// Bound where a kernel's optional input is absent.
     pub empty: wgpu::Buffer,
 }
@@ -119,7 +121,7 @@ fn kernel(
 }
 
 /// The WGSL sources, by file.
-pub const SHADERS: [(&str, &str); 13] = [
+pub const SHADERS: [(&str, &str); 14] = [
     (
         "rms_norm",
         concat!(
@@ -179,6 +181,13 @@ pub const SHADERS: [(&str, &str); 13] = [
     ("gdn", include_str!("shaders/gdn.wgsl")),
     ("moe_route", include_str!("shaders/moe_route.wgsl")),
     ("moe_combine", include_str!("shaders/moe_combine.wgsl")),
+    (
+        "sample",
+        concat!(
+            include_str!("shaders/reduce.wgsl"),
+            include_str!("shaders/sample.wgsl")
+        ),
+    ),
     (
         "gdn_rule",
         concat!(
@@ -273,6 +282,7 @@ impl Kernels {
             gdn_rules: Mutex::default(),
             moe_route: one("moe_route", "rw"),
             moe_combine: one("moe_combine", "rrrrw"),
+            sample: one("sample", "rrrw"),
             empty: device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: Some("empty"),
                 contents: &[0; 16],

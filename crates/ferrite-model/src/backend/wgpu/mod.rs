@@ -8,6 +8,7 @@ pub mod attention;
 mod binds;
 pub mod blocks;
 pub mod device;
+mod draws;
 mod gdn;
 pub mod inputs;
 pub mod kernels;
@@ -62,6 +63,12 @@ pub struct WgpuBackend {
     /// The last step's logits (or hidden rows) on the device, then on the host.
     out: Act,
     host_logits: Vec<f32>,
+    /// Tokens drawn on the device: their parameters, grammar masks, the tokens there and
+    /// here.
+    draw_words: Option<wgpu::Buffer>,
+    mask_words: Option<wgpu::Buffer>,
+    tokens: Act,
+    drawn: Vec<u32>,
     /// Which matmul kernels serve which row counts.
     pub pick: Pick,
 }
@@ -100,6 +107,10 @@ impl WgpuBackend {
             step_words: None,
             out: Act::default(),
             host_logits: Vec::new(),
+            draw_words: None,
+            mask_words: None,
+            tokens: Act::default(),
+            drawn: Vec::new(),
             gpu,
         }
     }

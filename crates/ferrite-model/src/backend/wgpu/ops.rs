@@ -136,10 +136,7 @@ impl Backend for WgpuBackend {
         draws: Option<DeviceDraws>,
         forward: Forward<Self>,
     ) -> Result<()> {
-        if draws.is_some() {
-            bail!("the wgpu backend samples on the host");
-        }
-        self.run_step(host, forward)
+        self.run_step(host, draws, forward)
     }
 
     fn embed(
@@ -473,6 +470,14 @@ impl Backend for WgpuBackend {
 
     fn host_logits(&mut self) -> Result<&mut [f32]> {
         Ok(&mut self.host_logits)
+    }
+
+    fn draws_on_device(&self) -> bool {
+        true
+    }
+
+    fn drawn_tokens(&mut self) -> Result<Vec<u32>> {
+        Ok(std::mem::take(&mut self.drawn))
     }
 
     fn describe(&self) -> String {

@@ -101,6 +101,25 @@ pub fn zeros(gpu: &Gpu, label: &str, bytes: u64) -> Result<wgpu::Buffer> {
     }))
 }
 
+/// `words` written into `kept` (replaced by a larger buffer when they do not fit): a buffer
+/// bound the same way every step keeps its bind groups.
+pub fn write_kept(
+    gpu: &Gpu,
+    label: &str,
+    kept: &mut Option<wgpu::Buffer>,
+    words: &[u32],
+) -> Result<wgpu::Buffer> {
+    let bytes = (4 * words.len() as u64).max(4);
+    let buf = match kept {
+        Some(b) if b.size() >= bytes => b.clone(),
+        _ => kept
+            .insert(zeros(gpu, label, bytes.next_power_of_two())?)
+            .clone(),
+    };
+    gpu.queue.write_buffer(&buf, 0, bytemuck::cast_slice(words));
+    Ok(buf)
+}
+
 /// f32 values as f16 packed two to a word (a row of odd length padded with a zero).
 pub fn f16_words(values: &[f32], cols: usize) -> Vec<u32> {
     let words = cols.div_ceil(2);

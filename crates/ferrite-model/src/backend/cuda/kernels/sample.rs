@@ -1,7 +1,7 @@
 //! Drawing each row's token on the device.
 
 use super::{cfg, ptr, Arg, Kernels};
-use crate::step::RowDraw;
+pub use crate::step::{draw_params, mask_words, DRAW_PARAMS};
 use anyhow::{ensure, Result};
 use candle_core::{DType, Tensor};
 
@@ -59,41 +59,3 @@ impl Kernels {
 
 /// Tokens of a row each block of `mask_rows` covers (8 per thread).
 const MASK_TOKENS_PER_BLOCK: usize = 2048;
-
-/// u32 parameters per row of `sample_rows` (the kernel's `DRAW_PARAMS`).
-pub const DRAW_PARAMS: usize = 7;
-
-/// u32 words of a grammar mask over `vocab` tokens.
-pub fn mask_words(vocab: usize) -> usize {
-    vocab.div_ceil(32)
-}
-
-/// `sample_rows`' parameters: per row temperature, min-p and top-p as f32 bits, top-k, the
-/// 64-bit key and whether the row is masked (`masked`, one flag per row or none); greedy
-/// rows are all zeros. Padded with greedy rows up to `rows`.
-pub fn draw_params(draws: &[RowDraw], rows: usize, masked: &[bool]) -> Vec<u32> {
-    let mut p = vec![0u32; DRAW_PARAMS * rows.max(draws.len())];
-    for (out, &m) in p.chunks_mut(DRAW_PARAMS).zip(masked) {
-        out[DRAW_PARAMS - 1] = m as u32;
-    }
-    for (d, out) in draws.iter().zip(p.chunks_mut(DRAW_PARAMS)) {
-        if let RowDraw::Sample {
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            key,
-        } = *d
-        {
-            out[..DRAW_PARAMS - 1].copy_from_slice(&[
-                temperature.to_bits(),
-                min_p.to_bits(),
-                top_p.to_bits(),
-                top_k,
-                key as u32,
-                (key >> 32) as u32,
-            ]);
-        }
-    }
-    p
-}
