@@ -30,10 +30,15 @@ const F16_WEIGHTS: suite::Tolerances = suite::Tolerances {
     pointwise: 1e-5,
 };
 
-/// The tiles on cooperative matrices round x to f16 (16 x 16 f16 tiles, f32 sums).
+/// The tiles on cooperative matrices round x to f16 (16 x 16 f16 tiles, f32 sums): every
+/// case whose inputs come through a matmul of more than 8 rows carries f16's rounding (a
+/// relative 4.9e-4; the H100 showed up to 9.1e-4 after the delta rule).
 const COOP_TILES: suite::Tolerances = suite::Tolerances {
     linear: 1e-2,
-    ..F16_WEIGHTS
+    attention: |_| 2e-3,
+    moe: 2e-3,
+    gated_delta: 2e-3,
+    pointwise: 1e-3,
 };
 
 /// One device and its compiled kernels for every case.

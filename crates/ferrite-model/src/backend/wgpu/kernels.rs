@@ -208,10 +208,25 @@ pub const COOP_SHADER: &str = concat!(
 
 fn module(device: &wgpu::Device, name: &str) -> wgpu::ShaderModule {
     let source = SHADERS.iter().find(|(n, _)| *n == name).map(|s| s.1);
-    device.create_shader_module(wgpu::ShaderModuleDescriptor {
-        label: Some(name),
-        source: wgpu::ShaderSource::Wgsl(source.unwrap_or_default().into()),
-    })
+    compile(device, name, source.unwrap_or_default())
+}
+
+/// A module without the loop counters wgpu adds to every loop by default: they keep the
+/// driver from unrolling the kernels' loops, and the arrays those loops index (a thread's
+/// sums, its blocks in flight) then live in memory instead of registers. Buffer accesses
+/// stay bounds-checked.
+fn compile(device: &wgpu::Device, label: &str, source: &str) -> wgpu::ShaderModule {
+    let desc = wgpu::ShaderModuleDescriptor {
+        label: Some(label),
+        source: wgpu::ShaderSource::Wgsl(source.into()),
+    };
+    let checks = wgpu::ShaderRuntimeChecks {
+        force_loop_bounding: false,
+        ..wgpu::ShaderRuntimeChecks::checked()
+    };
+    // SAFETY: every loop of these shaders ends: its bounds are the launch's sizes, fixed
+    // counts, or (the halvings of sample.wgsl) 32 steps.
+    unsafe { device.create_shader_module_trusted(desc, checks) }
 }
 
 impl Kernels {
@@ -244,10 +259,7 @@ impl Kernels {
             matmul_coop: match gpu.coop {
                 false => Vec::new(),
                 true => {
-                    let m = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                        label: Some("matmul_coop"),
-                        source: wgpu::ShaderSource::Wgsl(COOP_SHADER.into()),
-                    });
+                    let m = compile(device, "matmul_coop", COOP_SHADER);
                     let name = ("matmul_coop", "main");
                     (0..FORMATS)
                         .map(|f| kernel(device, &m, name, "rrw", &[("FMT", f as f64)]))
