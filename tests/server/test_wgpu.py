@@ -1,6 +1,7 @@
 """The wgpu backend served: `--device vulkan` on the first Vulkan adapter (CI: lavapipe, Mesa's
-CPU driver, which scripts/test.sh installs). Greedy answers are the same whether each
-prompt runs alone or all eight share the steps."""
+CPU driver, which scripts/test.sh installs). Greedy answers, and seeded sampled ones (drawn on
+the device from each request's seed), are the same whether each prompt runs alone or all eight
+share the steps."""
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -23,22 +24,33 @@ PROMPTS = [
 LAVAPIPE = ("--device", "vulkan", "--max-num-batched-tokens", "64", "--max-step-ms", "0")
 
 
-def test_greedy_answers_are_the_same_alone_and_at_concurrency_8():
+def test_answers_are_the_same_alone_and_at_concurrency_8():
     s = Server(*LAVAPIPE, max_model_len=512)
     try:
         assert "backend wgpu (" in open(s.log.name).read()
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused")
 
-        def ask(p):
+        def ask(p, **sampling):
             r = c.chat.completions.create(model="smol", messages=[{"role": "user", "content": p}],
-                                          temperature=0, max_tokens=16)
+                                          max_tokens=16, **sampling)
             return r.choices[0].message.content
 
-        alone = [ask(p) for p in PROMPTS]
+        def greedy(p):
+            return ask(p, temperature=0)
+
+        def seeded(p):
+            return ask(p, temperature=1.0, top_p=0.9, seed=PROMPTS.index(p))
+
+        alone = [greedy(p) for p in PROMPTS]
+        drawn = [seeded(p) for p in PROMPTS]
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            together = list(pool.map(ask, PROMPTS))
+            together = list(pool.map(greedy, PROMPTS))
+            drawn_together = list(pool.map(seeded, PROMPTS))
     finally:
         s.stop()
     assert all(len(a) > 10 for a in alone), alone
     assert together == alone
     assert "Paris" in alone[0]
+    assert drawn_together == drawn
+    # Sampled at temperature 1, some answer leaves the greedy path.
+    assert drawn != alone, drawn
