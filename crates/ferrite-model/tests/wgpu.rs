@@ -96,11 +96,25 @@ fn conforms(make: &dyn Fn() -> WgpuBackend, tolerances: &suite::Tolerances) {
     }
 }
 
+/// Within 1e-2 of the reference's largest logit. Under cooperative tiles (x rounded to f16 in
+/// prefills) the hybrids' delta rule carries the rounding further: there the bound is also
+/// 1.5x transformers' own bf16 drift (oracle.json) over 8, f16's finer rounding (the H100:
+/// qwen3_5 1.8e-2 under 5.0e-2, qwen3_next 2.4e-2 under 1.3e-1).
 #[test]
 fn every_family_conforms() {
-    let bound = |_: &str| suite::FamilyBound {
-        error: 1e-2,
-        skip: 0,
+    let coop = backend().pick == Pick::Coop;
+    let bound = |family: &str| {
+        let bf16_max = common::tiny_oracle_value(family, "transformers_bf16_max_dlogit");
+        let (_, want) = common::tiny_oracle(family, "logits");
+        let scale = want.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+        let f16_drift = match coop {
+            true => 1.5 * bf16_max as f32 / scale / 8.0,
+            false => 0.0,
+        };
+        suite::FamilyBound {
+            error: f16_drift.max(1e-2),
+            skip: 0,
+        }
     };
     let out = suite::families(&backend, &bound);
     assert!(suite::failures(&out).is_empty());
