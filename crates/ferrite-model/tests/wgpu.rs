@@ -23,6 +23,8 @@ const F16_WEIGHTS: suite::Tolerances = suite::Tolerances {
     linear: 1e-5,
     attention: |kv| match kv {
         KvCacheDtype::Fp32 => 1e-5,
+        // A code is within half a step of amax / 127 (the CPU's int8 bound).
+        KvCacheDtype::Int8 => 2e-2,
         _ => 2e-3,
     },
     moe: 1e-5,
@@ -35,7 +37,10 @@ const F16_WEIGHTS: suite::Tolerances = suite::Tolerances {
 /// relative 4.9e-4; the H100 showed up to 9.1e-4 after the delta rule).
 const COOP_TILES: suite::Tolerances = suite::Tolerances {
     linear: 1e-2,
-    attention: |_| 2e-3,
+    attention: |kv| match kv {
+        KvCacheDtype::Int8 => 2e-2,
+        _ => 2e-3,
+    },
     moe: 2e-3,
     gated_delta: 2e-3,
     pointwise: 1e-3,
@@ -89,9 +94,7 @@ fn conforms(make: &dyn Fn() -> WgpuBackend, tolerances: &suite::Tolerances) {
         .map(|o| o.case.as_str())
         .collect();
     for case in &refused {
-        let kv = ["kv: Bf16", "kv: Fp8", "kv: Int8"]
-            .iter()
-            .any(|k| case.contains(k));
+        let kv = ["kv: Bf16", "kv: Fp8"].iter().any(|k| case.contains(k));
         assert!(kv, "{case}");
     }
 }

@@ -11,8 +11,19 @@ use anyhow::{bail, Result};
 /// Most dimensions of a head the kernels hold in workgroup memory.
 pub const MAX_HEAD_DIM: usize = 512;
 
+/// How K/V values are stored (`format` in qkv.wgsl and attention.wgsl).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvFormat {
+    F32 = 0,
+    F16 = 1,
+    /// int8 codes, four to a word, and an f32 scale per token and KV head (amax / 127, as
+    /// the CPU backend stores them) after all of K's and V's codes.
+    Int8 = 2,
+}
+
 /// One layer's K pages, then its V pages: `[num_blocks * block_size, kv_heads, head_dim]`
-/// each, f32 or f16 packed two to a word.
+/// each, f32, f16 packed two to a word, or int8 codes four to a word with their scales
+/// after both (K's rows, then V's).
 pub struct KvPages {
     pub buf: wgpu::Buffer,
     pub block_size: usize,
@@ -20,7 +31,7 @@ pub struct KvPages {
     pub head_dim: usize,
     /// Elements of K before V's first.
     pub v_at: usize,
-    pub f16: bool,
+    pub format: KvFormat,
 }
 
 impl KvPages {
@@ -32,27 +43,38 @@ impl KvPages {
         head_dim: usize,
         dtype: KvCacheDtype,
     ) -> Result<Self> {
-        let f16 = match dtype {
-            KvCacheDtype::Fp16 => true,
-            KvCacheDtype::Fp32 => false,
+        let format = match dtype {
+            KvCacheDtype::Fp16 => KvFormat::F16,
+            KvCacheDtype::Fp32 => KvFormat::F32,
+            KvCacheDtype::Int8 if head_dim.is_multiple_of(4) => KvFormat::Int8,
             other => bail!(
-                "--kv-cache-dtype {}: the wgpu backend stores K/V as fp16 or fp32 (WGSL has no bf16; 8-bit K/V is not written yet)",
+                "--kv-cache-dtype {} with heads of {head_dim}: the wgpu backend stores K/V as fp16, fp32 or int8 (heads a multiple of 4; WGSL has no bf16 or fp8)",
                 other.name()
             ),
         };
         if head_dim > MAX_HEAD_DIM || head_dim % 2 == 1 {
             bail!("heads of {head_dim}: the wgpu kernels take even sizes up to {MAX_HEAD_DIM}");
         }
-        let v_at = num_blocks * block_size * kv_heads * head_dim;
-        let bytes = 2 * v_at * if f16 { 2 } else { 4 };
+        let rows = num_blocks * block_size * kv_heads;
+        let v_at = rows * head_dim;
+        let bytes = match format {
+            KvFormat::F32 => 8 * v_at,
+            KvFormat::F16 => 4 * v_at,
+            KvFormat::Int8 => 2 * v_at + 8 * rows,
+        };
         Ok(Self {
             buf: zeros(gpu, "K/V pages", bytes as u64)?,
             block_size,
             kv_heads,
             head_dim,
             v_at,
-            f16,
+            format,
         })
+    }
+
+    /// The word where the int8 scales start (K's rows, then V's).
+    fn scales(&self) -> u32 {
+        (self.v_at / 2) as u32
     }
 }
 
@@ -98,7 +120,8 @@ pub fn prepare_qkv(
         a.slots,
         sin_at as u32,
         cache.v_at as u32,
-        cache.f16 as u32,
+        cache.format as u32,
+        cache.scales(),
     ];
     let buffers = [
         a.qkv,
@@ -149,7 +172,7 @@ pub fn attention(
     sinks: Option<&wgpu::Buffer>,
     (q, out, parts): (&wgpu::Buffer, &wgpu::Buffer, Option<(&wgpu::Buffer, usize)>),
 ) {
-    let flags = spec.causal as u32 | (sinks.is_some() as u32) << 1 | (cache.f16 as u32) << 2;
+    let flags = spec.causal as u32 | (sinks.is_some() as u32) << 1 | (cache.format as u32) << 2;
     let params = [
         spec.num_heads as u32,
         spec.num_kv_heads as u32,
@@ -166,6 +189,7 @@ pub fn attention(
         s.max_blocks,
         s.seqs as u32,
         parts.map_or(1, |p| p.1) as u32,
+        cache.scales(),
     ];
     let dest = parts.map_or(out, |p| p.0);
     let buffers = [q, &cache.buf, s.step, sinks.unwrap_or(&k.empty), dest];

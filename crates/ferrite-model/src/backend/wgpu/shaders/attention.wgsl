@@ -14,7 +14,7 @@ struct P {
     scale: f32,
     window: u32, // 0: none
     softcap: f32, // 0: none
-    flags: u32, // 1 causal, 2 sinks, 4 f16 K/V
+    flags: u32, // 1 causal, 2 sinks, 4 f16 K/V, 8 int8 K/V (qkv.wgsl)
     v_at: u32,
     cu: u32,
     lens: u32,
@@ -22,6 +22,8 @@ struct P {
     max_blocks: u32,
     seqs: u32,
     splits: u32,
+    // The word where int8 K/V's scales start.
+    scales: u32,
 }
 var<immediate> p: P;
 
@@ -44,8 +46,17 @@ fn word(w: u32) -> u32 {
     return cache[w / 2u][w % 2u];
 }
 
+// An int8 row's scale: the row that element `base` starts (V's rows follow K's).
+fn scale(base: u32) -> f32 {
+    return bitcast<f32>(word(p.scales + base / p.d));
+}
+
 // Element `e` of K/V from element `base` on.
 fn kv(base: u32, e: u32) -> f32 {
+    if (p.flags & 8u) != 0u {
+        let x = base + e;
+        return f32(unpack4xI8(word(x / 4u))[x % 4u]) * scale(base);
+    }
     if (p.flags & 4u) != 0u {
         return unpack2x16float(word((base + e) / 2u))[(base + e) % 2u];
     }
@@ -55,6 +66,9 @@ fn kv(base: u32, e: u32) -> f32 {
 // Elements e..e+3 of K/V from element `base` on (base + e a multiple of 4).
 fn kv4(base: u32, e: u32) -> vec4<f32> {
     let at = base + e;
+    if (p.flags & 8u) != 0u {
+        return vec4<f32>(unpack4xI8(word(at / 4u))) * scale(base);
+    }
     if (p.flags & 4u) != 0u {
         let v = cache[at / 4u];
         return vec4<f32>(unpack2x16float(v.x), unpack2x16float(v.y));

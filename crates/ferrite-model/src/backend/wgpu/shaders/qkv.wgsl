@@ -1,7 +1,9 @@
 // Q/K/V preparation, one workgroup per (token, head of Q|K|V): bias, per-head RMSNorm of Q and
 // K, rotary embedding of the first `2 half` dimensions of Q and K, then Q to `q` and K/V into
 // the paged cache at the token's slot. The cache is K for every slot, then V (from element
-// `v_at` on); f32 words or f16 packed two to a word.
+// `v_at` on); `format` 0: f32 words, 1: f16 packed two to a word, 2: int8 codes four to a
+// word, round(x / scale) with scale = amax / 127 per token and KV head, the scales from word
+// `scales` on (K's rows, then V's).
 
 struct P {
     heads: u32,
@@ -15,7 +17,8 @@ struct P {
     slots: u32,
     sin_at: u32,
     v_at: u32,
-    f16: u32,
+    format: u32,
+    scales: u32,
 }
 var<immediate> p: P;
 
@@ -104,6 +107,15 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i:
         }
         return;
     }
+    // An int8 row's scale, before the slot is read (the maximum holds barriers).
+    var scale = 0.0;
+    if p.format == 2u {
+        var m = 0.0;
+        for (var e = i; e < d; e += WG) {
+            m = max(m, abs(val[e]));
+        }
+        scale = largest(m, i) / 127.0;
+    }
     let slot = st[p.slots + t];
     if slot == NO_SLOT {
         return;
@@ -114,8 +126,21 @@ fn main(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i:
         kvh -= p.kv_heads;
         base = p.v_at;
     }
-    let at = (slot * p.kv_heads + kvh) * d;
-    if p.f16 != 0u {
+    let row = slot * p.kv_heads + kvh;
+    let at = row * d;
+    if p.format == 2u {
+        for (var e = i; e < d / 4u; e += WG) {
+            let v = vec4<f32>(val[4u * e], val[4u * e + 1u], val[4u * e + 2u], val[4u * e + 3u]);
+            var c = vec4<i32>(0);
+            if scale > 0.0 {
+                c = vec4<i32>(clamp(round(v / scale), vec4<f32>(-127.0), vec4<f32>(127.0)));
+            }
+            cache[(base + at) / 4u + e] = pack4xI8(c);
+        }
+        if i == 0u {
+            cache[p.scales + base / d + row] = bitcast<u32>(scale);
+        }
+    } else if p.format == 1u {
         for (var e = i; e < d / 2u; e += WG) {
             cache[(base + at) / 2u + e] = pack2x16float(vec2<f32>(val[2u * e], val[2u * e + 1u]));
         }
