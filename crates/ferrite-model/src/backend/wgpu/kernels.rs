@@ -171,6 +171,7 @@ pub const SHADERS: [(&str, &str); 14] = [
         "attention",
         concat!(
             include_str!("shaders/reduce.wgsl"),
+            include_str!("shaders/requests.wgsl"),
             include_str!("shaders/attention.wgsl")
         ),
     ),
@@ -178,7 +179,13 @@ pub const SHADERS: [(&str, &str); 14] = [
         "attention_combine",
         include_str!("shaders/attention_combine.wgsl"),
     ),
-    ("gdn", include_str!("shaders/gdn.wgsl")),
+    (
+        "gdn",
+        concat!(
+            include_str!("shaders/requests.wgsl"),
+            include_str!("shaders/gdn.wgsl")
+        ),
+    ),
     ("moe_route", include_str!("shaders/moe_route.wgsl")),
     ("moe_combine", include_str!("shaders/moe_combine.wgsl")),
     (

@@ -78,17 +78,7 @@ fn kv4(base: u32, e: u32) -> vec4<f32> {
 
 // Token t's request and the first and last key it sees.
 fn request_span(t: u32) -> vec3<u32> {
-    // The last b with cu[b] <= t.
-    var lo = 0u;
-    var hi = p.seqs;
-    while hi - lo > 1u {
-        let mid = (lo + hi) / 2u;
-        if st[p.cu + mid] <= t {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
+    let lo = request_of(p.cu, p.seqs, t);
     let start = st[p.cu + lo];
     let q_len = st[p.cu + lo + 1u] - start;
     let len = st[p.lens + lo];

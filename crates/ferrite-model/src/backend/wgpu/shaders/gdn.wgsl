@@ -33,21 +33,6 @@ fn silu(v: f32) -> f32 {
     return v / (1.0 + exp(-v));
 }
 
-// Token t's request: the last i with cu[i] <= t.
-fn request_of(t: u32) -> u32 {
-    var lo = 0u;
-    var hi = p.seqs;
-    while hi - lo > 1u {
-        let mid = (lo + hi) / 2u;
-        if st[p.cu + mid] <= t {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    return lo;
-}
-
 fn fresh(r0: u32) -> bool {
     return st[p.positions + r0] == 0u;
 }
@@ -61,7 +46,7 @@ fn conv(@builtin(global_invocation_id) id: vec3<u32>) {
     if c >= p.conv_dim {
         return;
     }
-    let i = request_of(t);
+    let i = request_of(p.cu, p.seqs, t);
     let r0 = st[p.cu + i];
     let restart = fresh(r0);
     let window = st[p.slots + i] * p.elems;
