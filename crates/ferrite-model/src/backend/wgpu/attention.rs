@@ -2,11 +2,12 @@
 //! read it (attention).
 
 use super::device::Gpu;
-use super::kernels::{launch, Kernels};
+use super::kernels::{launch, Kernel, Kernels};
 use super::tensors::zeros;
 use crate::backend::AttentionSpec;
 use crate::kv_dtype::KvCacheDtype;
 use anyhow::{bail, Result};
+use std::sync::Arc;
 
 /// Most dimensions of a head the kernels hold in workgroup memory.
 pub const MAX_HEAD_DIM: usize = 512;
@@ -32,11 +33,13 @@ pub struct KvPages {
     /// Elements of K before V's first.
     pub v_at: usize,
     pub format: KvFormat,
+    /// Attention specialized for these pages' head size.
+    reader: Arc<Kernel>,
 }
 
 impl KvPages {
     pub fn zeros(
-        gpu: &Gpu,
+        (gpu, k): (&Gpu, &Kernels),
         num_blocks: usize,
         block_size: usize,
         kv_heads: usize,
@@ -46,14 +49,14 @@ impl KvPages {
         let format = match dtype {
             KvCacheDtype::Fp16 => KvFormat::F16,
             KvCacheDtype::Fp32 => KvFormat::F32,
-            KvCacheDtype::Int8 if head_dim.is_multiple_of(4) => KvFormat::Int8,
+            KvCacheDtype::Int8 => KvFormat::Int8,
             other => bail!(
-                "--kv-cache-dtype {} with heads of {head_dim}: the wgpu backend stores K/V as fp16, fp32 or int8 (heads a multiple of 4; WGSL has no bf16 or fp8)",
+                "--kv-cache-dtype {}: the wgpu backend stores K/V as fp16, fp32 or int8 (WGSL has no bf16 or fp8)",
                 other.name()
             ),
         };
-        if head_dim > MAX_HEAD_DIM || head_dim % 2 == 1 {
-            bail!("heads of {head_dim}: the wgpu kernels take even sizes up to {MAX_HEAD_DIM}");
+        if head_dim > MAX_HEAD_DIM || !head_dim.is_multiple_of(4) {
+            bail!("heads of {head_dim}: the wgpu kernels take multiples of 4 up to {MAX_HEAD_DIM}");
         }
         let rows = num_blocks * block_size * kv_heads;
         let v_at = rows * head_dim;
@@ -69,6 +72,7 @@ impl KvPages {
             head_dim,
             v_at,
             format,
+            reader: k.attention(&gpu.device, head_dim),
         })
     }
 
@@ -151,12 +155,12 @@ pub struct StepView<'a> {
 
 /// Splits of each token's keys over workgroups: a decode's few (head, token) workgroups
 /// each take a share of a long context, so that every core of the GPU has work (at least
-/// 128 keys a split, ~512 workgroups in all, at most 16 splits); one where the kernels are
-/// picked for a CPU adapter.
+/// one chunk of 64 keys a split, ~1024 workgroups in all, at most 32 splits); one where the
+/// kernels are picked for a CPU adapter.
 pub fn key_splits(cpu: bool, workgroups: usize, longest: usize) -> usize {
     match cpu {
         true => 1,
-        false => (longest / 128).min(512 / workgroups.max(1)).clamp(1, 16),
+        false => (longest / 64).min(1024 / workgroups.max(1)).clamp(1, 32),
     }
 }
 
@@ -176,7 +180,6 @@ pub fn attention(
     let params = [
         spec.num_heads as u32,
         spec.num_kv_heads as u32,
-        spec.head_dim as u32,
         cache.block_size as u32,
         spec.scale.to_bits(),
         spec.sliding_window.unwrap_or(0) as u32,
@@ -198,7 +201,7 @@ pub fn attention(
     launch(
         gpu,
         pass,
-        &k.attention,
+        &cache.reader,
         &buffers,
         &params,
         [heads, tokens, splits],

@@ -2,6 +2,7 @@
 //! parameters go in immediates, buffers in one bind group made per launch.
 
 use super::device::Gpu;
+use super::profile;
 use anyhow::Result;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -33,14 +34,15 @@ pub struct Kernels {
     pub add_bias: Kernel,
     pub softcap: Kernel,
     pub qkv: Kernel,
-    pub attention: Kernel,
     pub attention_combine: Kernel,
     /// Gated delta-net layers: a checkpoint's state restored, the convolution, its window's
-    /// slide; the delta rule by key and value head size, built when a model asks.
+    /// slide.
     pub gdn_restore: Kernel,
     pub gdn_conv: Kernel,
     pub gdn_slide: Kernel,
-    gdn_rules: Mutex<HashMap<(usize, usize), Arc<Kernel>>>,
+    /// Kernels specialized by a model's sizes (attention by head, the delta rule by key and
+    /// value head), built when a model first asks: by file and override values.
+    specialized: Mutex<HashMap<Specialization, Arc<Kernel>>>,
     /// Mixtures of experts: each token's experts, and the experts' outputs summed.
     pub moe_route: Kernel,
     pub moe_combine: Kernel,
@@ -50,18 +52,26 @@ pub struct Kernels {
     pub empty: wgpu::Buffer,
 }
 
+/// A kernel's file and the values of its overrides.
+type Specialization = (&'static str, Vec<usize>);
+
 /// Bytes of the largest parameter block.
 const IMMEDIATES: u32 = 64;
 
 /// Most rows of x the matrix-vector kernel takes; more go through tiles.
 pub const GEMV_ROWS: usize = 8;
 
-/// Rows of w a subgroup of the matrix-vector kernel takes at once for `m` rows of x: each
-/// load of x serves them all.
-fn gemv_r(m: usize) -> usize {
-    match m {
+/// The matrix-vector kernel's rows of w for `m` rows of x: taken at once by a subgroup (each
+/// load of x serves them all), and per workgroup: two subgroups' on a GPU (workgroups of 64
+/// lanes, subgroups of 32), 16 on a CPU (or as `FERRITE_WGPU_GEMV` says, for tuning).
+fn gemv_shape(m: usize, cpu: bool) -> (usize, usize) {
+    let r = match m {
         1 | 2 => 2,
         _ => 4,
+    };
+    match cpu {
+        true => (r, 16),
+        false => profile::gemv_shape().unwrap_or((r, 2 * r)),
     }
 }
 
@@ -156,10 +166,17 @@ pub const SHADERS: [(&str, &str); 14] = [
         concat!(
             include_str!("shaders/weights.wgsl"),
             include_str!("shaders/linear_params.wgsl"),
+            include_str!("shaders/activations.wgsl"),
             include_str!("shaders/gemv.wgsl")
         ),
     ),
-    ("pointwise", include_str!("shaders/pointwise.wgsl")),
+    (
+        "pointwise",
+        concat!(
+            include_str!("shaders/activations.wgsl"),
+            include_str!("shaders/pointwise.wgsl")
+        ),
+    ),
     (
         "qkv",
         concat!(
@@ -276,13 +293,14 @@ impl Kernels {
             gemv: {
                 let m = module(device, "gemv");
                 let pipeline = |f: usize, rows: usize| {
+                    let (r, per_workgroup) = gemv_shape(rows, cpu);
                     let c = [
                         ("FMT", f as f64),
                         ("M", rows as f64),
-                        ("R", gemv_r(rows) as f64),
-                        ("ROWS", gemv_workgroup_rows(rows, cpu) as f64),
+                        ("R", r as f64),
+                        ("ROWS", per_workgroup as f64),
                     ];
-                    kernel(device, &m, ("gemv", "main"), "rrwr", &c)
+                    kernel(device, &m, ("gemv", "main"), "rrwrr", &c)
                 };
                 (0..FORMATS)
                     .map(|f| (1..=GEMV_ROWS).map(|rows| pipeline(f, rows)).collect())
@@ -293,12 +311,11 @@ impl Kernels {
             add_bias: pw("add_bias"),
             softcap: pw("softcap"),
             qkv: one("qkv", "rrrrrrww"),
-            attention: one("attention", "rrrrw"),
             attention_combine: one("attention_combine", "rw"),
             gdn_restore: kernel(device, &gdn, ("gdn_restore", "restore"), "rrw", &[]),
             gdn_conv: kernel(device, &gdn, ("gdn_conv", "conv"), "rrwrw", &[]),
             gdn_slide: kernel(device, &gdn, ("gdn_slide", "slide"), "rrw", &[]),
-            gdn_rules: Mutex::default(),
+            specialized: Mutex::default(),
             moe_route: one("moe_route", "rw"),
             moe_combine: one("moe_combine", "rrrrw"),
             sample: one("sample", "rrrw"),
@@ -312,34 +329,37 @@ impl Kernels {
 }
 
 impl Kernels {
+    /// `file`'s kernel with `constants` set (its overrides), built once.
+    fn specialized(
+        &self,
+        device: &wgpu::Device,
+        (file, access): (&'static str, &str),
+        constants: &[(&str, usize)],
+    ) -> Arc<Kernel> {
+        let key = (file, constants.iter().map(|c| c.1).collect());
+        let mut built = self.specialized.lock().unwrap_or_else(|e| e.into_inner());
+        let k = built.entry(key).or_insert_with(|| {
+            let values: Vec<_> = constants.iter().map(|&(n, v)| (n, v as f64)).collect();
+            let m = module(device, file);
+            Arc::new(kernel(device, &m, (file, "main"), access, &values))
+        });
+        k.clone()
+    }
+
     /// The delta rule for heads of `dk` keys and `dv` values (`dv` threads a workgroup).
     pub fn gdn_rule(&self, device: &wgpu::Device, dk: usize, dv: usize) -> Arc<Kernel> {
-        let mut rules = self.gdn_rules.lock().unwrap_or_else(|e| e.into_inner());
-        let rule = rules.entry((dk, dv)).or_insert_with(|| {
-            let constants = [("DK", dk as f64), ("WG", dv as f64)];
-            let m = module(device, "gdn_rule");
-            Arc::new(kernel(
-                device,
-                &m,
-                ("gdn_rule", "main"),
-                "rrrrrrww",
-                &constants,
-            ))
-        });
-        rule.clone()
+        let constants = [("DK", dk), ("WG", dv)];
+        self.specialized(device, ("gdn_rule", "rrrrrrww"), &constants)
     }
 
-    /// Rows of w per workgroup of the matrix-vector kernel for `m` rows of x.
-    pub fn gemv_workgroup_rows(&self, m: usize) -> usize {
-        gemv_workgroup_rows(m, self.cpu)
+    /// Attention over heads of `d` values.
+    pub fn attention(&self, device: &wgpu::Device, d: usize) -> Arc<Kernel> {
+        self.specialized(device, ("attention", "rrrrw"), &[("D", d)])
     }
-}
 
-/// Two subgroups' rows on a GPU (workgroups of 64 lanes, subgroups of 32); 16 on a CPU.
-fn gemv_workgroup_rows(m: usize, cpu: bool) -> usize {
-    match cpu {
-        true => 16,
-        false => 2 * gemv_r(m),
+    /// The matrix-vector kernel's rows of w per subgroup and per workgroup for `m` rows of x.
+    pub fn gemv_shape(&self, m: usize) -> (usize, usize) {
+        gemv_shape(m, self.cpu)
     }
 }
 
@@ -354,6 +374,9 @@ pub fn launch(
     groups: [u32; 3],
 ) {
     debug_assert!(params.len() * 4 <= IMMEDIATES as usize, "{}", k.name);
+    if profile::skipped(k.name) {
+        return;
+    }
     let group = gpu.binds.lock().unwrap_or_else(|e| e.into_inner()).get(
         &gpu.device,
         (&k.layout, k.name),

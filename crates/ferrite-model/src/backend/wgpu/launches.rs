@@ -2,7 +2,7 @@
 //! projection with its input mode, the logits rows, embedding rows.
 
 use super::kernels::{self, groups_for, launch};
-use super::linear::{matmul, Linear, Out};
+use super::linear::{fuses, matmul, Fused, Linear, Out};
 use super::tensors::{Act, Vector};
 use super::{Embedding, WgpuBackend};
 use crate::backend::{LinearIn, Step};
@@ -54,11 +54,22 @@ impl WgpuBackend {
         launch(&gpu, self.pass(), k, &[a, y], &p, groups_for(p[0] as usize));
     }
 
-    /// `input` through `w` into `y` (`[rows, w.rows]`), stored or added.
-    pub(super) fn project(&mut self, input: &LinearIn<Self>, w: &Linear, y: YOut) -> Result<usize> {
+    /// `input` through `w` into `y` (`[rows, w.rows]`), stored or added; with `gated` (1
+    /// SiLU, 2 GELU), `act(gate) * up` of a `[gate; up]` weight (`[rows, w.rows / 2]`), which
+    /// the caller has checked [`fuses`].
+    pub(super) fn project(
+        &mut self,
+        input: &LinearIn<Self>,
+        w: &Linear,
+        y: YOut,
+        gated: u32,
+    ) -> Result<usize> {
         let (gpu, k) = (self.gpu.clone(), self.kernels.clone());
-        let (x, rows) = match input {
-            LinearIn::Plain(x) => (x.buf()?.clone(), x.rows),
+        let (x, rows, norm) = match input {
+            LinearIn::Plain(x) => (x.buf()?.clone(), x.rows, None),
+            LinearIn::RmsNorm { x, norm, eps } if fuses(&k, w, x.rows, self.pick, gated != 0) => {
+                (x.buf()?.clone(), x.rows, Some((&norm.buf, *eps)))
+            }
             LinearIn::RmsNorm { x, norm, eps } => {
                 let (rows, cols) = (x.rows, x.cols);
                 let normed = std::mem::take(&mut self.normed);
@@ -74,37 +85,37 @@ impl WgpuBackend {
                     &nb,
                     false,
                 );
-                (nb, rows)
+                (nb, rows, None)
             }
         };
-        if x_cols(input) != w.cols {
+        if x_of(input).cols != w.cols {
             bail!(
                 "a matrix of {} columns for rows of {}",
                 w.cols,
-                x_cols(input)
+                x_of(input).cols
             );
         }
+        let cols = match gated {
+            0 => w.rows,
+            _ => w.rows / 2,
+        };
         let (y, add) = match y {
-            YOut::Store(act) => (act.shape(&gpu, rows, w.rows)?.clone(), false),
+            YOut::Store(act) => (act.shape(&gpu, rows, cols)?.clone(), false),
             YOut::Add(act) => {
-                if act.rows != rows || act.cols != w.rows {
-                    bail!(
-                        "adding {rows} x {} into {} x {}",
-                        w.rows,
-                        act.rows,
-                        act.cols
-                    );
+                if act.rows != rows || act.cols != cols {
+                    bail!("adding {rows} x {cols} into {} x {}", act.rows, act.cols);
                 }
                 (act.buf()?.clone(), true)
             }
         };
         let out = Out {
             y: &y,
-            ldy: w.rows,
+            ldy: cols,
             add,
         };
         let pick = self.pick;
-        matmul(&gpu, &k, self.pass(), (&x, rows), w, out, pick);
+        let fused = Fused { norm, gated };
+        matmul(&gpu, &k, self.pass(), (&x, rows), w, (out, fused), pick);
         Ok(rows)
     }
 }
@@ -134,7 +145,7 @@ impl WgpuBackend {
             &sb,
             false,
         );
-        self.project(&LinearIn::Plain(sel), head, YOut::Store(out))?;
+        self.project(&LinearIn::Plain(sel), head, YOut::Store(out), 0)?;
         Ok(())
     }
 
@@ -172,10 +183,11 @@ impl WgpuBackend {
     }
 }
 
-fn x_cols(input: &LinearIn<WgpuBackend>) -> usize {
+/// The rows a projection reads (normalized or not).
+pub(super) fn x_of<'a>(input: &LinearIn<'a, WgpuBackend>) -> &'a Act {
     match input {
-        LinearIn::Plain(x) => x.cols,
-        LinearIn::RmsNorm { x, .. } => x.cols,
+        LinearIn::Plain(x) => x,
+        LinearIn::RmsNorm { x, .. } => x,
     }
 }
 

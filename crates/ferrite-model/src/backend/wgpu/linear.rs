@@ -172,24 +172,48 @@ pub enum Pick {
     Tiled,
 }
 
-/// `y (+)= x w^T` for `m` rows of `x`.
+/// What the matrix-vector kernel does besides the product, where it takes the whole matmul
+/// ([`fuses`]): a decode's norm and gated activation without launches of their own.
+#[derive(Clone, Copy, Default)]
+pub struct Fused<'a> {
+    /// x's rows RMS-normalized first, with this weight and epsilon.
+    pub norm: Option<(&'a wgpu::Buffer, f32)>,
+    /// w is `[gate; up]`: y = act(gate) * up (1 SiLU, 2 GELU (tanh)).
+    pub gated: u32,
+}
+
+/// Whether every part of `w` goes through the matrix-vector kernel for `m` rows of x.
+fn by_vectors(w: &Linear, p: &Part, m: usize, pick: Pick) -> bool {
+    // It reads f16 rows as whole 16-byte vectors.
+    (p.format != Format::F16 || w.cols.is_multiple_of(8))
+        && match pick {
+            Pick::Gpu | Pick::Coop => m <= GEMV_ROWS,
+            Pick::Cpu => true,
+            Pick::Tiled => false,
+        }
+}
+
+/// Whether the matmul of `m` rows through `w` can take [`Fused`] work: the matrix-vector
+/// kernel takes every part (with `gated`, a single part whose subgroups take gate and up rows
+/// together).
+pub fn fuses(k: &Kernels, w: &Linear, m: usize, pick: Pick, gated: bool) -> bool {
+    let whole = w.parts.iter().all(|p| by_vectors(w, p, m, pick));
+    let pairs = (1..=m.min(GEMV_ROWS)).all(|rows| k.gemv_shape(rows).0 >= 2);
+    whole && (!gated || (w.parts.len() == 1 && pairs))
+}
+
+/// `y (+)= x w^T` for `m` rows of `x`, with `fused` work where [`fuses`] said so.
 pub fn matmul(
     gpu: &Gpu,
     k: &Kernels,
     pass: &mut wgpu::ComputePass<'static>,
     (x, m): (&wgpu::Buffer, usize),
     w: &Linear,
-    out: Out,
+    (out, fused): (Out, Fused),
     pick: Pick,
 ) {
+    let (gamma, eps) = fused.norm.unwrap_or((&k.empty, 0.0));
     for p in &w.parts {
-        // The matrix-vector kernel reads f16 rows as whole 16-byte vectors.
-        let vectors = (p.format != Format::F16 || w.cols.is_multiple_of(8))
-            && match pick {
-                Pick::Gpu | Pick::Coop => m <= GEMV_ROWS,
-                Pick::Cpu => true,
-                Pick::Tiled => false,
-            };
         let params = |rows: usize, row0: usize| {
             [
                 rows as u32,
@@ -201,10 +225,12 @@ pub fn matmul(
                 row0 as u32,
                 p.scales as u32,
                 0,
+                fused.norm.is_some() as u32,
+                eps.to_bits(),
+                fused.gated,
             ]
         };
-        let buffers = [x, &p.buf, out.y, &k.empty];
-        if !vectors {
+        if !by_vectors(w, p, m, pick) {
             let groups = [p.rows.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
             let tiles = match pick {
                 Pick::Coop if !k.matmul_coop.is_empty() => &k.matmul_coop,
@@ -214,15 +240,27 @@ pub fn matmul(
                 gpu,
                 pass,
                 &tiles[p.format as usize],
-                &buffers[..3],
+                &[x, &p.buf, out.y],
                 &params(m, 0),
                 groups,
             );
             continue;
         }
+        let buffers = [x, &p.buf, out.y, &k.empty, gamma];
         for row0 in (0..m).step_by(GEMV_ROWS) {
             let rows = GEMV_ROWS.min(m - row0);
-            let groups = spread(p.rows.div_ceil(k.gemv_workgroup_rows(rows)));
+            let (r, per_workgroup) = k.gemv_shape(rows);
+            // Rows of y a workgroup writes.
+            let outs = match fused.gated {
+                0 => per_workgroup,
+                _ => per_workgroup / 2,
+            };
+            let ys = match fused.gated {
+                0 => p.rows,
+                _ => p.rows / 2,
+            };
+            debug_assert!(fused.gated == 0 || r >= 2);
+            let groups = spread(ys.div_ceil(outs));
             launch(
                 gpu,
                 pass,

@@ -226,7 +226,7 @@ fn experts(
     (y, pairs): (&wgpu::Buffer, usize),
 ) {
     let part = &w.parts[0];
-    let [gx, gy, _] = spread(n.div_ceil(k.gemv_workgroup_rows(1)));
+    let [gx, gy, _] = spread(n.div_ceil(k.gemv_shape(1).1));
     for first in (0..pairs).step_by(65535) {
         let count = 65535.min(pairs - first);
         let params = [
@@ -239,8 +239,11 @@ fn experts(
             first as u32,
             part.scales as u32,
             div as u32,
+            0,
+            0,
+            0,
         ];
-        let buffers = [x, &part.buf, y, route];
+        let buffers = [x, &part.buf, y, route, &k.empty];
         let kernel = &k.gemv[part.format as usize][0];
         launch(gpu, pass, kernel, &buffers, &params, [gx, gy, count as u32]);
     }

@@ -4,8 +4,8 @@ use super::attention::{KvPages, QkvArgs, StepView};
 use super::gdn::{self, StateCache};
 use super::inputs::StepInputs;
 use super::kernels::launch;
-use super::launches::{check_ids, embed_params, YOut};
-use super::linear::{Linear, Pick};
+use super::launches::{check_ids, embed_params, x_of, YOut};
+use super::linear::{fuses, Linear, Pick};
 use super::moe::{self, Moe};
 use super::tensors::{upload_f32, upload_words, Act, Vector};
 use super::{attention, Embedding, Rope, WgpuBackend};
@@ -123,7 +123,14 @@ impl Backend for WgpuBackend {
         dtype: KvCacheDtype,
     ) -> Result<KvPages> {
         let dtype = dtype.resolve(DeviceKind::Wgpu(GpuApi::Native, 0).auto_kv_dtype());
-        KvPages::zeros(&self.gpu, num_blocks, block_size, kv_heads, head_dim, dtype)
+        KvPages::zeros(
+            (&self.gpu, &self.kernels),
+            num_blocks,
+            block_size,
+            kv_heads,
+            head_dim,
+            dtype,
+        )
     }
 
     fn state_cache(&self, slots: usize, spec: &GdnSpec) -> Result<StateCache> {
@@ -204,10 +211,10 @@ impl Backend for WgpuBackend {
     fn matmul(&mut self, input: LinearIn<Self>, w: &Linear, out: Epilogue<Self>) -> Result<()> {
         match out {
             Epilogue::Store(y) | Epilogue::StoreResidual(y) => {
-                self.project(&input, w, YOut::Store(y))?;
+                self.project(&input, w, YOut::Store(y), 0)?;
             }
             Epilogue::AddInto(residual) => {
-                self.project(&input, w, YOut::Add(residual))?;
+                self.project(&input, w, YOut::Add(residual), 0)?;
             }
             Epilogue::AddNormedInto {
                 residual,
@@ -215,7 +222,7 @@ impl Backend for WgpuBackend {
                 eps,
             } => {
                 let mut proj = std::mem::take(&mut self.proj);
-                let r = self.project(&input, w, YOut::Store(&mut proj));
+                let r = self.project(&input, w, YOut::Store(&mut proj), 0);
                 self.proj = proj;
                 let rows = r?;
                 let proj = self.proj.buf()?.clone();
@@ -231,17 +238,23 @@ impl Backend for WgpuBackend {
                 self.norm_rows(&proj, rows, w.rows, Some((&norm.buf, eps)), None, &y, true);
             }
             Epilogue::Gated(out, act) => {
+                // 0 SiLU, 1 GELU (tanh), as the kernels number them.
+                let op = match act {
+                    crate::backend::Activation::Silu => 0,
+                    crate::backend::Activation::GeluTanh => 1,
+                };
+                let rows = x_of(&input).rows;
+                if fuses(&self.kernels, w, rows, self.pick, true) {
+                    self.project(&input, w, YOut::Store(out), op + 1)?;
+                    return Ok(());
+                }
                 let mut proj = std::mem::take(&mut self.proj);
-                let r = self.project(&input, w, YOut::Store(&mut proj));
+                let r = self.project(&input, w, YOut::Store(&mut proj), 0);
                 self.proj = proj;
                 let rows = r?;
                 let proj = self.proj.buf()?.clone();
                 let inter = w.rows / 2;
                 let y = out.shape(&self.gpu, rows, inter)?.clone();
-                let op = match act {
-                    crate::backend::Activation::Silu => 0,
-                    crate::backend::Activation::GeluTanh => 1,
-                };
                 let k = self.kernels.clone();
                 self.pointwise(
                     &k.gated,
@@ -263,16 +276,19 @@ impl Backend for WgpuBackend {
             );
         }
         let mut s = std::mem::take(&mut self.moe);
-        let input = LinearIn::RmsNorm { x, norm, eps };
-        let r = self.project(&input, m.router(), YOut::Store(s.logits()));
-        // The router's input, normed by its projection, is every expert's.
-        let normed = std::mem::take(&mut self.normed);
-        let r = r.and_then(|_| {
+        // The normed rows: the router's input and every expert's.
+        let mut normed = std::mem::take(&mut self.normed);
+        let r = normed.shape(&self.gpu, x.rows, x.cols).cloned();
+        let r = r.and_then(|nb| {
+            let norm = Some((&norm.buf, eps));
+            self.norm_rows(x.buf()?, x.rows, x.cols, norm, None, &nb, false);
+            let router = LinearIn::Plain(&normed);
+            self.project(&router, m.router(), YOut::Store(s.logits()), 0)?;
             if let Some([gate_up, down]) = m.shared() {
                 let (act, out) = s.shared();
                 let gated = Epilogue::Gated(act, m.spec().act);
                 self.matmul(LinearIn::Plain(&normed), gate_up, gated)?;
-                self.project(&LinearIn::Plain(act), down, YOut::Store(out))?;
+                self.project(&LinearIn::Plain(act), down, YOut::Store(out), 0)?;
             }
             let (gpu, k) = (self.gpu.clone(), self.kernels.clone());
             moe::route_and_run(&gpu, &k, self.pass(), m, &mut s, (normed.buf()?, x))

@@ -1,11 +1,46 @@
 //! GPU time by kernel, for tuning (`FERRITE_WGPU_PROFILE=1`, where the adapter has timestamp
 //! queries inside passes): a timestamp before and after every launch, summed by kernel and by
-//! the step's token count, logged every [`EVERY`] steps with the host's recording time.
+//! the step's token count, logged every [`EVERY`] steps with the host's recording time. And
+//! kernels left out of every step (`FERRITE_WGPU_SKIP=rms_norm,gated`): a step's time
+//! without them is what they cost, which timestamps overstate (the outputs are then wrong);
+//! the matrix-vector kernel's shape (`FERRITE_WGPU_GEMV=R,ROWS`: rows of w per subgroup, 1, 2
+//! or 4, and per workgroup, a multiple of R).
 
 use anyhow::{Context, Result};
 use std::collections::BTreeMap;
 use std::fmt::Write;
+use std::sync::OnceLock;
 use std::time::Duration;
+
+/// `FERRITE_WGPU_GEMV`'s rows of w per subgroup and per workgroup, where it is set and valid.
+pub fn gemv_shape() -> Option<(usize, usize)> {
+    let v = std::env::var("FERRITE_WGPU_GEMV").ok()?;
+    let (r, rows) = v.split_once(',')?;
+    let (r, rows): (usize, usize) = (r.parse().ok()?, rows.parse().ok()?);
+    let valid = [1, 2, 4].contains(&r) && rows > 0 && rows.is_multiple_of(r);
+    if !valid {
+        tracing::warn!("FERRITE_WGPU_GEMV={v}: R is 1, 2 or 4 and ROWS a multiple of R; ignored");
+    }
+    valid.then_some((r, rows))
+}
+
+/// Whether `FERRITE_WGPU_SKIP` names kernel `name`.
+pub fn skipped(name: &str) -> bool {
+    static SKIP: OnceLock<Vec<String>> = OnceLock::new();
+    let skip = SKIP.get_or_init(|| {
+        let names: Vec<String> = std::env::var("FERRITE_WGPU_SKIP")
+            .unwrap_or_default()
+            .split(',')
+            .filter(|n| !n.is_empty())
+            .map(String::from)
+            .collect();
+        if !names.is_empty() {
+            tracing::warn!("FERRITE_WGPU_SKIP: {names:?} left out of every step, outputs wrong");
+        }
+        names
+    });
+    skip.iter().any(|n| n == name)
+}
 
 /// Launches timed per step; later ones go untimed.
 const LAUNCHES: u32 = 2048;

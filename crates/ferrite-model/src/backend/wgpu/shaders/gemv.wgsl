@@ -5,19 +5,25 @@
 // R rows. Sums across lanes with subgroupAdd (any subgroup size: 8 on lavapipe, 32 on Apple
 // and NVIDIA, 64 on AMD). `add`: into the residual stream. With `div` set (a mixture of
 // experts, M = 1): workgroup z takes pair row0 + z, whose expert `ids[pair]` picks w's rows
-// and whose row of x is pair / div; y has a row per pair.
+// and whose row of x is pair / div; y has a row per pair. Fused (linear_params.wgsl), a
+// decode's RMSNorm and gated activation cost no launch of their own: each x value is loaded
+// by one lane of the subgroup, which sums its square too, and the norm's scale multiplies the
+// sums at the end (W (x g) / rms(x)); gated, a subgroup's rows are R / 2 gate rows and the up
+// rows p.n / 2 below them.
 
 @group(0) @binding(0) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> w: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 @group(0) @binding(3) var<storage, read> ids: array<u32>;
+@group(0) @binding(4) var<storage, read> gamma: array<vec4<f32>>;
 
 // Rows of x: a pipeline per count up to 8 (linear.rs), so that the loops over them unroll.
 override M: u32 = 1u;
-// Rows of w a subgroup takes at once: 1, 2 or 4.
+// Rows of w a subgroup takes at once: 1, 2 or 4 (2 or 4 gated).
 override R: u32 = 2u;
-// Rows of w per workgroup (linear.rs launches n / ROWS workgroups): a subgroup's R on GPUs,
-// more on CPU drivers, which schedule each workgroup at a cost.
+// Rows of w per workgroup (linear.rs launches a workgroup per ROWS of them, or of ROWS / 2
+// rows of y gated): a subgroup's R on GPUs, more on CPU drivers, which schedule each
+// workgroup at a cost.
 override ROWS: u32 = 4u;
 
 @compute @workgroup_size(64)
@@ -28,7 +34,12 @@ fn main(
     @builtin(subgroup_size) size: u32,
     @builtin(subgroup_invocation_id) lane: u32,
 ) {
-    let first = (g.y * 65535u + g.x) * ROWS;
+    // Rows of y a subgroup takes at once and in all, and how far below a gate row its up
+    // row is.
+    let per = select(R, R / 2u, p.gated != 0u);
+    let outs = select(p.n, p.n / 2u, p.gated != 0u);
+    let half = p.n / 2u;
+    let first = (g.y * 65535u + g.x) * (ROWS / R * per);
     // The first rows of x, y and w.
     var xr = p.row0;
     var yr = p.row0;
@@ -44,14 +55,17 @@ fn main(
     let quads = vals / 4u;
     // Blocks of one row a lane loads at once.
     let u = 4u / R;
-    for (var n0 = first + sg * R; n0 < min(first + ROWS, p.n); n0 += sgs * R) {
+    for (var n0 = first + sg * per; n0 < min(first + ROWS / R * per, outs); n0 += sgs * per) {
         var acc: array<vec4<f32>, 8>;
+        // Sums of squares of x's rows, for the norm.
+        var ss: array<f32, 8>;
         for (var b0 = lane; b0 < nb; b0 += u * size) {
             var blk: array<Block, 4>;
             for (var t = 0u; t < 4u; t++) {
-                let n = n0 + t % R;
+                let i = t % R;
                 let b = b0 + t / R * size;
-                if n < p.n && b < nb {
+                if n0 + i % per < outs && b < nb {
+                    let n = n0 + i % per + i / per * half;
                     blk[t] = block((wr + n) * nb + b, p.scales);
                 }
             }
@@ -63,25 +77,43 @@ fn main(
                         wq[i] = quad(blk[v * R + i], j);
                     }
                     let c = (b * vals + 4u * j) / 4u;
+                    var gc = vec4<f32>(1.0);
+                    if p.norm != 0u {
+                        gc = gamma[c];
+                    }
                     for (var r = 0u; r < M; r++) {
                         let xv = x[(xr + r) * (p.k / 4u) + c];
+                        if p.norm != 0u {
+                            ss[r] += dot(xv, xv);
+                        }
+                        let xg = xv * gc;
                         for (var i = 0u; i < R; i++) {
-                            acc[r][i] += dot(wq[i], xv);
+                            acc[r][i] += dot(wq[i], xg);
                         }
                     }
                 }
             }
         }
         var sums: array<vec4<f32>, 8>;
+        var scale: array<f32, 8>;
         for (var r = 0u; r < M; r++) {
             sums[r] = subgroupAdd(acc[r]);
+            scale[r] = 1.0;
+            if p.norm != 0u {
+                scale[r] = inverseSqrt(subgroupAdd(ss[r]) / f32(p.k) + p.eps);
+            }
         }
-        // M x R sums: more than a subgroup of 8 has lanes.
-        for (var o = lane; o < M * R; o += size) {
-            let n = n0 + o % R;
-            if n < p.n {
-                let at = (yr + o / R) * p.ldy + p.off + n;
-                var v = sums[o / R][o % R];
+        // M x per outputs: more than a subgroup of 8 has lanes.
+        for (var o = lane; o < M * per; o += size) {
+            let r = o / per;
+            let i = o % per;
+            let n = n0 + i;
+            if n < outs {
+                let at = (yr + r) * p.ldy + p.off + n;
+                var v = sums[r][i] * scale[r];
+                if p.gated != 0u {
+                    v = gate_activation(p.gated - 1u, v) * sums[r][i + per] * scale[r];
+                }
                 if p.add != 0u {
                     v += y[at];
                 }

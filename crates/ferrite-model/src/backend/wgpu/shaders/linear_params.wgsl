@@ -16,5 +16,11 @@ struct P {
     // The matrix-vector kernel's expert mode (0: off): pairs of (token, expert) per row of
     // x; w holds every expert's n rows in turn.
     div: u32,
+    // The matrix-vector kernel's fused input and epilogue. `norm` 1: x's rows RMS-normalized
+    // (weight `gamma`, epsilon `eps`) on the way in. `gated` 1 SiLU, 2 GELU (tanh): w is
+    // [gate; up] stacked by rows and y[m, n] = act(gate_n) * up_n, n < p.n / 2.
+    norm: u32,
+    eps: f32,
+    gated: u32,
 }
 var<immediate> p: P;

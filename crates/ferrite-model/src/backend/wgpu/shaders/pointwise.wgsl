@@ -11,20 +11,6 @@ var<immediate> p: P;
 @group(0) @binding(0) var<storage, read> a: array<f32>;
 @group(0) @binding(1) var<storage, read_write> y: array<f32>;
 
-fn silu(v: f32) -> f32 {
-    return v / (1.0 + exp(-v));
-}
-
-// tanh of a clamped argument: some drivers' tanh overflows to NaN far out.
-fn tanh_(v: f32) -> f32 {
-    return tanh(clamp(v, -15.0, 15.0));
-}
-
-fn gelu_tanh(v: f32) -> f32 {
-    let u = 0.7978845608 * (v + 0.044715 * v * v * v);
-    return 0.5 * v * (1.0 + tanh_(u));
-}
-
 fn gelu_erf(v: f32) -> f32 {
     return 0.5 * v * (1.0 + erf(v * 0.7071067811865476));
 }
@@ -55,11 +41,7 @@ fn gated(@builtin(workgroup_id) g: vec3<u32>, @builtin(local_invocation_index) i
     let c = e % p.width;
     let gate = a[2u * r * p.width + c];
     let up = a[(2u * r + 1u) * p.width + c];
-    var act = silu(gate);
-    if p.op == 1u {
-        act = gelu_tanh(gate);
-    }
-    y[e] = act * up;
+    y[e] = gate_activation(p.op, gate) * up;
 }
 
 // y *= sigmoid(a).
