@@ -6,6 +6,10 @@
 #   llamacpp  llama.cpp's Vulkan llama-bench on random GGUFs (GGUFS: SmolLM2-135M's shape in
 #             Q4_1, the 1B and 8B shapes in Q4_0; bin/llama-bench and bin/random_gguf in the
 #             bundle) beside ferrite on those files
+#   ablate    on the 8B shape's Q4_0 GGUF (the llamacpp part makes it), decode at batch 1:
+#             the profile, then each kernel of SKIPS left out (FERRITE_WGPU_SKIP: what it
+#             costs unprofiled), then the matrix-vector kernel at each shape of GEMVS
+#             (FERRITE_WGPU_GEMV=R,ROWS)
 set -uo pipefail
 out=${OUT:-/tmp/ferrite-out}
 mkdir -p "$out" /tmp/ferrite
@@ -46,5 +50,21 @@ if [[ $parts == *" llamacpp "* ]]; then
     echo "## llama.cpp Vulkan, $name"
     timeout 300 "$bin/llama-bench" -m "$gguf" -ngl 99 -fa 1 -p 512 -n 64 -r 2 2>&1 | grep "|"
     offline "$name" "$gguf" --batch 1,8
+  done
+fi
+if [[ $parts == *" ablate "* ]]; then
+  gguf=/tmp/llama-3.1-8b-q4_0.gguf
+  decode() { # LABEL
+    echo "## $1"
+    timeout 300 "$bin/ferrite" bench offline "$gguf" --device vulkan --max-model-len 4096 \
+      --prompt-tokens 512 --gen-tokens 128 --batch 1 2>"$out/$1.err" | grep "|"
+  }
+  FERRITE_WGPU_PROFILE=1 decode ablate-profile
+  decode ablate-none
+  for k in ${SKIPS:-"attention,attention_combine attention_combine qkv gemv rms_norm"}; do
+    FERRITE_WGPU_SKIP=$k decode "ablate-skip-$k"
+  done
+  for g in ${GEMVS:-"2,4 4,8 1,2 2,8 4,16 1,4"}; do
+    FERRITE_WGPU_GEMV=$g decode "ablate-gemv-$g"
   done
 fi

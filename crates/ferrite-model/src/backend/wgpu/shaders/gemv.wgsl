@@ -71,24 +71,37 @@ fn main(
             }
             for (var v = 0u; v < u; v++) {
                 let b = b0 + v * size;
-                for (var j = 0u; j < quads && b < nb; j++) {
-                    var wq: array<vec4<f32>, 4>;
-                    for (var i = 0u; i < R; i++) {
-                        wq[i] = quad(blk[v * R + i], j);
-                    }
-                    let c = (b * vals + 4u * j) / 4u;
-                    var gc = vec4<f32>(1.0);
-                    if p.norm != 0u {
-                        gc = gamma[c];
-                    }
-                    for (var r = 0u; r < M; r++) {
-                        let xv = x[(xr + r) * (p.k / 4u) + c];
-                        if p.norm != 0u {
-                            ss[r] += dot(xv, xv);
-                        }
-                        let xg = xv * gc;
+                // Each half of a block summed on its codes, then scaled and offset once
+                // (weights.wgsl's affine: Q6_K scales its halves apart).
+                for (var hf = 0u; hf < 2u && b < nb; hf++) {
+                    var s: array<vec4<f32>, 8>;
+                    var xsum: array<f32, 8>;
+                    for (var j = hf * quads / 2u; j < (hf + 1u) * quads / 2u; j++) {
+                        var wq: array<vec4<f32>, 4>;
                         for (var i = 0u; i < R; i++) {
-                            acc[r][i] += dot(wq[i], xg);
+                            wq[i] = codes(blk[v * R + i], j);
+                        }
+                        let c = (b * vals + 4u * j) / 4u;
+                        var gc = vec4<f32>(1.0);
+                        if p.norm != 0u {
+                            gc = gamma[c];
+                        }
+                        for (var r = 0u; r < M; r++) {
+                            let xv = x[(xr + r) * (p.k / 4u) + c];
+                            if p.norm != 0u {
+                                ss[r] += dot(xv, xv);
+                            }
+                            let xg = xv * gc;
+                            xsum[r] += xg.x + xg.y + xg.z + xg.w;
+                            for (var i = 0u; i < R; i++) {
+                                s[r][i] += dot(wq[i], xg);
+                            }
+                        }
+                    }
+                    for (var i = 0u; i < R; i++) {
+                        let a = affine(blk[v * R + i], 4u * hf);
+                        for (var r = 0u; r < M; r++) {
+                            acc[r][i] += a.x * s[r][i] + a.y * xsum[r];
                         }
                     }
                 }

@@ -53,10 +53,10 @@ fn block(i: u32, scales: u32) -> Block {
     return b;
 }
 
-// Values 4j..4j+3 of block `b` (j in 0..8; an f16 block's in 0..2): byte codes in
-// order, or a Q4 block's low nibbles (j < 4: those of word j) and high nibbles (j >= 4: those
-// of word j - 4).
-fn quad(b: Block, j: u32) -> vec4<f32> {
+// Codes 4j..4j+3 of block `b` (j in 0..8; an f16 block's in 0..2) as numbers, before
+// [`affine`]: byte codes in order, or a Q4 block's low nibbles (j < 4: those of word j) and
+// high nibbles (j >= 4: those of word j - 4); an f16 block's values.
+fn codes(b: Block, j: u32) -> vec4<f32> {
     if FMT == 0u {
         return vec4<f32>(unpack2x16float(b.c0[2u * j]), unpack2x16float(b.c0[2u * j + 1u]));
     }
@@ -66,18 +66,38 @@ fn quad(b: Block, j: u32) -> vec4<f32> {
             code = b.c1[j % 4u];
         }
         if FMT == 5u {
-            return vec4<f32>(unpack4xU8(code)) * b.s.x + b.s.y;
+            return vec4<f32>(unpack4xU8(code));
         }
-        var d = b.s.x;
-        if FMT == 6u && j >= 4u {
-            d = b.s.y;
-        }
-        return vec4<f32>(unpack4xI8(code)) * d;
+        return vec4<f32>(unpack4xI8(code));
     }
     let code = b.c0[j % 4u] >> (4u * (j / 4u));
-    let q = vec4<f32>(unpack4xU8(code & 0x0f0f0f0fu));
-    if FMT == 2u {
-        return (q - 8.0) * b.s.x;
+    return vec4<f32>(unpack4xU8(code & 0x0f0f0f0fu));
+}
+
+// The scale and offset of codes 4j.. of block `b`: value = code * d + m (one pair a block;
+// Q6_K's d of values 0-15, then of 16-31).
+fn affine(b: Block, j: u32) -> vec2<f32> {
+    switch FMT {
+        case 0u: {
+            return vec2<f32>(1.0, 0.0);
+        }
+        case 1u: {
+            return vec2<f32>(b.s.x, 0.0);
+        }
+        case 2u: {
+            return vec2<f32>(b.s.x, -8.0 * b.s.x);
+        }
+        case 6u: {
+            return vec2<f32>(select(b.s.x, b.s.y, j >= 4u), 0.0);
+        }
+        default: {
+            return b.s;
+        }
     }
-    return q * b.s.x + b.s.y;
+}
+
+// Values 4j..4j+3 of block `b`.
+fn quad(b: Block, j: u32) -> vec4<f32> {
+    let a = affine(b, j);
+    return codes(b, j) * a.x + a.y;
 }
