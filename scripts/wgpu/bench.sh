@@ -10,12 +10,16 @@
 #             the profile, then each kernel of SKIPS left out (FERRITE_WGPU_SKIP: what it
 #             costs unprofiled), then the matrix-vector kernel at each shape of GEMVS
 #             (FERRITE_WGPU_GEMV=R,ROWS)
+#   serve     the agent `full` split served over HTTP at C = 1, 4, 16 (PEER_PROMPTS prompts a
+#             level, default 16, fresh each level, EOS ignored and banned) by llama.cpp's
+#             Vulkan llama-server, then by `ferrite serve --device vulkan`, on that GGUF
 set -uo pipefail
 out=${OUT:-/tmp/ferrite-out}
 mkdir -p "$out" /tmp/ferrite
 # shellcheck disable=SC1091
 source scripts/wgpu/vulkan-env.sh
 xz -dc .device/wgpu.tar.xz | tar -C /tmp/ferrite -xf -
+[ -f .device/llama-server.tar.xz ] && xz -dc .device/llama-server.tar.xz | tar -C /tmp/ferrite -xf -
 bin=/tmp/ferrite/bin
 export LD_LIBRARY_PATH=$bin
 parts=" $* "
@@ -67,4 +71,28 @@ if [[ $parts == *" ablate "* ]]; then
   for g in ${GEMVS:-"2,4 4,8 1,2 2,8 4,16 1,4"}; do
     FERRITE_WGPU_GEMV=$g decode "ablate-gemv-$g"
   done
+fi
+if [[ $parts == *" serve "* ]]; then
+  gguf=/tmp/llama-3.1-8b-q4_0.gguf
+  tok=$(ls /tmp/ferrite/models/*.gguf | head -1)
+  [ -f "$gguf" ] || "$bin/random_gguf" "$tok" scripts/cuda/llama-3.1-8b.json "$gguf" q4_0 > "$out/gguf.log" 2>&1
+  up() { for _ in $(seq 240); do curl -sf "$1/health" >/dev/null 2>&1 && return 0; sleep 0.5; done; return 1; }
+  agent() { # LABEL PORT NAME
+    "$bin/ferrite" bench serve --base-url "http://127.0.0.1:$2/v1" --model-name "$gguf" --tokenizer "$tok" \
+      --dataset agent --preset full --num-prompts "${PEER_PROMPTS:-16}" --fresh-prompts --concurrency 1,4,16 \
+      --ignore-eos --ban-eos --label "$1" --out "$out/$3.json" 2>&1 | grep -v "^\s*$" | tail -12
+  }
+  # Slots for the highest concurrency, each with room for the longest agent prompt + output.
+  "$bin/llama-server" -m "$gguf" -ngl 99 -fa on --parallel 16 -c 262144 --port 8023 \
+    > "$out/llamacpp-serve.log" 2>&1 &
+  pid=$!
+  if up http://127.0.0.1:8023; then agent "llama.cpp server, Vulkan" 8023 serve-llamacpp
+  else tail -5 "$out/llamacpp-serve.log"; fi
+  kill $pid; wait $pid 2>/dev/null
+  "$bin/ferrite" serve "$gguf" --device vulkan --max-model-len 16384 --served-model-name "$gguf" \
+    --port 8021 > "$out/ferrite-serve.log" 2>&1 &
+  pid=$!
+  if up http://127.0.0.1:8021; then agent "ferrite, Vulkan" 8021 serve-ferrite
+  else tail -5 "$out/ferrite-serve.log"; fi
+  kill $pid; wait $pid 2>/dev/null
 fi

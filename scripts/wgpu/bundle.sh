@@ -2,9 +2,9 @@
 # Packs what scripts/wgpu/bench.sh runs on the GPU host (no network there): ferrite (its
 # default build has the wgpu backend), random_gguf, a 1-layer cut of the test model (its
 # tokenizer for random GGUFs) and, when LLAMA_BUILD names a llama.cpp build with
-# -DGGML_VULKAN=ON (scripts/wgpu/llamacpp-build.sh), its llama-bench with
+# -DGGML_VULKAN=ON (scripts/wgpu/llamacpp-build.sh), its llama-bench and llama-server with
 # the OpenMP runtime they link, into .device/wgpu.tar.xz; the Vulkan loader's debs into
-# .gl. Carry ".gl" and ".device".
+# .gl; llama-server into .device/llama-server.tar.xz. Carry ".gl" and the archives a call needs.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -23,6 +23,12 @@ model=$(scripts/fetch-model.sh smollm2)
 target/release/examples/cut_gguf "$model" "$stage/models/smollm2-1l.gguf" 1 q4_0
 mkdir -p .device .gl
 tar -C "$stage" -cf - bin models | xz -6 -T2 > .device/wgpu.tar.xz
+# llama-server apart (the serve part alone needs it): a call carries 64 MiB at most.
+if [ -n "${LLAMA_BUILD:-}" ]; then
+  mkdir -p "$stage/server/bin"
+  strip -o "$stage/server/bin/llama-server" "$LLAMA_BUILD/bin/llama-server"
+  tar -C "$stage/server" -cf - bin | xz -6 -T2 > .device/llama-server.tar.xz
+fi
 # The Vulkan loader and what it loads, for amd64 (the GPU host's image has neither).
 o=(-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=/tmp/amd64-lists)
 mkdir -p /tmp/amd64-lists/partial
