@@ -47,7 +47,7 @@ fn coop_features() -> wgpu::Features {
 }
 
 /// Whether the adapter multiplies 16 x 16 f16 tiles into f32 sums in subgroups of exactly 32
-/// lanes with room for the kernel's 28 KiB of workgroup memory (matmul_coop.wgsl).
+/// lanes with room for the kernel's 24 KiB of workgroup memory (matmul_coop.wgsl).
 fn has_coop(adapter: &wgpu::Adapter) -> bool {
     let info = adapter.get_info();
     let tile = adapter.cooperative_matrix_properties().iter().any(|c| {
@@ -57,7 +57,7 @@ fn has_coop(adapter: &wgpu::Adapter) -> bool {
     });
     tile && adapter.features().contains(coop_features())
         && (info.subgroup_min_size, info.subgroup_max_size) == (32, 32)
-        && adapter.limits().max_compute_workgroup_storage_size >= 28 << 10
+        && adapter.limits().max_compute_workgroup_storage_size >= 24 << 10
 }
 
 impl Gpu {

@@ -231,14 +231,11 @@ pub fn matmul(
             ]
         };
         if !by_vectors(w, p, m, pick) {
-            // Tiles of 128 x 128 on cooperative matrices (x read as vectors), else 64 x 64.
-            let (tiles, size) = match pick {
-                Pick::Coop if !k.matmul_coop.is_empty() && w.cols.is_multiple_of(4) => {
-                    (&k.matmul_coop, 128)
-                }
-                _ => (&k.matmul, 64),
+            let groups = [p.rows.div_ceil(64) as u32, m.div_ceil(64) as u32, 1];
+            let tiles = match pick {
+                Pick::Coop if !k.matmul_coop.is_empty() => &k.matmul_coop,
+                _ => &k.matmul,
             };
-            let groups = [p.rows.div_ceil(size) as u32, m.div_ceil(size) as u32, 1];
             launch(
                 gpu,
                 pass,
