@@ -14,8 +14,12 @@ use crate::memory::{self, MemoryPlan};
 use crate::models::{self, Model};
 pub use crate::start::LoadedEngine;
 use crate::start::{self, Startup};
-use crate::weights::footprint::{cpu_weight_bytes, cpu_weight_label};
+use crate::weights::footprint::{
+    cpu_weight_bytes, cpu_weight_label, gpu_weight_bytes, matrix_dtypes,
+};
+use crate::weights::WeightSource;
 use anyhow::{bail, Result};
+use candle_core::quantized::GgmlDType;
 use std::path::Path;
 
 /// Loads everything on `--device`. `progress(done, total)` follows weight loading.
@@ -111,10 +115,7 @@ pub fn load_cpu_decoder(
     models::load(backend, &src, &mut weights, max_positions, progress)
 }
 
-/// What [`load`] would plan on the CPU, from the checkpoint's header and config alone (no
-/// weights read): weights as the CPU backend keeps them, activations estimated (start-up
-/// measures its step), for `device_bytes` of memory.
-/// What `ferrite plan` states: the memory plan, the model's config and how the CPU backend
+/// What `ferrite plan` states: the memory plan, the model's config and how the backend
 /// keeps its matrices.
 pub struct HeaderPlan {
     pub plan: MemoryPlan,
@@ -122,7 +123,27 @@ pub struct HeaderPlan {
     pub weight_format: String,
 }
 
-pub fn plan_from_header(args: &EngineArgs, device_bytes: u64) -> Result<HeaderPlan> {
+/// How a GPU backend keeps matrices, for plans made from a header.
+pub trait MatrixStore {
+    /// Bytes of a `[rows, cols]` matrix stored as `dtype`.
+    fn bytes(&self, dtype: GgmlDType, rows: usize, cols: usize) -> usize;
+    /// How matrices of these stored types are kept, as `ferrite plan` names it.
+    fn label(&self, dtypes: &[GgmlDType]) -> String;
+}
+
+/// The device a header plan is for: its memory, the most one layer's K/V pages may take (a
+/// GPU's binding limit), and how a GPU keeps matrices (None: the CPU backend in the
+/// engine's weight format).
+pub struct PlanTarget<'a> {
+    pub bytes: u64,
+    pub layer_pages_limit: Option<u64>,
+    pub store: Option<&'a dyn MatrixStore>,
+}
+
+/// What [`load`] (or a GPU's start-up) would plan, from the checkpoint's header and config
+/// alone (no weights read): weights as the backend keeps them, activations estimated
+/// (start-up measures its step), for the target's memory.
+pub fn plan_from_header(args: &EngineArgs, target: &PlanTarget) -> Result<HeaderPlan> {
     if args.world_size() > 1 {
         bail!("planning a model split across ranks is not built yet: start it, its log states each rank's plan");
     }
@@ -131,8 +152,12 @@ pub fn plan_from_header(args: &EngineArgs, device_bytes: u64) -> Result<HeaderPl
     let config = models::config(&src)?;
     let max_model_len = args.max_model_len(&config, pooling.as_ref())?;
     let tokens = args.max_num_batched_tokens.min(max_model_len);
+    let weight_bytes = |w: &WeightSource| match target.store {
+        Some(store) => gpu_weight_bytes(w, &|d, r, c| store.bytes(d, r, c)) as u64,
+        None => cpu_weight_bytes(w, args.weight_format) as u64,
+    };
     let bytes = ModelBytes {
-        weights: cpu_weight_bytes(&weights, args.weight_format) as u64,
+        weights: weight_bytes(&weights),
         activations: memory::activation_estimate(&config, tokens),
         state_per_slot: models::state_bytes(&models::state_layers(&src)?) as u64,
         draft: args
@@ -142,18 +167,22 @@ pub fn plan_from_header(args: &EngineArgs, device_bytes: u64) -> Result<HeaderPl
                 let c = models::config(&src)?;
                 let slots = ferrite_core::kv_layout::KvLayout::new(&c.layer_windows).slots;
                 Ok::<_, anyhow::Error>(crate::memory::DraftShare {
-                    weight_bytes: cpu_weight_bytes(&weights, args.weight_format) as u64,
+                    weight_bytes: weight_bytes(&weights),
                     bytes_per_block: args.kv_block_bytes(&c, slots),
                 })
             })
             .transpose()?,
         kv_slots: None,
-        layer_pages_limit: None,
+        layer_pages_limit: target.layer_pages_limit,
     };
-    let (plan, _) = args.plan(&config, max_model_len, device_bytes, bytes)?;
+    let (plan, _) = args.plan(&config, max_model_len, target.bytes, bytes)?;
+    let weight_format = match target.store {
+        Some(store) => store.label(&matrix_dtypes(&weights)),
+        None => cpu_weight_label(&weights, args.weight_format),
+    };
     Ok(HeaderPlan {
         plan,
         config,
-        weight_format: cpu_weight_label(&weights, args.weight_format),
+        weight_format,
     })
 }

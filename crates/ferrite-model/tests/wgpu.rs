@@ -127,6 +127,28 @@ fn every_family_conforms() {
     }
 }
 
+/// `ferrite plan`'s weights, from the header alone, are what loading on wgpu takes: every
+/// tiny family and SmolLM2.
+#[test]
+fn header_weight_bytes_match_the_loaded_weights() {
+    use ferrite_model::backend::wgpu::start::WgpuMatrices;
+    use ferrite_model::loader::MatrixStore;
+    use ferrite_model::weights::footprint::gpu_weight_bytes;
+    let tiny = common::repo_root().join("tests/oracle/tiny");
+    let mut paths: Vec<_> = std::fs::read_dir(&tiny)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    paths.sort();
+    paths.push(common::fetch_model("smollm2"));
+    for path in &paths {
+        let (src, mut weights) = open_weights(path, LoadFormat::Auto).unwrap();
+        let planned = gpu_weight_bytes(&weights, &|d, r, c| WgpuMatrices.bytes(d, r, c));
+        let model = models::load(backend(), &src, &mut weights, 64, &mut |_, _| {}).unwrap();
+        assert_eq!(planned, model.weight_bytes(), "{}", path.display());
+    }
+}
+
 /// SmolLM2-135M (the Q4_1 GGUF, stored as f16) teacher-forced against transformers: the bar
 /// of the CPU's default path.
 #[test]

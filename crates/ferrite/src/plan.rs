@@ -1,11 +1,12 @@
 //! `ferrite plan`: the memory plan the server would make, from the checkpoint's header and
 //! config alone (no weights read): weights, KV bytes per token per layer group, the KV pool
-//! and how many `max_model_len` requests it holds.
+//! and how many `max_model_len` requests it holds; on the CPU, or on a GPU through wgpu
+//! (the adapter opened and named, with its API, driver and limits).
 
 use crate::args::EngineFlags;
 use anyhow::{bail, Result};
 use clap::Args;
-use ferrite_model::loader::{plan_from_header, DeviceKind, HeaderPlan, LoadFormat};
+use ferrite_model::loader::{plan_from_header, DeviceKind, HeaderPlan, LoadFormat, PlanTarget};
 use ferrite_model::memory::{physical_memory_bytes, MemoryPlan};
 use serde_json::json;
 
@@ -23,20 +24,15 @@ const GIB: f64 = (1u64 << 30) as f64;
 pub fn run(args: PlanArgs) -> Result<()> {
     args.engine.check_dtype()?;
     let engine = args.engine.engine_args();
-    if engine.device != DeviceKind::Cpu {
-        bail!(
-            "ferrite plan sizes the CPU backend; on a GPU the server's start-up line states its \
-             plan (the activation peak is measured there)"
-        );
-    }
     if engine.load_format == LoadFormat::Dummy {
         bail!("ferrite plan reads the checkpoint's header: drop --load-format dummy");
     }
+    let (target, adapter) = target(&engine)?;
     let HeaderPlan {
         plan,
         config,
         weight_format: format,
-    } = plan_from_header(&engine, physical_memory_bytes()?)?;
+    } = plan_from_header(&engine, &target)?;
     // K and V of one token for every KV head of one layer.
     let token_row = 2 * config.num_kv_heads * plan.kv_dtype.head_bytes(config.head_dim);
     let groups: Vec<serde_json::Value> = plan
@@ -62,6 +58,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     if args.json {
         let out = json!({
             "model": engine.model.display().to_string(),
+            "device": adapter,
             "architecture": config.architecture,
             "num_layers": config.num_layers,
             "weight_format": format,
@@ -88,8 +85,37 @@ pub fn run(args: PlanArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
+    if let Some(adapter) = &adapter {
+        println!("device: {adapter}");
+    }
     print_text(&plan, &config, &groups, &format, engine.max_num_seqs);
     Ok(())
+}
+
+/// The device the plan is for: the CPU's memory, or the wgpu adapter `--device` names
+/// (and its description).
+fn target(
+    engine: &ferrite_model::loader::EngineArgs,
+) -> Result<(PlanTarget<'static>, Option<String>)> {
+    match engine.device {
+        DeviceKind::Cpu => Ok((
+            PlanTarget {
+                bytes: physical_memory_bytes()?,
+                layer_pages_limit: None,
+                store: None,
+            },
+            None,
+        )),
+        #[cfg(feature = "wgpu")]
+        DeviceKind::Wgpu(..) => {
+            let (target, adapter) = ferrite_model::backend::wgpu::start::plan_target(engine)?;
+            Ok((target, Some(adapter)))
+        }
+        _ => bail!(
+            "ferrite plan sizes the CPU and wgpu backends; on CUDA the server's start-up line \
+             states its plan (the activation peak is measured there)"
+        ),
+    }
 }
 
 fn print_text(

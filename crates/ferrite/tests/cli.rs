@@ -489,6 +489,54 @@ fn model_file(name: &str) -> String {
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
+/// On a GPU through wgpu (lavapipe here), `ferrite plan` opens the adapter `--device` names,
+/// states it (API, driver, binding limit) and plans the weights as the wgpu backend keeps
+/// them: the line start-up states.
+#[test]
+#[cfg(feature = "wgpu")]
+fn plan_names_the_wgpu_adapter() {
+    let smollm2 = model_file("smollm2");
+    let flags = [
+        "--device",
+        "vulkan",
+        "--kv-cache-memory",
+        "200000000",
+        "--max-num-batched-tokens",
+        "64",
+        "--max-model-len",
+        "1024",
+    ];
+    let plan = [
+        &["plan", &smollm2, "--json", "--max-num-seqs", "1"][..],
+        &flags,
+    ]
+    .concat();
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+        .args(&plan)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let device = v["device"].as_str().unwrap();
+    assert!(
+        device.contains("(Vulkan, ") && device.contains("bindings up to "),
+        "{device}"
+    );
+    assert_eq!(v["weight_format"], "Q4_1, Q8_0 blocks kept");
+    let generate = ["generate", &smollm2, "--prompt", "hi", "--max-tokens", "1"];
+    let (ok, err) = ferrite(&[&generate[..], &flags].concat());
+    assert!(ok, "{err}");
+    let line = err.lines().find(|l| l.contains("KV cache: ")).unwrap();
+    assert_eq!(
+        plan_figures(v["startup_line"].as_str().unwrap()),
+        plan_figures(line)
+    );
+}
+
 /// `ferrite plan` (header only) states the plan start-up makes: one request on SmolLM2
 /// (`generate`, the pool capped at one max_model_len request), Gemma 3's window groups with
 /// `--kv-cache-memory`, and the server at its defaults, where the budget bounds the pool and

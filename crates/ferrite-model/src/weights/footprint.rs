@@ -1,6 +1,6 @@
-//! What a checkpoint's weights take once the CPU backend has loaded them, read from its
-//! header alone (no tensor data): the figure `ferrite plan` states and the start-up line
-//! measures (`Model::weight_bytes`), tested to agree on every family.
+//! What a checkpoint's weights take once a backend has loaded them, read from its header
+//! alone (no tensor data): the figure `ferrite plan` states and the start-up line measures
+//! (`Model::weight_bytes`), tested to agree on every family on the CPU.
 
 use super::WeightSource;
 use crate::backend::cpu::linear::{matrix_bytes, repacks};
@@ -85,8 +85,9 @@ fn raw_bytes(t: &Stored) -> usize {
 
 /// What the CPU backend keeps of one stored tensor.
 enum Kept<'a> {
-    /// Read as stored (the embedding table) or as f32 (routers), not through a linear.
-    Bytes(usize),
+    /// Read as stored (the embedding table) or as f32 (routers), not through a linear on
+    /// the CPU; a GPU backend keeps them as its linears.
+    Bytes(&'a Stored, usize),
     /// A linear's matrix (`copies` of `[rows, cols]` when experts are stacked).
     Matrix(&'a Stored),
 }
@@ -103,9 +104,9 @@ fn kept(tensors: &[Stored]) -> Vec<Kept<'_>> {
         }
         if is_router(&t.name) {
             // GGUF keeps a shared-expert gate as a vector: one row.
-            kept.push(Kept::Bytes(t.dims.iter().product::<usize>() * 4));
+            kept.push(Kept::Bytes(t, t.dims.iter().product::<usize>() * 4));
         } else if is_embedding(&t.name) {
-            kept.push(Kept::Bytes(raw_bytes(t)));
+            kept.push(Kept::Bytes(t, raw_bytes(t)));
         } else if !not_a_matrix(t) {
             kept.push(Kept::Matrix(t));
         }
@@ -121,23 +122,59 @@ fn kept(tensors: &[Stored]) -> Vec<Kept<'_>> {
     kept
 }
 
+/// How a backend keeps a `[rows, cols]` matrix stored as a block type: its bytes.
+pub type MatrixBytes<'a> = &'a dyn Fn(GgmlDType, usize, usize) -> usize;
+
 /// Bytes of `src`'s matrices on the CPU backend in `format` (as `Model::weight_bytes`
 /// counts them: the embedding table as stored, every matrix as its linear keeps it, a tied
 /// LM head once more as a matrix).
 pub fn cpu_weight_bytes(src: &WeightSource, format: WeightFormat) -> usize {
     let format = format.resolve_cpu();
+    weight_bytes(
+        src,
+        &|dtype, rows, cols| matrix_bytes(dtype, rows, cols, format),
+        false,
+    )
+}
+
+/// Bytes of `src`'s matrices on a GPU backend that keeps every one (the embedding table and
+/// routers too) as `matrix` says.
+pub fn gpu_weight_bytes(src: &WeightSource, matrix: MatrixBytes) -> usize {
+    weight_bytes(src, matrix, true)
+}
+
+fn weight_bytes(src: &WeightSource, matrix: MatrixBytes, all_matrices: bool) -> usize {
     let tensors = stored(src);
+    let as_matrix = |t: &Stored| {
+        // A vector (GGUF's shared-expert gate) is one row.
+        let (rows, cols) = match t.dims.len() {
+            1 => (1, t.dims[0]),
+            n => (t.dims[n - 2], t.dims[n - 1]),
+        };
+        let copies: usize = t.dims[..t.dims.len().saturating_sub(2)].iter().product();
+        copies * matrix(t.dtype, rows, cols)
+    };
     kept(&tensors)
         .iter()
         .map(|k| match k {
-            Kept::Bytes(n) => *n,
-            Kept::Matrix(t) => {
-                let (rows, cols) = (t.dims[t.dims.len() - 2], t.dims[t.dims.len() - 1]);
-                let copies: usize = t.dims[..t.dims.len() - 2].iter().product();
-                copies * matrix_bytes(t.dtype, rows, cols, format)
-            }
+            Kept::Bytes(t, _) if all_matrices => as_matrix(t),
+            Kept::Bytes(_, n) => *n,
+            Kept::Matrix(t) => as_matrix(t),
         })
         .sum()
+}
+
+/// The block types of `src`'s matrices, in order of first appearance (safetensors' as F32).
+pub fn matrix_dtypes(src: &WeightSource) -> Vec<GgmlDType> {
+    let tensors = stored(src);
+    let mut dtypes = Vec::new();
+    for k in kept(&tensors) {
+        let (Kept::Matrix(t) | Kept::Bytes(t, _)) = k;
+        if !dtypes.contains(&t.dtype) {
+            dtypes.push(t.dtype);
+        }
+    }
+    dtypes
 }
 
 /// How the CPU backend keeps `src`'s matrices in `format`, as `ferrite plan` names it:

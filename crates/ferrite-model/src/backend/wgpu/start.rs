@@ -1,10 +1,12 @@
 //! Start-up on a GPU through wgpu: the adapter `--device` names, its memory, a step's
-//! activations as the backend counts them.
+//! activations as the backend counts them; and what `ferrite plan` needs of it.
 
+use super::blocks::Format;
 use super::device::Gpu;
 use super::linear::Pick;
 use super::WgpuBackend;
 use crate::engine_args::EngineArgs;
+use crate::loader::{MatrixStore, PlanTarget};
 use crate::models::Model;
 use crate::parallel::Group;
 use crate::pooling::Pooling;
@@ -13,6 +15,7 @@ use crate::start::Startup;
 use crate::step::{PackedStep, StepModel};
 use crate::weights::WeightSource;
 use anyhow::{bail, Result};
+use candle_core::quantized::GgmlDType;
 use std::sync::Arc;
 
 pub struct WgpuStart {
@@ -83,4 +86,47 @@ impl Startup for WgpuStart {
             .activation_bytes()
             .saturating_sub(before))
     }
+}
+
+/// How the wgpu backend keeps matrices: GGUF blocks the kernels read kept as they are (with
+/// a scale word of their own), everything else as f16.
+pub struct WgpuMatrices;
+
+impl MatrixStore for WgpuMatrices {
+    fn bytes(&self, dtype: GgmlDType, rows: usize, cols: usize) -> usize {
+        4 * rows * Format::of(dtype).row_words(cols)
+    }
+
+    fn label(&self, dtypes: &[GgmlDType]) -> String {
+        let mut kept: Vec<String> = Vec::new();
+        let mut f16 = false;
+        for &d in dtypes {
+            match Format::of(d) {
+                Format::F16 => f16 = true,
+                _ => {
+                    // GGUF's spelling of the block type (candle's `Q4K` is `Q4_K`).
+                    let name = format!("{d:?}").replace('K', "_K");
+                    if !kept.contains(&name) {
+                        kept.push(name);
+                    }
+                }
+            }
+        }
+        match (kept.is_empty(), f16) {
+            (true, _) => "f16".into(),
+            (false, false) => format!("{} blocks kept", kept.join(", ")),
+            (false, true) => format!("{} blocks kept, the rest f16", kept.join(", ")),
+        }
+    }
+}
+
+/// What `ferrite plan` needs of the adapter `--device` names, and its description.
+pub fn plan_target(args: &EngineArgs) -> Result<(PlanTarget<'static>, String)> {
+    let start = WgpuStart::open(args, None)?;
+    let target = PlanTarget {
+        bytes: start.memory_bytes(),
+        layer_pages_limit: start.layer_pages_limit(),
+        store: Some(&WgpuMatrices),
+    };
+    Ok((target, start.gpu.describe()))
 }
