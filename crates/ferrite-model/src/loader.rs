@@ -15,11 +15,10 @@ use crate::models::{self, Model};
 pub use crate::start::LoadedEngine;
 use crate::start::{self, Startup};
 use crate::weights::footprint::{
-    cpu_weight_bytes, cpu_weight_label, gpu_weight_bytes, matrix_dtypes,
+    cpu_weight_bytes, cpu_weight_label, gpu_weight_bytes, matrix_dtypes, PlanTarget,
 };
 use crate::weights::WeightSource;
 use anyhow::{bail, Result};
-use candle_core::quantized::GgmlDType;
 use std::path::Path;
 
 /// Loads everything on `--device`. `progress(done, total)` follows weight loading.
@@ -121,23 +120,6 @@ pub struct HeaderPlan {
     pub plan: MemoryPlan,
     pub config: ModelConfig,
     pub weight_format: String,
-}
-
-/// How a GPU backend keeps matrices, for plans made from a header.
-pub trait MatrixStore {
-    /// Bytes of a `[rows, cols]` matrix stored as `dtype`.
-    fn bytes(&self, dtype: GgmlDType, rows: usize, cols: usize) -> usize;
-    /// How matrices of these stored types are kept, as `ferrite plan` names it.
-    fn label(&self, dtypes: &[GgmlDType]) -> String;
-}
-
-/// The device a header plan is for: its memory, the most one layer's K/V pages may take (a
-/// GPU's binding limit), and how a GPU keeps matrices (None: the CPU backend in the
-/// engine's weight format).
-pub struct PlanTarget<'a> {
-    pub bytes: u64,
-    pub layer_pages_limit: Option<u64>,
-    pub store: Option<&'a dyn MatrixStore>,
 }
 
 /// What [`load`] (or a GPU's start-up) would plan, from the checkpoint's header and config

@@ -132,8 +132,7 @@ fn every_family_conforms() {
 #[test]
 fn header_weight_bytes_match_the_loaded_weights() {
     use ferrite_model::backend::wgpu::start::WgpuMatrices;
-    use ferrite_model::loader::MatrixStore;
-    use ferrite_model::weights::footprint::gpu_weight_bytes;
+    use ferrite_model::weights::footprint::{gpu_weight_bytes, MatrixStore};
     let tiny = common::repo_root().join("tests/oracle/tiny");
     let mut paths: Vec<_> = std::fs::read_dir(&tiny)
         .unwrap()

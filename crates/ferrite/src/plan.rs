@@ -6,8 +6,9 @@
 use crate::args::EngineFlags;
 use anyhow::{bail, Result};
 use clap::Args;
-use ferrite_model::loader::{plan_from_header, DeviceKind, HeaderPlan, LoadFormat, PlanTarget};
+use ferrite_model::loader::{plan_from_header, DeviceKind, HeaderPlan, LoadFormat};
 use ferrite_model::memory::{physical_memory_bytes, MemoryPlan};
+use ferrite_model::weights::footprint::PlanTarget;
 use serde_json::json;
 
 #[derive(Args, Debug)]

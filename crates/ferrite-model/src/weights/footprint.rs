@@ -1,6 +1,7 @@
 //! What a checkpoint's weights take once a backend has loaded them, read from its header
 //! alone (no tensor data): the figure `ferrite plan` states and the start-up line measures
-//! (`Model::weight_bytes`), tested to agree on every family on the CPU.
+//! (`Model::weight_bytes`), tested to agree on every family (CPU and wgpu); and the device
+//! a header plan is for.
 
 use super::WeightSource;
 use crate::backend::cpu::linear::{matrix_bytes, repacks};
@@ -120,6 +121,23 @@ fn kept(tensors: &[Stored]) -> Vec<Kept<'_>> {
         );
     }
     kept
+}
+
+/// How a GPU backend keeps matrices, for plans made from a header.
+pub trait MatrixStore {
+    /// Bytes of a `[rows, cols]` matrix stored as `dtype`.
+    fn bytes(&self, dtype: GgmlDType, rows: usize, cols: usize) -> usize;
+    /// How matrices of these stored types are kept, as `ferrite plan` names it.
+    fn label(&self, dtypes: &[GgmlDType]) -> String;
+}
+
+/// The device a header plan is for: its memory, the most one layer's K/V pages may take (a
+/// GPU's binding limit), and how a GPU keeps matrices (None: the CPU backend in the
+/// engine's weight format).
+pub struct PlanTarget<'a> {
+    pub bytes: u64,
+    pub layer_pages_limit: Option<u64>,
+    pub store: Option<&'a dyn MatrixStore>,
 }
 
 /// How a backend keeps a `[rows, cols]` matrix stored as a block type: its bytes.
