@@ -479,6 +479,20 @@ fn plan_figures(line: &str) -> (usize, String, String) {
     )
 }
 
+/// `ferrite ARGS` for a command that prints JSON (`plan --json`): its output, parsed.
+fn json_of(args: &[&str]) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 fn model_file(name: &str) -> String {
     let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let out = Command::new("bash")
@@ -511,16 +525,7 @@ fn plan_names_the_wgpu_adapter() {
         &flags,
     ]
     .concat();
-    let out = Command::new(env!("CARGO_BIN_EXE_ferrite"))
-        .args(&plan)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = json_of(&plan);
     let device = v["device"].as_str().unwrap();
     assert!(
         device.contains("(Vulkan, ") && device.contains("bindings up to "),
@@ -547,16 +552,7 @@ fn plan_states_what_start_up_makes() {
     let plan_json = |model: &str, extra: &[&str]| {
         let mut args = vec!["plan", model, "--json"];
         args.extend_from_slice(extra);
-        let out = Command::new(env!("CARGO_BIN_EXE_ferrite"))
-            .args(&args)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+        json_of(&args)
     };
     let plan = |model: &str, extra: &[&str]| {
         plan_figures(plan_json(model, extra)["startup_line"].as_str().unwrap())
@@ -606,26 +602,17 @@ fn plan_states_what_start_up_makes() {
     let spec = format!(
         r#"{{"method": "draft_model", "model": "{smollm2}", "num_speculative_tokens": 3}}"#
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_ferrite"))
-        .args([
-            "plan",
-            &smollm2,
-            "--json",
-            kv[0],
-            kv[1],
-            "--speculative-config",
-            &spec,
-            "--max-model-len",
-            "2048",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = json_of(&[
+        "plan",
+        &smollm2,
+        "--json",
+        kv[0],
+        kv[1],
+        "--speculative-config",
+        &spec,
+        "--max-model-len",
+        "2048",
+    ]);
     let line = v["startup_line"].as_str().unwrap();
     let draft = &v["draft_model"];
     assert_eq!(
